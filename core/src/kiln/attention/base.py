@@ -1,0 +1,117 @@
+"""The ``AttentionBackend`` interface and the backend-neutral batch layout.
+
+Every step the model runner flattens the scheduled requests into one token
+stream (decodes first, then prefills and prefill chunks) and describes it with a
+``BatchLayout``; each backend turns that into its own metadata once per step and
+then serves every layer.
+
+    tokens:          | d0 | d1 | p0 p0 p0 p0 | p1 p1 |
+    query_start_loc:  0    1    2             6       8
+    seq_lens:         7    3    4             9        (KV length after this step)
+    context_lens:     6    2    0             7        (already in the cache)
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kiln.platforms.base import LazyRef
+
+
+@dataclass(slots=True)
+class BatchLayout:
+    query_start_loc: torch.Tensor  # (num_reqs + 1,) int32
+    seq_lens: torch.Tensor  # (num_reqs,) int32: tokens in the KV cache after this step
+    context_lens: torch.Tensor  # (num_reqs,) int32: tokens already cached before this step
+    block_table: torch.Tensor  # (num_reqs, max_blocks_per_req) int32, padded with 0
+    slot_mapping: torch.Tensor  # (num_tokens,) int64; -1 marks padding tokens
+    num_decode_reqs: int  # the first num_decode_reqs requests have exactly one query token
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+    # Host copies, so backends can loop or size buffers without device syncs.
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionBackendSpec:
+    name: str
+    factory: LazyRef
+    platforms: tuple[str, ...]  # Platform.name values it runs on
+
+
+class AttentionBackend(ABC):
+    """Writes a step's K/V into the paged cache and computes attention for a mixed batch.
+
+    Contract (checked by ``kiln.testing.contracts``):
+      * ``forward`` writes the K/V of *all* tokens of the step before reading any,
+        so a request may attend to blocks another request fills in the same step
+        (prefix-cache hits on blocks still being computed).
+      * Query token j of request i sits at position ``context_lens[i] + j`` and sees
+        keys at positions ``<= context_lens[i] + j`` (causal).
+      * Padding tokens (slot -1) are neither written nor attended from.
+    """
+
+    name: ClassVar[str]
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+
+    @classmethod
+    def supports(cls, *, head_dim: int, dtype: torch.dtype, block_size: int) -> bool:
+        """Whether this backend can run the given shape (the engine falls back otherwise)."""
+        return True
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """Shape of one layer's cache; the default is (2, blocks, block_size, kv_heads, head_dim)."""
+        return (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
+
+    def build_metadata(self, layout: BatchLayout) -> object:
+        """Backend-private metadata built once per step and passed to every layer."""
+        return layout
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # (num_tokens, num_heads, head_dim)
+        k: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: object,
+        *,
+        layer_idx: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """Return the attention output, shaped like ``q``."""
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter new K/V rows into a (2, blocks, block_size, heads, dim) cache; slot -1 is skipped."""
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+    flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])
+    flat[0].index_copy_(0, slot_mapping, k)
+    flat[1].index_copy_(0, slot_mapping, v)
+
+
+def gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Contiguous (length, heads, dim) K and V of one request from its blocks."""
+    kv = kv_cache[:, block_ids].flatten(1, 2)[:, :length]
+    return kv[0], kv[1]

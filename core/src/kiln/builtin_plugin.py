@@ -1,0 +1,19 @@
+"""Kiln's own defaults, registered through the same hooks as any plugin."""
+
+from __future__ import annotations
+
+from kiln.attention.base import AttentionBackendSpec
+from kiln.hookspecs import hookimpl
+
+LLAMA = "kiln.models.llama:LlamaForCausalLM"
+
+
+@hookimpl
+def register_attention_backends(register):
+    register(AttentionBackendSpec("torch_ref", "kiln.attention.torch_ref:TorchRefAttentionBackend", ("*",)))
+
+
+@hookimpl
+def register_models(register):
+    for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        register(arch, LLAMA)

@@ -1,0 +1,122 @@
+"""The ``kiln`` command line: ``kiln generate``, ``kiln plugins``, and plugin-added commands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import types
+import typing
+from typing import Any
+
+from kiln.config import EngineConfig
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One ``--flag`` per ``EngineConfig`` field, with its type, choices and default."""
+    group = parser.add_argument_group("engine")
+    for name, field in EngineConfig.model_fields.items():
+        if name == "model":
+            continue
+        flag = "--" + name.replace("_", "-")
+        kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS}
+        ann = field.annotation
+        args = [a for a in typing.get_args(ann) if a is not type(None)]
+        help_text = field.description or ""
+        if ann is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(ann) is typing.Literal or (args and typing.get_origin(args[0]) is typing.Literal):
+            literal = ann if typing.get_origin(ann) is typing.Literal else args[0]
+            kwargs["choices"] = list(typing.get_args(literal))
+        else:
+            base = args[0] if typing.get_origin(ann) in (typing.Union, types.UnionType) else ann
+            kwargs["type"] = base if base in (int, float) else str
+        kwargs["help"] = f"{help_text} (default: {field.default})".strip()
+        group.add_argument(flag, **kwargs)
+
+
+def engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
+    return {k: getattr(ns, k) for k in EngineConfig.model_fields if k != "model" and hasattr(ns, k)}
+
+
+def cmd_plugins(ns: argparse.Namespace) -> int:
+    from kiln.plugins import get_plugin_manager
+
+    reg = get_plugin_manager().registry
+    rows = [
+        {
+            "name": info.name,
+            "distribution": info.distribution,
+            "version": info.version,
+            "registered": info.registered,
+        }
+        for info in reg.plugins.values()
+    ]
+    if ns.json:
+        print(json.dumps({"plugins": rows, "errors": reg.errors}, indent=2))
+        return 0
+    for row in rows:
+        print(f"{row['name']}  ({row['distribution']} {row['version']})")
+        for kind, names in row["registered"].items():
+            print(f"    {kind}: {', '.join(names)}")
+    for name, err in reg.errors.items():
+        print(f"{name}  FAILED TO LOAD: {err}")
+    return 0
+
+
+def cmd_generate(ns: argparse.Namespace) -> int:
+    from kiln import LLM, SamplingParams
+
+    llm = LLM(ns.model, **engine_kwargs(ns))
+    params = SamplingParams(
+        max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, seed=ns.seed_sampling
+    )
+    if ns.chat:
+        out = llm.chat([{"role": "user", "content": ns.prompt}], params)[0]
+    else:
+        out = llm.generate(ns.prompt, params)[0]
+    print(out.outputs[0].text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from kiln.plugins import get_plugin_manager
+
+    parser = argparse.ArgumentParser(prog="kiln", description="Kiln LLM serving engine")
+    parser.add_argument("--log-level", default="WARNING", help="python logging level (default: WARNING)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("plugins", help="list installed plugins, their versions and what each registered")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_plugins)
+
+    g = sub.add_parser("generate", help="generate a completion offline and print it")
+    g.add_argument("prompt")
+    g.add_argument("--model", default=None, help="HF folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--sampling-seed", dest="seed_sampling", type=int, default=None)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    add_engine_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    get_plugin_manager().register_commands(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return ns.func(ns) or 0
+    except ValueError as exc:
+        print(f"kiln: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""The engine configuration: one typed object holding every engine flag.
+
+Defaults follow vLLM (seed 003), whose flags the server mirrors; ``kv_cache_ratio``
+comes from seed 000. Values the model or platform decide (``max_model_len``,
+``block_size``, ``max_num_batched_tokens``, the resolved dtype) stay ``None``
+until ``LLMEngine`` resolves them.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
+
+
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+    model: str | None = Field(None, description="HF folder, .gguf file, or None for the embedded default")
+    tokenizer: str | None = Field(None, description="tokenizer folder; defaults to the model's")
+    dtype: Literal["auto", "half", "float16", "bfloat16", "float", "float32"] = "auto"
+    max_model_len: int | None = Field(None, ge=1)
+    block_size: int | None = Field(None, description="tokens per KV-cache block; the platform's default if unset")
+    max_num_seqs: int = Field(256, ge=1)
+    max_num_batched_tokens: int | None = Field(None, ge=1)
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
+    num_gpu_blocks_override: int | None = Field(None, ge=1)
+    kv_cache_ratio: float = Field(0.75, gt=0.0, le=1.0)
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    seed: int = 0
+    enforce_eager: bool = False
+    max_seq_len_to_capture: int = Field(8192, ge=1)
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    preemption_mode: Literal["recompute"] | None = None
+    load_format: Literal["auto", "safetensors", "gguf", "dummy"] = "auto"
+    generation_config: str | None = Field("auto", description="'auto' (the model's), 'vllm' (none) or a folder")
+    max_logprobs: int = Field(20, ge=0)
+    device: str = "auto"
+    tensor_parallel_size: int = Field(1, ge=1)
+    trust_remote_code: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> EngineConfig:
+        if self.block_size is not None and (self.block_size < 1 or self.block_size & (self.block_size - 1)):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size > 1 is not supported by this build (single device only)")
+        return self
+
+    @classmethod
+    def create(cls, **kwargs: object) -> EngineConfig:
+        """Build a config; a bad value raises ``ValueError`` naming the flag (``--block-size: ...``)."""
+        try:
+            return cls(**kwargs)
+        except ValidationError as exc:
+            raise ValueError(format_validation_error(exc)) from None
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        loc = [str(p) for p in err["loc"] if p != "__root__"]
+        flag = "--" + loc[0].replace("_", "-") if loc else "config"
+        msg = err["msg"].removeprefix("Value error, ")
+        parts.append(f"{flag}: {msg} (got {err.get('input')!r})" if loc else msg)
+    return "; ".join(parts)

@@ -1,0 +1,1 @@
+"""The engine: requests flow Scheduler -> KVCacheManager -> ModelRunner -> Sampler -> Detokenizer."""

@@ -1,0 +1,70 @@
+"""Incremental detokenization and stop strings.
+
+Text grows by ``tokenizers``' ``DecodeStream`` (which holds back incomplete UTF-8
+byte sequences), seeded with the tail of the prompt so the first output token
+keeps its leading space. With ``skip_special_tokens=False``, special tokens are
+spliced in whole, separated by spaces when ``spaces_between_special_tokens``.
+"""
+
+from __future__ import annotations
+
+from tokenizers.decoders import DecodeStream
+
+from kiln.sampling_params import SamplingParams
+
+PROMPT_CONTEXT_TOKENS = 6
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.backend = tokenizer.backend_tokenizer
+        self.special_ids = set(tokenizer.all_special_ids) | {
+            i for i, t in tokenizer.added_tokens_decoder.items() if t.special
+        }
+        self.skip_special = params.skip_special_tokens
+        self.spaces = params.spaces_between_special_tokens and not params.skip_special_tokens
+        self.convert = tokenizer.convert_ids_to_tokens
+        context = [t for t in prompt_token_ids[-PROMPT_CONTEXT_TOKENS:] if t not in self.special_ids]
+        self.stream = DecodeStream(ids=context, skip_special_tokens=self.skip_special)
+        self.stop = params.stop
+        self.include_stop = params.include_stop_str_in_output
+        self.max_stop_len = max((len(s) for s in self.stop), default=0)
+        self.text = ""
+        self._after_special = False
+
+    def update(self, token_ids: list[int]) -> str | None:
+        """Append tokens; return the stop string if one now appears (the text is cut there)."""
+        start = len(self.text)
+        for tid in token_ids:
+            if tid in self.special_ids:
+                if not self.skip_special:
+                    sep = " " if self.spaces and self.text else ""
+                    self.text += sep + self.convert(tid)
+                    self._after_special = True
+                continue
+            chunk = self.stream.step(self.backend, tid)
+            if chunk:
+                if self._after_special and self.spaces and not chunk.startswith(" "):
+                    chunk = " " + chunk
+                self.text += chunk
+                self._after_special = False
+        return self._check_stop(start) if self.stop else None
+
+    def _check_stop(self, new_from: int) -> str | None:
+        search_from = max(0, new_from - self.max_stop_len + 1)
+        best: tuple[int, str] | None = None
+        for s in self.stop:
+            idx = self.text.find(s, search_from)
+            if idx >= 0 and (best is None or idx < best[0]):
+                best = (idx, s)
+        if best is None:
+            return None
+        idx, s = best
+        self.text = self.text[: idx + len(s)] if self.include_stop else self.text[:idx]
+        return s
+
+    def visible_text(self, finished: bool) -> str:
+        """Text safe to show now: while running, hold back what could start a stop string."""
+        if finished or self.include_stop or not self.max_stop_len:
+            return self.text
+        return self.text[: max(0, len(self.text) - self.max_stop_len + 1)]

@@ -1,0 +1,172 @@
+"""Paged KV-cache bookkeeping: ref-counted blocks, prefix caching, LRU eviction.
+
+No tensors live here: blocks are ids into the per-layer cache tensors owned by
+the model runner.
+
+Prefix caching: each *full* block gets a hash chained on its parent's,
+``hash((parent, tokens, salt))``. A freed block keeps its hash and sits in the
+free queue (least recently freed first) until it is handed out again; only then
+is it evicted from the hash table (lazy eviction), so a later request with the
+same prefix can revive it. A hit is verified against the stored tokens, because
+Python's 64-bit tuple hash may collide.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from kiln.engine.request import Request
+
+_ROOT_HASH = hash("kiln-prefix-cache-v1")
+
+
+@dataclass(eq=False, slots=True)
+class Block:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: int | None = None
+    token_ids: tuple[int, ...] = field(default=())
+
+
+class BlockPool:
+    """All blocks, the free queue (O(1) LRU by ``OrderedDict``) and the hash table.
+
+    Block 0 is the null block: never handed out, used to pad block tables.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"the KV cache needs at least 2 blocks, got {num_blocks}")
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks[1:])
+        self.cached: dict[int, Block] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_queue)
+
+    def get_new_blocks(self, n: int) -> list[Block]:
+        if n > self.num_free:
+            raise RuntimeError(f"asked for {n} blocks with {self.num_free} free")
+        out = []
+        for _ in range(n):
+            _, block = self.free_queue.popitem(last=False)
+            if block.block_hash is not None:  # lazy eviction of a cached free block
+                if self.cached.get(block.block_hash) is block:
+                    del self.cached[block.block_hash]
+                block.block_hash, block.token_ids = None, ()
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: list[Block]) -> None:
+        """Take a reference on cache hits, reviving free ones."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self.free_queue[block.block_id]
+            block.ref_cnt += 1
+
+    def free(self, blocks: list[Block]) -> None:
+        # Tail blocks first, so the ends of sequences are evicted before shared prefixes.
+        for block in reversed(blocks):
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue[block.block_id] = block
+
+    def lookup(self, block_hash: int, token_ids: tuple[int, ...]) -> Block | None:
+        block = self.cached.get(block_hash)
+        return block if block is not None and block.token_ids == token_ids else None
+
+    def cache(self, block: Block, block_hash: int, token_ids: tuple[int, ...]) -> None:
+        block.block_hash, block.token_ids = block_hash, token_ids
+        self.cached.setdefault(block_hash, block)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        self.pool = BlockPool(num_blocks)
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.num_blocks = num_blocks
+        self.prefix_queries = 0  # prompt tokens looked up
+        self.prefix_hits = 0  # of which found cached
+
+    def _caches(self, req: Request) -> bool:
+        # Without prefix caching, sequences fanned out from one prompt (n > 1) still share.
+        return self.enable_prefix_caching or req.cache_salt is not None
+
+    def _hash_full_blocks(self, req: Request, upto_tokens: int) -> list[int]:
+        """Extend ``req.block_hashes`` to cover every full block within ``upto_tokens``."""
+        bs = self.block_size
+        hashes = req.block_hashes
+        parent = hashes[-1] if hashes else _ROOT_HASH
+        for i in range(len(hashes), upto_tokens // bs):
+            parent = hash((parent, tuple(req.all_token_ids[i * bs : (i + 1) * bs]), req.cache_salt))
+            hashes.append(parent)
+        return hashes
+
+    def get_computed_blocks(self, req: Request) -> tuple[list[Block], int]:
+        """Cached blocks for the longest known prefix, and how many tokens they hold.
+
+        At most ``num_tokens - 1`` tokens: the last one must be computed to get logits.
+        """
+        if not self._caches(req) or req.sampling_params.prompt_logprobs is not None:
+            return [], 0  # prompt logprobs need every prompt position computed
+        bs = self.block_size
+        hashes = self._hash_full_blocks(req, req.num_tokens - 1)
+        hits: list[Block] = []
+        for i, h in enumerate(hashes[: (req.num_tokens - 1) // bs]):
+            block = self.pool.lookup(h, tuple(req.all_token_ids[i * bs : (i + 1) * bs]))
+            if block is None:
+                break
+            hits.append(block)
+        self.prefix_queries += req.num_tokens
+        self.prefix_hits += len(hits) * bs
+        return hits, len(hits) * bs
+
+    def can_fit(self, req: Request, num_new_tokens: int, computed: list[Block] = ()) -> int | None:
+        """Free blocks left after such an allocation, or None if it does not fit."""
+        total = req.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
+        need = -(-total // self.block_size) - len(req.blocks) - len(computed)
+        revived = sum(1 for b in computed if b.ref_cnt == 0)
+        left = self.pool.num_free - revived - max(need, 0)
+        return left if left >= 0 else None
+
+    def allocate_slots(self, req: Request, num_new_tokens: int, computed: list[Block] = ()) -> bool:
+        """Give ``req`` blocks for ``num_new_tokens`` more tokens (after ``computed`` hits).
+
+        Returns False, changing nothing, if the free blocks do not suffice: the
+        caller then preempts someone or waits.
+        """
+        if self.can_fit(req, num_new_tokens, computed) is None:
+            return False
+        self.pool.touch(list(computed))
+        req.blocks.extend(computed)
+        total = req.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
+        need = -(-total // self.block_size) - len(req.blocks)
+        if need > 0:
+            req.blocks.extend(self.pool.get_new_blocks(need))
+        if self._caches(req):
+            self._cache_full_blocks(req, total)
+        return True
+
+    def _cache_full_blocks(self, req: Request, num_tokens: int) -> None:
+        # Tokens are known at scheduling time, so blocks are published as soon as they
+        # are allocated: a request scheduled later in the same step may hit them, which
+        # is safe because backends write a step's K/V before reading any.
+        bs = self.block_size
+        hashes = self._hash_full_blocks(req, num_tokens)
+        for i in range(num_tokens // bs):
+            block = req.blocks[i]
+            if block.block_hash is None:
+                self.pool.cache(block, hashes[i], tuple(req.all_token_ids[i * bs : (i + 1) * bs]))
+
+    def free(self, req: Request) -> None:
+        self.pool.free(req.blocks)
+        req.blocks = []
+
+    @property
+    def usage(self) -> float:
+        """Fraction of usable blocks in use (cached free blocks count as free)."""
+        return 1.0 - self.pool.num_free / (self.num_blocks - 1)

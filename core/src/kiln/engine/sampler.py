@@ -1,0 +1,153 @@
+"""Turns a batch of logits into tokens, vectorised over the batch.
+
+Pipeline, per step (rows are requests that sample this step):
+
+  1. raw log-probs (for ``logprobs`` / ``best_of`` ranking), before any processing
+  2. logits masks: guided decoding and other masks registered on the sampler
+  3. logit_bias, allowed_token_ids, bad_words, min_tokens (ban EOS / stop ids)
+  4. repetition (prompt + output), presence and frequency (output) penalties
+  5. greedy rows: argmax
+  6. other rows: temperature, top_k, top_p, min_p, then one exponential race
+     ``argmax(p / q)``, q ~ Exp(1), drawn from the request's own generator when it
+     has a seed: the same seed gives the same tokens whatever else is batched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kiln.engine.request import Request
+
+# A mask sets disallowed logits to -inf in place for the given rows (guided decoding).
+LogitsMask = Callable[[torch.Tensor, Sequence[Request]], None]
+
+
+@dataclass(slots=True)
+class TopLogprobs:
+    """One position: the chosen token's logprob and rank, then the top-k (ids, logprobs)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TopLogprobs | None]
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self.masks: list[LogitsMask] = []
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, reqs: Sequence[Request]) -> SamplerOutput:
+        params = [r.sampling_params for r in reqs]
+        want_lp = [i for i, p in enumerate(params) if p.logprobs is not None or p.best_of > 1]
+        raw = logits[want_lp].log_softmax(-1) if want_lp else None
+
+        for mask in self.masks:
+            mask(logits, reqs)
+        _apply_token_rules(logits, reqs)
+        _apply_penalties(logits, reqs)
+
+        tokens = logits.argmax(-1)
+        sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if sampled_rows:
+            idx = torch.tensor(sampled_rows)
+            tokens[idx] = self._sample(logits[idx], [reqs[i] for i in sampled_rows])
+        token_list = tokens.tolist()
+
+        out_lp: list[TopLogprobs | None] = [None] * len(reqs)
+        if raw is not None:
+            for row, i in enumerate(want_lp):
+                out_lp[i] = top_logprobs(raw[row], token_list[i], params[i].logprobs or 0)
+        return SamplerOutput(token_list, out_lp)
+
+    def _sample(self, logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
+        params = [r.sampling_params for r in reqs]
+        logits = logits / torch.tensor([p.temperature for p in params]).unsqueeze(1)
+        top_k = [p.top_k for p in params]
+        if any(top_k):
+            k = torch.tensor([k or logits.shape[1] for k in top_k]).clamp(max=logits.shape[1])
+            kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1).unsqueeze(1))
+            logits.masked_fill_(logits < kth, float("-inf"))
+        probs = logits.softmax(-1)
+        top_p = [p.top_p for p in params]
+        if any(p < 1.0 for p in top_p):
+            sorted_p, order = probs.sort(dim=-1, descending=True)
+            # Drop a token when the mass strictly before it already reaches top_p.
+            drop = (sorted_p.cumsum(-1) - sorted_p) >= torch.tensor(top_p).unsqueeze(1)
+            probs.scatter_(1, order, sorted_p.masked_fill(drop, 0.0))
+        min_p = [p.min_p for p in params]
+        if any(min_p):
+            floor = probs.max(-1, keepdim=True).values * torch.tensor(min_p).unsqueeze(1)
+            probs.masked_fill_(probs < floor, 0.0)
+        q = torch.empty_like(probs).exponential_(generator=self.generator)
+        for row, req in enumerate(reqs):
+            if req.generator is not None:
+                q[row].exponential_(generator=req.generator)
+        return (probs / q).argmax(-1)
+
+
+def _apply_token_rules(logits: torch.Tensor, reqs: Sequence[Request]) -> None:
+    neg_inf = float("-inf")
+    for row, req in enumerate(reqs):
+        p = req.sampling_params
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias.keys()))
+            logits[row].index_add_(0, ids, torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype))
+        if p.allowed_token_ids is not None:
+            keep = logits[row, p.allowed_token_ids].clone()
+            logits[row].fill_(neg_inf)
+            logits[row, p.allowed_token_ids] = keep
+        for word in p._bad_words_token_ids:
+            prefix = word[:-1]
+            if not prefix or req.output_token_ids[-len(prefix) :] == prefix:
+                logits[row, word[-1]] = neg_inf
+        if req.num_output_tokens < p.min_tokens:
+            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(req.eos_token_ids))
+            if banned:
+                logits[row, banned] = neg_inf
+
+
+def _apply_penalties(logits: torch.Tensor, reqs: Sequence[Request]) -> None:
+    rows = [
+        i
+        for i, r in enumerate(reqs)
+        if r.sampling_params.repetition_penalty != 1.0
+        or r.sampling_params.presence_penalty
+        or r.sampling_params.frequency_penalty
+    ]
+    if not rows:
+        return
+    vocab = logits.shape[1]
+    for i in rows:
+        p, req = reqs[i].sampling_params, reqs[i]
+        row = logits[i]
+        if p.repetition_penalty != 1.0:
+            seen = torch.zeros(vocab, dtype=torch.bool)
+            seen[torch.tensor(req.all_token_ids)] = True
+            scaled = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+            row.copy_(torch.where(seen, scaled, row))
+        if req.output_token_ids and (p.presence_penalty or p.frequency_penalty):
+            counts = torch.bincount(torch.tensor(req.output_token_ids), minlength=vocab).to(row.dtype)
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+
+
+def top_logprobs(logprobs: torch.Tensor, token_id: int, k: int) -> TopLogprobs:
+    """The chosen token's logprob and 1-based rank, and the k most likely tokens."""
+    chosen = logprobs[token_id]
+    rank = int((logprobs > chosen).sum()) + 1
+    if k:
+        values, ids = logprobs.topk(k)
+        top_ids, top_lps = ids.tolist(), values.tolist()
+    else:
+        top_ids, top_lps = [], []
+    return TopLogprobs(token_id, float(chosen), rank, top_ids, top_lps)

@@ -1,0 +1,152 @@
+"""Continuous batching under a per-step token budget.
+
+Each step, ``schedule()`` decides ``{request: num_tokens}`` so that every
+request's ``num_computed_tokens`` moves towards its ``num_tokens``:
+
+  1. Running requests first (decodes and unfinished prefill chunks), in order.
+     If blocks run out, the lowest-priority running request is preempted by
+     recompute (its blocks are freed, it goes back to the front of the queue and
+     later re-prefills prompt + outputs, so its text is unchanged).
+  2. Then waiting requests, by policy (fcfs: arrival; priority: lower value
+     first, then arrival), while the budget, ``max_num_seqs`` and the free blocks
+     allow. Prefix-cache hits are taken first; with chunked prefill a prompt may
+     take whatever budget is left, otherwise it must fit whole.
+
+Admission keeps ``1 - kv_cache_ratio`` of the blocks free for the decodes of
+running requests (seed 000's ``kv_cache_ratio``), which makes preemption rarer.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from kiln.config import EngineConfig
+from kiln.engine.kv_cache import KVCacheManager
+from kiln.engine.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[tuple[Request, int]]  # (request, tokens to compute), running first
+    total_num_scheduled_tokens: int
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.max_model_len = config.max_model_len
+        self.token_budget = config.max_num_batched_tokens
+        self.priority = config.scheduling_policy == "priority"
+        self.reserve = int((1.0 - config.kv_cache_ratio) * (kv.num_blocks - 1))
+
+    def _key(self, req: Request) -> tuple:
+        return (req.priority, req.arrival_time) if self.priority else (req.arrival_time,)
+
+    def add_request(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.token_budget
+        scheduled: list[tuple[Request, int]] = []
+        preempted: list[Request] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(req, n):
+                # Only requests not yet scheduled this step may be preempted.
+                victim = max(self.running[i:], key=self._key)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted itself; self.running[i] is now the next one
+            scheduled.append((req, n))
+            budget -= n
+            i += 1
+
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
+            req = min(self.waiting, key=self._key) if self.priority else self.waiting[0]
+            computed, num_hit = self.kv.get_computed_blocks(req)
+            n = req.num_tokens - num_hit
+            if n > budget and not self.config.enable_chunked_prefill:
+                break
+            n = min(n, budget)
+            left = self.kv.can_fit(req, n, computed)
+            if left is None or (self.running and left < self.reserve):
+                break
+            self.kv.allocate_slots(req, n, computed)
+            self.waiting.remove(req)
+            req.num_computed_tokens = num_hit
+            if req.num_cached_tokens is None:
+                req.num_cached_tokens = num_hit
+                req.metrics.inference_start_time = time.time()
+                req.metrics.time_in_queue = req.metrics.inference_start_time - req.arrival_time
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled.append((req, n))
+            budget -= n
+
+        return SchedulerOutput(scheduled, self.token_budget - budget, preempted)
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.waiting.insert(0, req)
+
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[Request, int]) -> list[Request]:
+        """Advance computed tokens, append sampled tokens, and finish requests that hit a stop."""
+        finished = []
+        for req, n in output.scheduled:
+            req.num_computed_tokens += n
+            token = sampled.get(req)
+            if token is None:
+                continue
+            req.append_output_token(token)
+            status = self._check_stop(req, token)
+            if status is not None:
+                self.finish(req, status)
+                finished.append(req)
+        return finished
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        params = req.sampling_params
+        if req.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in req.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and req.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """End a request wherever it is (running, waiting or preempted) and free its blocks."""
+        if req.is_finished:
+            return
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req)
+        req.status = status

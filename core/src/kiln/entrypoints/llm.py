@@ -1,0 +1,115 @@
+"""The offline API: ``LLM(model).generate(...)`` and ``.chat(...)`` on the same engine as the server."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kiln.config import EngineConfig
+from kiln.engine.llm_engine import LLMEngine, PromptInput
+from kiln.outputs import RequestOutput
+from kiln.sampling_params import SamplingParams
+
+Messages = list[dict[str, Any]]
+
+
+class LLM:
+    """Generate text offline.
+
+    >>> llm = LLM()  # the embedded SmolLM2-135M-Instruct on the best device
+    >>> llm.generate(["Hello"], SamplingParams(max_tokens=32))[0].outputs[0].text
+    """
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        self.engine = LLMEngine(EngineConfig.create(model=model, **engine_args))
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Run prompts (strings, token-id lists, or ``{"prompt_token_ids": [...]}``) to completion, in order."""
+        prompts = _as_batch(prompts)
+        if sampling_params is None:
+            sampling_params = self.engine.default_sampling_params()
+        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        if len(params) != len(prompts):
+            raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"priority: got {len(priority)} values for {len(prompts)} prompts")
+        ids = []
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
+                ids.append(self.engine.add_request(None, prompt, p, priority=priority[i] if priority else 0))
+        except ValueError:
+            for rid in ids:  # a bad prompt rejects the whole call, leaving the engine clean
+                self.engine.abort_request(rid)
+            raise
+        return self._run(ids)
+
+    def chat(
+        self,
+        messages: Messages | Sequence[Messages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict] | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template (or ``chat_template``) to each conversation and generate."""
+        batch = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [
+            {"prompt_token_ids": self.apply_chat_template(
+                conv, chat_template, add_generation_prompt, continue_final_message, chat_template_kwargs, tools
+            )}
+            for conv in batch
+        ]
+        return self.generate(prompts, sampling_params)
+
+    def apply_chat_template(
+        self,
+        messages: Messages,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict] | None = None,
+    ) -> list[int]:
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message: cannot be combined with add_generation_prompt")
+        tok = self.engine.tokenizer
+        if chat_template is None and tok.chat_template is None:
+            raise ValueError("chat_template: the tokenizer has none; pass chat_template")
+        text = tok.apply_chat_template(
+            messages,
+            chat_template=chat_template,
+            tools=tools,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            **(chat_template_kwargs or {}),
+        )
+        return tok.encode(text, add_special_tokens=False)
+
+    def _run(self, request_ids: list[str]) -> list[RequestOutput]:
+        final: dict[str, RequestOutput] = {}
+        pending = set(request_ids)
+        while pending:
+            for out in self.engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+                    pending.discard(out.request_id)
+        return [final[rid] for rid in request_ids]
+
+
+def _as_batch(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if prompts and isinstance(prompts[0], int):
+        return [list(prompts)]
+    return list(prompts)

@@ -1,0 +1,1 @@
+"""Model architectures, written once in plain torch against the platform seams."""

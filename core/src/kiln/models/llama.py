@@ -1,0 +1,170 @@
+"""The Llama family: Llama, Mistral, Qwen2/2.5 (qkv bias), Qwen3 (q/k norm), SmolLM2.
+
+The model sees one flattened token stream per step (see ``BatchLayout``); q/k/v
+and gate/up projections are merged into single matmuls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+from kiln.attention.base import AttentionBackend
+from kiln.models.rope import cos_sin_cache
+
+
+@dataclass(slots=True)
+class StepContext:
+    """What every layer needs for one forward pass."""
+
+    attn_metadata: object
+    kv_caches: list[torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, ops: SimpleNamespace) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.rms_norm(x, self.weight, self.eps)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg, layer_idx: int, ops: SimpleNamespace, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = head_dim_of(cfg)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        bias = bool(getattr(cfg, "attention_bias", False)) or cfg.model_type == "qwen2"
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qk_norm = cfg.model_type == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ops)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ops)
+        self.scale = self.head_dim**-0.5
+        self.ops = ops
+        self.backend = backend
+
+    def forward(self, positions, x, rope_cache, ctx: StepContext):
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.ops.rotary_embedding(positions, q, k, rope_cache)
+        o = self.backend.forward(
+            q, k, v, ctx.kv_caches[self.layer_idx], ctx.attn_metadata, layer_idx=self.layer_idx, scale=self.scale
+        )
+        return self.o_proj(o.reshape(-1, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg, ops: SimpleNamespace) -> None:
+        super().__init__()
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (silu only)")
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.ops = ops
+
+    def forward(self, x):
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg, layer_idx, ops, backend) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer_idx, ops, backend)
+        self.mlp = LlamaMLP(cfg, ops)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.ops = ops
+
+    def forward(self, positions, x, residual, rope_cache, ctx):
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.ops.fused_add_rms_norm(x, residual, self.input_layernorm.weight, self.input_layernorm.eps)
+        x = self.self_attn(positions, x, rope_cache, ctx)
+        norm = self.post_attention_layernorm
+        x, residual = self.ops.fused_add_rms_norm(x, residual, norm.weight, norm.eps)
+        return self.mlp(x), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg, ops: SimpleNamespace, backend: AttentionBackend, max_positions: int) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, ops, backend) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.lm_head = None if self.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.register_buffer("rope_cache", cos_sin_cache(head_dim_of(cfg), max_positions, cfg), persistent=False)
+        self.ops = ops
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, self.rope_cache, ctx)
+        x, _ = self.ops.fused_add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load Hugging Face-named tensors, merging q/k/v and gate/up into one matmul each."""
+        params = dict(self.named_parameters())
+        pending: dict[str, dict[str, torch.Tensor]] = {}
+        loaded: set[str] = set()
+        merges = {
+            "q_proj": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
+            "k_proj": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
+            "v_proj": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
+            "gate_proj": ("gate_up_proj", ("gate_proj", "up_proj")),
+            "up_proj": ("gate_up_proj", ("gate_proj", "up_proj")),
+        }
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
+                continue
+            parts = name.split(".")
+            if len(parts) >= 2 and parts[-2] in merges:
+                target, order = merges[parts[-2]]
+                merged = ".".join(parts[:-2] + [target, parts[-1]])
+                group = pending.setdefault(merged, {})
+                group[parts[-2]] = tensor
+                if len(group) == len(order):
+                    name, tensor = merged, torch.cat([group[p] for p in order], dim=0)
+                    del pending[merged]
+                else:
+                    continue
+            if name not in params:
+                raise ValueError(f"unexpected weight {name!r} in checkpoint")
+            param = params[name]
+            if param.shape != tensor.shape:
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+            with torch.no_grad():
+                param.copy_(tensor)
+            loaded.add(name)
+        missing = set(params) - loaded
+        if pending or missing:
+            raise ValueError(f"checkpoint is missing weights: {sorted(missing | set(pending))[:8]}")
+
+
+def head_dim_of(cfg) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads

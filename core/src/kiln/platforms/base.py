@@ -1,0 +1,111 @@
+"""The ``Platform`` interface: everything the core needs to know about a device.
+
+A plugin registers a ``PlatformSpec`` (cheap: a probe and a lazy factory); the
+``Platform`` object itself is built only when chosen. Core code never branches on
+``platform.name``: whatever differs between devices is a member here.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from kiln.attention.base import BatchLayout
+    from kiln.config import EngineConfig
+
+LazyRef = str | Callable[[], object]  # "package.module:attr", or a function that imports inside
+
+
+@dataclass(frozen=True, slots=True)
+class PlatformSpec:
+    """How to find a platform without importing it.
+
+    ``is_available`` must be cheap and must not initialise the device;
+    ``priority`` orders platforms for ``--device auto`` (highest wins).
+    """
+
+    name: str
+    factory: LazyRef
+    is_available: Callable[[], bool]
+    priority: int = 0
+
+
+class GraphRunner(Protocol):
+    """Captures the decode forward for fixed batch sizes (CUDA graphs, torchair/ACL graphs)."""
+
+    def capture(self, forward: Callable[[BatchLayout], torch.Tensor], batch_sizes: Sequence[int]) -> None: ...
+
+    def can_replay(self, layout: BatchLayout) -> bool: ...
+
+    def replay(self, layout: BatchLayout) -> torch.Tensor: ...
+
+
+class Platform(ABC):
+    """A device the engine can run on.
+
+    Members, in the order the engine uses them:
+      1. ``update_config``: clamp or fill config values (block size, dtype...).
+      2. ``device``/``dtype_for``: where tensors live and which dtype ``auto`` means.
+      3. ``mem_get_info``: sizes the paged KV cache together with
+         ``--gpu-memory-utilization`` / ``--num-gpu-blocks-override``.
+      4. ``attention_backend``: the registered backend name to use.
+      5. ``custom_ops``: fused kernels overriding the core's torch reference ops.
+      6. ``graph_runner``: graph capture for decode (None: eager only).
+    """
+
+    name: ClassVar[str]  # "cpu" | "cuda" | "npu"
+    device_type: ClassVar[str]  # torch device type
+    dist_backend: ClassVar[str]  # collective backend for tensor parallelism: gloo | nccl | hccl
+    supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.float16, torch.bfloat16)
+    supported_block_sizes: ClassVar[tuple[int, ...]] = (8, 16, 32, 64, 128)
+    default_block_size: ClassVar[int] = 16
+
+    @abstractmethod
+    def device(self) -> torch.device:
+        """The torch device to place weights and the KV cache on (initialises it)."""
+
+    @abstractmethod
+    def mem_get_info(self) -> tuple[int, int]:
+        """(free, total) bytes of device memory, measured now."""
+
+    def synchronize(self) -> None:
+        """Wait for queued device work (no-op where execution is synchronous)."""
+
+    def dtype_for(self, model_dtype: torch.dtype | None) -> torch.dtype:
+        """What ``--dtype auto`` resolves to for a model stored in ``model_dtype``."""
+        if model_dtype in self.supported_dtypes and model_dtype is not torch.float32:
+            return model_dtype
+        return torch.float16 if torch.float16 in self.supported_dtypes else torch.float32
+
+    def update_config(self, config: EngineConfig) -> None:
+        """Fill platform defaults and reject what the device cannot do (raise ``ValueError``)."""
+        if config.block_size is None:
+            config.block_size = self.default_block_size
+        if config.block_size not in self.supported_block_sizes:
+            raise ValueError(
+                f"--block-size: {config.block_size} is not supported on {self.name}; "
+                f"choose one of {list(self.supported_block_sizes)}"
+            )
+
+    def attention_backend(self) -> str:
+        """Name of the registered attention backend this platform uses by default."""
+        return "torch_ref"
+
+    def custom_ops(self) -> dict[str, Callable]:
+        """Fused ops by name (``rms_norm``, ``fused_add_rms_norm``, ``rotary_embedding``,
+        ``silu_and_mul``) that replace the core's torch reference ops (``kiln.ops``)."""
+        return {}
+
+    def graph_runner(self, config: EngineConfig) -> GraphRunner | None:
+        """A graph runner for decode batches, or None for eager execution."""
+        return None
+
+    def capture_sizes(self, config: EngineConfig) -> list[int]:
+        """Decode batch sizes to capture, largest first (vLLM's 1, 2, 4, 8, 16, ... up to max_num_seqs)."""
+        sizes = [1, 2, 4] + list(range(8, config.max_num_seqs + 1, 8))
+        return sorted({s for s in sizes if s <= config.max_num_seqs}, reverse=True)
