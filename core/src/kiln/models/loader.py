@@ -69,7 +69,7 @@ def resolve_model(model: str | None, load_format: str) -> ModelFiles:
 
 def convert_gguf(gguf_path: str) -> str:
     stat = os.stat(gguf_path)
-    key = hashlib.sha256(f"{os.path.abspath(gguf_path)}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{os.path.realpath(gguf_path)}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
     target = cache_dir() / "models" / f"{Path(gguf_path).stem}-{key}"
     if (target / "config.json").exists():
         return str(target)

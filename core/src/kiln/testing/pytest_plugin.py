@@ -1,0 +1,62 @@
+"""Kiln's pytest plugin (entry point ``pytest11``): fixtures and device markers.
+
+* ``default_model_dir``: the embedded default model as a cached Hugging Face folder.
+* ``tiny_model_dir(model_type)``: a tiny random-weight model of that type.
+* ``kiln_plugins``: a ``PluginManager`` without auto-loaded entry points, for
+  registering plugins under test.
+* Tests marked ``cuda`` / ``npu`` are skipped unless that device is available.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+
+def _device_available(name: str) -> bool:
+    from kiln.plugins import get_plugin_manager
+
+    spec = get_plugin_manager().registry.items["platforms"].get(name)
+    try:
+        return bool(spec and spec.is_available())
+    except Exception:
+        return False
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for marker in ("cuda: needs an NVIDIA GPU", "npu: needs an Ascend NPU"):
+        config.addinivalue_line("markers", marker)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for device in ("cuda", "npu"):
+        marked = [item for item in items if device in item.keywords]
+        if marked and not _device_available(device):
+            skip = pytest.mark.skip(reason=f"no {device} device available on this machine")
+            for item in marked:
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> str:
+    from kiln.models.loader import resolve_model
+
+    return resolve_model(None, "auto").path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: str):
+    from kiln.testing.models import build_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny-models")
+
+    def make(model_type: str = "llama") -> str:
+        return build_tiny_model(model_type, root / model_type, default_model_dir)
+
+    return make
+
+
+@pytest.fixture
+def kiln_plugins():
+    from kiln.plugins import PluginManager
+
+    return PluginManager(load_entrypoints=False)
