@@ -39,6 +39,7 @@ class EngineConfig(BaseModel):
     generation_config: str | None = Field("auto", description="'auto' (the model's), 'vllm' (none) or a folder")
     max_logprobs: int = Field(20, ge=0)
     device: str = "auto"
+    attention_backend: str | None = Field(None, description="a registered attention backend; the platform's if unset")
     tensor_parallel_size: int = Field(1, ge=1)
     trust_remote_code: bool = False
 

@@ -101,8 +101,12 @@ class LLMEngine:
         from kiln.models.llama import head_dim_of
 
         head_dim = head_dim_of(hf_config)
-        for name in (self.platform.attention_backend(), "torch_ref"):
-            spec: AttentionBackendSpec | None = registry.items["attention_backends"].get(name)
+        backends = registry.items["attention_backends"]
+        chosen = self.config.attention_backend
+        if chosen is not None and chosen not in backends:
+            raise ValueError(f"--attention-backend: {chosen!r} is not registered; registered: {sorted(backends)}")
+        for name in (chosen or self.platform.attention_backend(), "torch_ref"):
+            spec: AttentionBackendSpec | None = backends.get(name)
             if spec is None:
                 continue
             cls = load_ref(spec.factory)

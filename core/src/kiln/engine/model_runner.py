@@ -51,9 +51,8 @@ class ModelRunner:
         return per_layer * len(self.model.layers)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        # NOTE: torch.empty, not zeros: untouched blocks cost no resident memory on CPU.
         shape = self.backend.kv_cache_shape(num_blocks, self.block_size)
-        self.kv_caches = [torch.empty(shape, dtype=self.backend.dtype, device=self.device) for _ in self.model.layers]
+        self.kv_caches = [self.platform.allocate_kv_cache(shape, self.backend.dtype) for _ in self.model.layers]
 
     def _layout(self, batch: list[tuple[Request, int]]):
         bs = self.block_size

@@ -52,7 +52,8 @@ class Platform(ABC):
       1. ``update_config``: clamp or fill config values (block size, dtype...).
       2. ``device``/``dtype_for``: where tensors live and which dtype ``auto`` means.
       3. ``mem_get_info``: sizes the paged KV cache together with
-         ``--gpu-memory-utilization`` / ``--num-gpu-blocks-override``.
+         ``--gpu-memory-utilization`` / ``--num-gpu-blocks-override``;
+         ``allocate_kv_cache`` allocates it.
       4. ``attention_backend``: the registered backend name to use.
       5. ``custom_ops``: fused kernels overriding the core's torch reference ops.
       6. ``graph_runner``: graph capture for decode (None: eager only).
@@ -75,6 +76,11 @@ class Platform(ABC):
 
     def synchronize(self) -> None:
         """Wait for queued device work (no-op where execution is synchronous)."""
+
+    def allocate_kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """One layer's KV cache, zero-filled: masked attention multiplies unused slots by 0,
+        so they must never hold NaN/inf garbage."""
+        return torch.zeros(shape, dtype=dtype, device=self.device())
 
     def dtype_for(self, model_dtype: torch.dtype | None) -> torch.dtype:
         """What ``--dtype auto`` resolves to for a model stored in ``model_dtype``."""

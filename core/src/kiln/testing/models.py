@@ -46,8 +46,10 @@ def build_tiny_model(model_type: str, path: str | os.PathLike, tokenizer_dir: st
     return str(path)
 
 
-def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """Reference: Hugging Face ``generate`` greedy, one prompt at a time, fp32, no EOS stop."""
+def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int, stop_at_eos: bool = False) -> list[list[int]]:
+    """Reference: Hugging Face ``generate`` greedy, one prompt at a time, fp32.
+
+    Unless ``stop_at_eos``, EOS is suppressed so every output is ``max_new_tokens`` long."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -59,7 +61,7 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> 
                 torch.tensor([ids]),
                 attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                 max_new_tokens=max_new_tokens,
-                min_new_tokens=max_new_tokens,
+                min_new_tokens=0 if stop_at_eos else max_new_tokens,
                 do_sample=False,
                 pad_token_id=0,
             )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import psutil
 import torch
 
@@ -28,6 +29,13 @@ class CpuPlatform(Platform):
     def mem_get_info(self) -> tuple[int, int]:
         vm = psutil.virtual_memory()
         return vm.available, vm.total
+
+    def allocate_kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        # NOTE: numpy's zeros come from calloc, i.e. fresh zero pages from the kernel:
+        # blocks never written cost no resident memory, unlike torch.zeros, which
+        # writes every byte. So a large KV pool is cheap until it is used.
+        nbytes = int(np.prod(shape)) * torch.finfo(dtype).bits // 8
+        return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
     def dtype_for(self, model_dtype: torch.dtype | None) -> torch.dtype:
         # NOTE: without AMX, bf16/fp16 matmuls are no faster than fp32 on x86 CPUs
