@@ -47,6 +47,7 @@ class Sampler:
         self.masks: list[LogitsMask] = []
         self.generator = torch.Generator().manual_seed(seed)
 
+    @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, reqs: Sequence[Request]) -> SamplerOutput:
         params = [r.sampling_params for r in reqs]
         want_lp = [i for i, p in enumerate(params) if p.logprobs is not None or p.best_of > 1]
