@@ -1,0 +1,102 @@
+"""Contract suites that every implementation of a core interface must pass.
+
+Plugin authors subclass a contract in their own tests::
+
+    class TestMyBackend(AttentionBackendContract):
+        backend_cls = MyBackend
+        dtype, atol = torch.float16, 2e-3
+"""
+
+from __future__ import annotations
+
+import random
+from typing import ClassVar
+
+import pytest
+import torch
+
+from kiln.attention.base import AttentionBackend, BatchLayout
+from kiln.attention.torch_ref import TorchRefAttentionBackend
+
+
+def random_layout(
+    rng: random.Random, block_size: int, num_blocks: int, shapes: list[tuple[int, int]], device: str = "cpu"
+) -> tuple[BatchLayout, int]:
+    """A layout for requests given as (context_len, query_len), decodes (query 1) first,
+    with blocks drawn at random from ``1..num_blocks-1`` (block 0 is the null block)."""
+    shapes = sorted(shapes, key=lambda s: s[1] != 1)
+    free = list(range(1, num_blocks))
+    rng.shuffle(free)
+    tables, slots, starts, seq_lens = [], [], [0], []
+    for context, q_len in shapes:
+        seq_len = context + q_len
+        blocks = [free.pop() for _ in range(-(-seq_len // block_size))]
+        tables.append(blocks)
+        slots += [blocks[p // block_size] * block_size + p % block_size for p in range(context, seq_len)]
+        starts.append(starts[-1] + q_len)
+        seq_lens.append(seq_len)
+    width = max(len(t) for t in tables)
+    table = torch.zeros(len(shapes), width, dtype=torch.int32)
+    for i, t in enumerate(tables):
+        table[i, : len(t)] = torch.tensor(t)
+    q_lens = [q for _, q in shapes]
+    layout = BatchLayout(
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        context_lens=torch.tensor([c for c, _ in shapes], dtype=torch.int32, device=device),
+        block_table=table.to(device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        num_decode_reqs=sum(1 for q in q_lens if q == 1),
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        block_size=block_size,
+        query_lens_cpu=q_lens,
+        seq_lens_cpu=seq_lens,
+    )
+    return layout, starts[-1]
+
+
+# (context_len, query_len) per request: decodes, fresh prefills, chunks on a cached
+# prefix, lengths that do not fill a block, single-token prefills.
+BATCHES = [
+    [(0, 7)],
+    [(5, 1), (33, 1), (0, 1)],
+    [(16, 1), (0, 19), (31, 2)],
+    [(40, 1), (3, 1), (0, 33), (17, 16), (64, 5)],
+]
+
+
+class AttentionBackendContract:
+    """Compares ``backend_cls`` with the torch reference on mixed paged batches."""
+
+    backend_cls: ClassVar[type[AttentionBackend]]
+    dtype: ClassVar[torch.dtype] = torch.float32
+    atol: ClassVar[float] = 1e-5
+    device: ClassVar[str] = "cpu"
+
+    @pytest.mark.parametrize("heads", [(4, 4), (6, 2), (8, 1)], ids=["mha", "gqa3", "mqa8"])
+    @pytest.mark.parametrize("head_dim", [64, 128])
+    @pytest.mark.parametrize("block_size", [16, 32])
+    @pytest.mark.parametrize("batch", range(len(BATCHES)))
+    def test_matches_reference(self, heads, head_dim, block_size, batch):
+        num_heads, num_kv_heads = heads
+        if not self.backend_cls.supports(head_dim=head_dim, dtype=self.dtype, block_size=block_size):
+            pytest.skip("unsupported shape")
+        rng = random.Random(batch * 1000 + head_dim + block_size)
+        torch.manual_seed(batch)
+        num_blocks = 64
+        layout, num_tokens = random_layout(rng, block_size, num_blocks, BATCHES[batch], self.device)
+        ref = TorchRefAttentionBackend(num_heads, num_kv_heads, head_dim, self.dtype)
+        backend = self.backend_cls(num_heads, num_kv_heads, head_dim, self.dtype)
+        # Both caches start with the same (random) history for the cached contexts.
+        ref_cache = torch.randn(ref.kv_cache_shape(num_blocks, block_size), dtype=self.dtype, device=self.device)
+        cache = ref_cache.clone().view(backend.kv_cache_shape(num_blocks, block_size))
+        q = torch.randn(num_tokens, num_heads, head_dim, dtype=self.dtype, device=self.device)
+        k = torch.randn(num_tokens, num_kv_heads, head_dim, dtype=self.dtype, device=self.device)
+        v = torch.randn(num_tokens, num_kv_heads, head_dim, dtype=self.dtype, device=self.device)
+        scale = head_dim**-0.5
+        expected = ref.forward(q, k, v, ref_cache, ref.build_metadata(layout), layer_idx=0, scale=scale)
+        got = backend.forward(q, k, v, cache, backend.build_metadata(layout), layer_idx=0, scale=scale)
+        torch.testing.assert_close(got.float(), expected.float(), atol=self.atol, rtol=self.atol)
+        # New K/V landed in the same slots.
+        torch.testing.assert_close(cache.view(ref_cache.shape).float(), ref_cache.float(), atol=0, rtol=0)

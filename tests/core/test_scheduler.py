@@ -1,0 +1,129 @@
+"""Scheduling: token budget, chunked prefill, max_num_seqs, preemption, policies, abort."""
+
+from __future__ import annotations
+
+from kiln.config import EngineConfig
+from kiln.engine.kv_cache import KVCacheManager
+from kiln.engine.request import Request, RequestStatus
+from kiln.engine.scheduler import Scheduler
+from kiln.sampling_params import SamplingParams
+
+
+def make_sched(num_blocks=64, block_size=4, **cfg) -> Scheduler:
+    config = EngineConfig.create(
+        **{"max_model_len": 256, "max_num_batched_tokens": 16, "block_size": block_size, "kv_cache_ratio": 1.0, **cfg}
+    )
+    return Scheduler(config, KVCacheManager(num_blocks, block_size, config.enable_prefix_caching))
+
+
+def make_req(n, rid, arrival=0.0, priority=0, max_tokens=8) -> Request:
+    base = 1000 * (1 + sum(map(ord, rid)))  # distinct prompts: no accidental prefix hits
+    return Request(rid, list(range(base, base + n)), SamplingParams(max_tokens=max_tokens), frozenset({0}), arrival,
+                   priority=priority)
+
+
+def run_step(s: Scheduler, token=7):
+    out = s.schedule()
+    sampled = {r: token for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens}
+    s.update_from_output(out, sampled)
+    return out
+
+
+def test_budget_chunks_prefill_and_mixes_decodes():
+    s = make_sched()
+    a, b = make_req(10, "a"), make_req(30, "b", arrival=1)
+    s.add_request(a)
+    s.add_request(b)
+    out = run_step(s)
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("a", 10), ("b", 6)]
+    assert out.total_num_scheduled_tokens == 16
+    out = run_step(s)  # a decodes (1 token) while b's prefill continues in the same batch
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("a", 1), ("b", 15)]
+    assert a.num_output_tokens == 2 and b.num_output_tokens == 0
+
+
+def test_without_chunked_prefill_a_prompt_waits_for_a_whole_budget():
+    s = make_sched(enable_chunked_prefill=False, max_num_batched_tokens=256)
+    s.token_budget = 16
+    s.add_request(make_req(10, "a"))
+    s.add_request(make_req(12, "b", arrival=1))
+    out = run_step(s)
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("a", 10)]
+
+
+def test_max_num_seqs_caps_running():
+    s = make_sched(max_num_seqs=2, max_num_batched_tokens=100)
+    for i in range(4):
+        s.add_request(make_req(3, str(i), arrival=i))
+    run_step(s)
+    assert len(s.running) == 2 and len(s.waiting) == 2
+
+
+def test_preemption_by_recompute_frees_blocks_and_requeues_first():
+    # 6 usable blocks of 4 tokens; max_model_len fits the pool, as the engine enforces.
+    s = make_sched(num_blocks=7, max_num_batched_tokens=64, max_model_len=24)
+    a, b = make_req(11, "a", arrival=0, max_tokens=20), make_req(11, "b", arrival=1, max_tokens=20)
+    s.add_request(a)
+    s.add_request(b)
+    run_step(s)  # 3 blocks each
+    preempted = []
+    for _ in range(3):
+        preempted += run_step(s).preempted
+    assert preempted == [b]  # the later arrival goes
+    assert b.status is RequestStatus.PREEMPTED and b.blocks == [] and b.num_computed_tokens == 0
+    assert s.waiting[0] is b and b.num_output_tokens >= 1
+    while a in s.running:
+        run_step(s)
+    run_step(s)
+    assert b.status is RequestStatus.RUNNING and b.num_computed_tokens == b.num_tokens
+
+
+def test_priority_policy_admits_lower_value_first():
+    s = make_sched(scheduling_policy="priority", max_num_seqs=1, max_num_batched_tokens=100)
+    s.add_request(make_req(3, "late-urgent", arrival=5, priority=-1))
+    s.add_request(make_req(3, "early", arrival=0, priority=0))
+    out = run_step(s)
+    assert [r.request_id for r, _ in out.scheduled] == ["late-urgent"]
+
+
+def test_fcfs_policy_admits_by_arrival():
+    s = make_sched(max_num_seqs=1, max_num_batched_tokens=100)
+    s.add_request(make_req(3, "first", arrival=0, priority=5))
+    s.add_request(make_req(3, "second", arrival=1, priority=-5))
+    assert [r.request_id for r, _ in run_step(s).scheduled] == ["first"]
+
+
+def test_abort_anywhere_frees_blocks():
+    s = make_sched()
+    a, b = make_req(10, "a"), make_req(30, "b", arrival=1)
+    s.add_request(a)
+    s.add_request(b)
+    run_step(s)
+    s.finish(b, RequestStatus.FINISHED_ABORTED)  # mid-prefill
+    s.finish(a, RequestStatus.FINISHED_ABORTED)  # decoding
+    assert not s.has_unfinished() and s.kv.usage == 0.0
+    c = make_req(5, "c")
+    s.add_request(c)
+    s.finish(c, RequestStatus.FINISHED_ABORTED)  # still waiting
+    assert not s.has_unfinished()
+
+
+def test_stops_at_max_tokens_and_eos():
+    s = make_sched(max_num_batched_tokens=100)
+    a = make_req(3, "a", max_tokens=2)
+    s.add_request(a)
+    run_step(s)
+    run_step(s)
+    assert a.status is RequestStatus.FINISHED_LENGTH and a.num_output_tokens == 2
+    b = make_req(3, "b")
+    s.add_request(b)
+    run_step(s, token=0)  # 0 is this request's EOS
+    assert b.status is RequestStatus.FINISHED_STOPPED
+
+
+def test_kv_cache_ratio_holds_back_admission_while_others_run():
+    s = make_sched(num_blocks=11, kv_cache_ratio=0.5, max_num_batched_tokens=100)  # reserve 5 of 10 blocks
+    s.add_request(make_req(16, "a"))  # 4 blocks, admitted: nothing else runs
+    s.add_request(make_req(8, "b", arrival=1))  # would leave 4 < 5 free
+    run_step(s)
+    assert [r.request_id for r in s.running] == ["a"] and len(s.waiting) == 1
