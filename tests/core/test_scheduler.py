@@ -72,10 +72,12 @@ def test_preemption_by_recompute_frees_blocks_and_requeues_first():
     assert preempted == [b]  # the later arrival goes
     assert b.status is RequestStatus.PREEMPTED and b.blocks == [] and b.num_computed_tokens == 0
     assert s.waiting[0] is b and b.num_output_tokens >= 1
+    outputs_before = b.num_output_tokens
     while a in s.running:
         run_step(s)
-    run_step(s)
-    assert b.status is RequestStatus.RUNNING and b.num_computed_tokens == b.num_tokens
+    run_step(s)  # b re-prefills prompt + outputs, then samples its next token
+    assert b.status is RequestStatus.RUNNING and b.num_computed_tokens == b.num_tokens - 1
+    assert b.num_output_tokens == outputs_before + 1
 
 
 def test_priority_policy_admits_lower_value_first():
