@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 
@@ -43,13 +43,19 @@ class EngineConfig(BaseModel):
     tensor_parallel_size: int = Field(1, ge=1)
     trust_remote_code: bool = False
 
-    @model_validator(mode="after")
-    def _check(self) -> EngineConfig:
-        if self.block_size is not None and (self.block_size < 1 or self.block_size & (self.block_size - 1)):
-            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        if self.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 is not supported by this build (single device only)")
-        return self
+    @field_validator("block_size")
+    @classmethod
+    def _power_of_two(cls, value: int | None) -> int | None:
+        if value is not None and (value < 1 or value & (value - 1)):
+            raise ValueError("must be a power of two")
+        return value
+
+    @field_validator("tensor_parallel_size")
+    @classmethod
+    def _single_device(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError("values above 1 are not supported yet (single device only)")
+        return value
 
     @classmethod
     def create(cls, **kwargs: object) -> EngineConfig:
