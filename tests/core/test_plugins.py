@@ -145,3 +145,69 @@ def test_update_engine_config_hook_sees_the_config(tiny_model_dir, monkeypatch):
     engine = LLMEngine(EngineConfig.create(model=tiny_model_dir("llama"), max_model_len=128), plugins=pm)
     assert seen == {"max_model_len": 128} and engine.config.max_num_seqs == 3
     assert LLM  # the public API is importable alongside
+
+
+def test_a_plugin_attention_backend_is_used_by_the_engine(tiny_model_dir):
+    from kiln import LLM, SamplingParams
+    from kiln.attention.base import AttentionBackendSpec
+    from kiln.attention.torch_ref import TorchRefAttentionBackend
+
+    calls = []
+
+    class CountingBackend(TorchRefAttentionBackend):
+        name = "counting"
+
+        def forward(self, *args, **kwargs):
+            calls.append(kwargs["layer_idx"])
+            return super().forward(*args, **kwargs)
+
+    plugin = types.SimpleNamespace()
+
+    @hookimpl
+    def register_attention_backends(register):
+        register(AttentionBackendSpec("counting", lambda: CountingBackend, ("cpu",)))
+
+    plugin.register_attention_backends = register_attention_backends
+    from kiln import plugins
+
+    pm = plugins.get_plugin_manager()
+    pm.register(plugin, name="counting-plugin")
+    try:
+        params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+        counted = LLM(tiny_model_dir("llama"), attention_backend="counting", max_model_len=64)
+        plain = LLM(tiny_model_dir("llama"), max_model_len=64)
+        assert counted.generate("abc", params)[0].outputs[0].token_ids == plain.generate("abc", params)[0].outputs[0].token_ids
+        assert calls and set(calls) == {0, 1}
+    finally:
+        pm.unregister("counting-plugin")
+    with pytest.raises(ValueError, match="--attention-backend"):
+        LLM(tiny_model_dir("llama"), attention_backend="counting", max_model_len=64)
+
+
+def test_registration_hooks_for_parsers_templates_and_guided_backends(kiln_plugins):
+    plugin = types.SimpleNamespace()
+
+    @hookimpl
+    def register_guided_backends(register):
+        register("my_guided", "my_pkg.guided:Backend")
+
+    @hookimpl
+    def register_tool_parsers(register):
+        register("my_tools", "my_pkg.tools:Parser")
+
+    @hookimpl
+    def register_reasoning_parsers(register):
+        register("my_think", "my_pkg.think:Parser")
+
+    @hookimpl
+    def register_chat_templates(register):
+        register("my_template", "{{ messages[0]['content'] }}")
+
+    for hook in (register_guided_backends, register_tool_parsers, register_reasoning_parsers, register_chat_templates):
+        setattr(plugin, hook.__name__, hook)
+    kiln_plugins.register(plugin, name="extras")
+    reg = kiln_plugins.registry
+    assert reg.get("guided_backends", "my_guided") == "my_pkg.guided:Backend"
+    assert reg.get("tool_parsers", "my_tools") == "my_pkg.tools:Parser"
+    assert reg.get("reasoning_parsers", "my_think") == "my_pkg.think:Parser"
+    assert reg.get("chat_templates", "my_template").startswith("{{")
