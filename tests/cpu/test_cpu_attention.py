@@ -1,8 +1,34 @@
-"""The CPU plugin's attention backend honours the AttentionBackend contract."""
+"""The CPU plugin's attention backend honours the AttentionBackend contract, with and
+without its native decode kernel."""
+
+import torch
 
 from kiln.testing.contracts import AttentionBackendContract
-from kiln_cpu.attention import CpuSdpaBackend
+from kiln_cpu import native
+from kiln_cpu.attention import CpuAttentionBackend
 
 
-class TestCpuSdpaBackend(AttentionBackendContract):
-    backend_cls = CpuSdpaBackend
+class TorchOnlyBackend(CpuAttentionBackend):
+    """The fallback used where no C compiler is available."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.native = None
+
+
+class TestCpuAttentionNative(AttentionBackendContract):
+    backend_cls = CpuAttentionBackend
+
+
+class TestCpuAttentionTorchFallback(AttentionBackendContract):
+    backend_cls = TorchOnlyBackend
+
+
+class TestCpuAttentionBfloat16(AttentionBackendContract):
+    backend_cls = CpuAttentionBackend
+    dtype = torch.bfloat16
+    atol = 2e-2
+
+
+def test_native_kernel_builds_here():
+    assert native.load_kernels() is not None

@@ -29,12 +29,12 @@ class TorchRefAttentionBackend(AttentionBackend):
             q_pos = torch.arange(context, seq_len, device=q.device)[:, None]
             mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos
             o = F.scaled_dot_product_attention(
-                q[q_start:q_end].transpose(0, 1),
-                key.transpose(0, 1),
-                value.transpose(0, 1),
+                q[q_start:q_end].transpose(0, 1)[None],
+                key.transpose(0, 1)[None],
+                value.transpose(0, 1)[None],
                 attn_mask=mask,
                 scale=scale,
                 enable_gqa=True,
             )
-            out[q_start:q_end] = o.transpose(0, 1)
+            out[q_start:q_end] = o[0].transpose(0, 1)
         return out

@@ -1,9 +1,11 @@
-"""CPU attention over the paged cache with batched ``scaled_dot_product_attention``.
+"""CPU attention over the paged cache.
 
-* Decodes (one query token each) run as one SDPA call per layer: their blocks are
-  gathered into a padded (reqs, kv_heads, len, dim) tensor and a key-padding mask
-  hides the tail. GQA needs no K/V copies: the query heads sharing a KV head
-  become that head's "query length".
+* Decodes (one query token each), fp32: one call per layer into the C kernel of
+  ``csrc/paged_attention.c``, which reads K/V in place through the block table.
+* Decodes otherwise (other dtypes, or no C compiler): one batched SDPA call per
+  layer over blocks gathered into a padded (reqs, kv_heads, len, dim) tensor,
+  with a key-padding mask. GQA needs no K/V copies: the query heads sharing a KV
+  head become that head's "query length".
 * Prefills with nothing cached use the new K/V directly (causal SDPA); chunks
   that continue a cached prefix gather their context from the cache.
 """
@@ -16,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.attention.base import AttentionBackend, BatchLayout, gather_kv, write_kv_cache
+from kiln_cpu import native
 
 
 @dataclass(slots=True)
@@ -26,8 +29,13 @@ class CpuMetadata:
     prefills: list[tuple[int, int, int, int, torch.Tensor]]  # q_start, q_end, context, seq_len, block ids
 
 
-class CpuSdpaBackend(AttentionBackend):
-    name = "cpu_sdpa"
+class CpuAttentionBackend(AttentionBackend):
+    name = "cpu"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, dtype)
+        use_native = dtype == torch.float32 and native.supports(num_heads, num_kv_heads, head_dim)
+        self.native = native.load_kernels() if use_native else None
 
     def build_metadata(self, layout: BatchLayout) -> CpuMetadata:
         nd, bs = layout.num_decode_reqs, layout.block_size
@@ -52,21 +60,27 @@ class CpuSdpaBackend(AttentionBackend):
         out = torch.empty_like(q)
         if metadata.decode_blocks is not None:
             nd = metadata.decode_blocks.shape[0]
-            out[:nd] = self._decode(q[:nd], kv_cache, metadata, scale)
-        for q_start, q_end, context, seq_len, blocks in metadata.prefills:
-            qi = q[q_start:q_end].transpose(0, 1)
-            if context == 0:
-                o = F.scaled_dot_product_attention(
-                    qi, k[q_start:q_end].transpose(0, 1), v[q_start:q_end].transpose(0, 1),
-                    is_causal=True, scale=scale, enable_gqa=True,
+            if self.native is not None:
+                layout = metadata.layout
+                native.paged_decode_attention(
+                    out[:nd], q[:nd], kv_cache[0], kv_cache[1], layout.block_table[:nd], layout.seq_lens[:nd], scale
                 )
+            else:
+                out[:nd] = self._decode(q[:nd], kv_cache, metadata, scale)
+        for q_start, q_end, context, seq_len, blocks in metadata.prefills:
+            # NOTE: 4-D inputs take torch's CPU flash kernel; 3-D ones fall back to the
+            # (several times slower) math path.
+            qi = q[q_start:q_end].transpose(0, 1)[None]
+            if context == 0:
+                key, value, mask = k[q_start:q_end], v[q_start:q_end], None
             else:
                 key, value = gather_kv(kv_cache, blocks, seq_len)
                 mask = torch.arange(seq_len)[None, :] <= torch.arange(context, seq_len)[:, None]
-                o = F.scaled_dot_product_attention(
-                    qi, key.transpose(0, 1), value.transpose(0, 1), attn_mask=mask, scale=scale, enable_gqa=True
-                )
-            out[q_start:q_end] = o.transpose(0, 1)
+            o = F.scaled_dot_product_attention(
+                qi, key.transpose(0, 1)[None], value.transpose(0, 1)[None],
+                attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True,
+            )
+            out[q_start:q_end] = o[0].transpose(0, 1)
         return out
 
     def _decode(self, q, kv_cache, metadata: CpuMetadata, scale):

@@ -15,4 +15,4 @@ def register_platforms(register):
 
 @hookimpl
 def register_attention_backends(register):
-    register(AttentionBackendSpec("cpu_sdpa", "kiln_cpu.attention:CpuSdpaBackend", ("cpu",)))
+    register(AttentionBackendSpec("cpu", "kiln_cpu.attention:CpuAttentionBackend", ("cpu",)))

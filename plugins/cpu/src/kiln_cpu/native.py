@@ -1,0 +1,87 @@
+"""Builds and loads the plugin's C kernels on first use.
+
+The kernels are plain C with OpenMP, compiled by the system C compiler in about
+a second and cached under ``$KILN_CACHE_DIR/cpu-kernels`` keyed by the source
+hash and the CPU's flags. Without a compiler (or with ``KILN_CPU_NATIVE=0``) the
+plugin falls back to torch code, which is correct but slower.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("kiln.cpu")
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_attention.c"
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("KILN_CACHE_DIR") or Path.home() / ".cache" / "kiln"
+    return Path(root) / "cpu-kernels"
+
+
+@cache
+def load_kernels() -> ctypes.CDLL | None:
+    """The compiled library, or None when native kernels are off or cannot be built."""
+    if os.environ.get("KILN_CPU_NATIVE", "1") == "0":
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        logger.warning("no C compiler found: CPU attention falls back to torch (slower)")
+        return None
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + platform.processor().encode())
+    target = _cache_dir() / f"paged_attention-{key.hexdigest()[:16]}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+        if result.returncode != 0:
+            os.unlink(tmp)
+            logger.warning("building CPU kernels failed, falling back to torch:\n%s", result.stderr[-2000:])
+            return None
+        os.replace(tmp, target)
+    lib = ctypes.CDLL(str(target))
+    fn = lib.paged_decode_attention_f32
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float]
+    fn.restype = ctypes.c_int
+    return lib
+
+
+def paged_decode_attention(
+    out: torch.Tensor,  # (reqs, heads, dim) fp32, written
+    q: torch.Tensor,  # (reqs, heads, dim) fp32
+    k_cache: torch.Tensor,  # (blocks, block_size, kv_heads, dim) fp32, contiguous
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,  # (reqs, width) int32, contiguous
+    seq_lens: torch.Tensor,  # (reqs,) int32
+    scale: float,
+) -> None:
+    lib = load_kernels()
+    q = q.contiguous()
+    num_reqs, num_heads, head_dim = q.shape
+    status = lib.paged_decode_attention_f32(
+        out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(),
+        num_reqs, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], scale,
+    )
+    if status != 0:
+        raise ValueError(f"native decode attention does not support head_dim={head_dim}, heads={num_heads}")
+
+
+def supports(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Shapes the C kernel handles (others use the torch path)."""
+    return head_dim % 8 == 0 and num_heads // num_kv_heads <= 8
