@@ -307,7 +307,7 @@ class LLMEngine:
     def _record_prompt_logprobs(self, req: Request, first: int, logits: torch.Tensor) -> None:
         if not req.prompt_logprobs:
             req.prompt_logprobs.append(None)  # nothing predicts the first prompt token
-        if len(req.prompt_logprobs) > first:
+        if len(req.prompt_logprobs) != first + 1:
             return  # recomputed after preemption: already recorded
         k = req.sampling_params.prompt_logprobs
         logprobs = logits.log_softmax(-1)
