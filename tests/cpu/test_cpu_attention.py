@@ -32,3 +32,11 @@ class TestCpuAttentionBfloat16(AttentionBackendContract):
 
 def test_native_kernel_builds_here():
     assert native.load_kernels() is not None
+
+
+def test_engine_on_cpu_uses_the_plugin_backend(tiny_model_dir):
+    from kiln import LLM
+
+    engine = LLM(tiny_model_dir("llama"), max_model_len=64).engine
+    assert engine.platform.name == "cpu"
+    assert isinstance(engine.runner.backend, CpuAttentionBackend) and engine.runner.backend.native is not None

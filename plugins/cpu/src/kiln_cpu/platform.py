@@ -43,4 +43,4 @@ class CpuPlatform(Platform):
         return torch.float32
 
     def attention_backend(self) -> str:
-        return "cpu_sdpa"
+        return "cpu"

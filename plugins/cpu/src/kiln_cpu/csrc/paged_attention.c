@@ -1,9 +1,10 @@
 /*
  * Decode attention straight from the paged KV cache (fp32), for Kiln's CPU plugin.
  *
- * One query token per request. For each (request, kv head) the query heads that
- * share the kv head (the GQA group) are processed together, so K and V are read
- * in place through the block table, without gathering them into a copy:
+ * One query token per request, one request per work item. K and V are read in
+ * place through the block table (no gathered copy), in token order with all
+ * heads of a token together, so each cache row streams through once; the query
+ * heads sharing a kv head (the GQA group) reuse every K/V vector they load:
  *
  *   scores[g][t] = scale * q[g] . K[t]       t < seq_len
  *   p[g][t]      = softmax_t(scores[g][t])
@@ -35,46 +36,55 @@ static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
 
 static inline float hsum8(v8 a) { return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7])); }
 
-struct Shape {
-    const int32_t *table; /* this request's block ids */
-    int64_t len, row, head_dim, block_size;
-    float scale;
-};
-
-/* scores[g * len + t] for one (request, kv head); q points at the group's first head. */
-static inline __attribute__((always_inline)) void group_scores(float *scores, const float *q, const float *k_cache,
-                                                               struct Shape s, const int64_t group) {
-    for (int64_t t0 = 0; t0 < s.len; t0 += s.block_size) {
-        const float *kb = k_cache + (int64_t)s.table[t0 / s.block_size] * s.block_size * s.row;
-        const int64_t n = s.len - t0 < s.block_size ? s.len - t0 : s.block_size;
+/* scores[(h * group + g) * len + t] = scale * q[h][g] . K[t][h] for every kv head h. */
+static inline __attribute__((always_inline)) void request_scores(float *scores, const float *q, const float *k_cache,
+                                                                 const int32_t *table, int64_t len, int64_t kv_heads,
+                                                                 int64_t head_dim, int64_t block_size, float scale,
+                                                                 const int64_t group) {
+    const int64_t row = kv_heads * head_dim;
+    for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+        const float *kb = k_cache + (int64_t)table[t0 / block_size] * block_size * row;
+        const int64_t n = len - t0 < block_size ? len - t0 : block_size;
         for (int64_t j = 0; j < n; j++) {
-            const float *k = kb + j * s.row;
-            v8 acc[MAX_GROUP];
-            for (int64_t g = 0; g < group; g++) acc[g] = (v8){0};
-            for (int64_t i = 0; i < s.head_dim; i += 8) {
-                const v8 kv = load8(k + i);
-                for (int64_t g = 0; g < group; g++) acc[g] += load8(q + g * s.head_dim + i) * kv;
+            for (int64_t h = 0; h < kv_heads; h++) {
+                const float *k = kb + j * row + h * head_dim;
+                const float *qh = q + h * group * head_dim;
+                v8 acc[MAX_GROUP];
+                for (int64_t g = 0; g < group; g++) acc[g] = (v8){0};
+                for (int64_t i = 0; i < head_dim; i += 8) {
+                    const v8 kv = load8(k + i);
+                    for (int64_t g = 0; g < group; g++) acc[g] += load8(qh + g * head_dim + i) * kv;
+                }
+                for (int64_t g = 0; g < group; g++) scores[(h * group + g) * len + t0 + j] = scale * hsum8(acc[g]);
             }
-            for (int64_t g = 0; g < group; g++) scores[g * s.len + t0 + j] = s.scale * hsum8(acc[g]);
         }
     }
 }
 
-/* out[g] = sum_t p[g][t] * V[t], eight output lanes at a time. */
-static inline __attribute__((always_inline)) void group_values(float *out, const float *p, const float *v_cache,
-                                                               struct Shape s, const int64_t group) {
-    for (int64_t i = 0; i < s.head_dim; i += 8) {
-        v8 acc[MAX_GROUP];
-        for (int64_t g = 0; g < group; g++) acc[g] = (v8){0};
-        for (int64_t t0 = 0; t0 < s.len; t0 += s.block_size) {
-            const float *vb = v_cache + (int64_t)s.table[t0 / s.block_size] * s.block_size * s.row + i;
-            const int64_t n = s.len - t0 < s.block_size ? s.len - t0 : s.block_size;
-            for (int64_t j = 0; j < n; j++) {
-                const v8 vv = load8(vb + j * s.row);
-                for (int64_t g = 0; g < group; g++) acc[g] += p[g * s.len + t0 + j] * vv;
+/* out[h][g] = sum_t p[h][g][t] * V[t][h], reading V once, in token order. */
+static inline __attribute__((always_inline)) void request_values(float *out, const float *p, const float *v_cache,
+                                                                 const int32_t *table, int64_t len, int64_t kv_heads,
+                                                                 int64_t head_dim, int64_t block_size,
+                                                                 const int64_t group) {
+    const int64_t row = kv_heads * head_dim;
+    memset(out, 0, kv_heads * group * head_dim * sizeof(float));
+    for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+        const float *vb = v_cache + (int64_t)table[t0 / block_size] * block_size * row;
+        const int64_t n = len - t0 < block_size ? len - t0 : block_size;
+        for (int64_t j = 0; j < n; j++) {
+            for (int64_t h = 0; h < kv_heads; h++) {
+                const float *v = vb + j * row + h * head_dim;
+                float w[MAX_GROUP];
+                for (int64_t g = 0; g < group; g++) w[g] = p[(h * group + g) * len + t0 + j];
+                for (int64_t i = 0; i < head_dim; i += 8) {
+                    const v8 vv = load8(v + i);
+                    for (int64_t g = 0; g < group; g++) {
+                        float *o = out + (h * group + g) * head_dim + i;
+                        store8(o, load8(o) + w[g] * vv);
+                    }
+                }
             }
         }
-        for (int64_t g = 0; g < group; g++) store8(out + g * s.head_dim + i, acc[g]);
     }
 }
 
@@ -92,11 +102,11 @@ static void softmax_rows(float *scores, int64_t rows, int64_t len) {
     }
 }
 
-#define SPECIALISE(G)                                      \
-    case G:                                                \
-        group_scores(scores, qh, kh, s, G);                \
-        softmax_rows(scores, G, s.len);                    \
-        group_values(oh, scores, vh, s, G);                \
+#define SPECIALISE(G)                                                                                   \
+    case G:                                                                                             \
+        request_scores(scores, qr, k_cache, table, len, num_kv_heads, head_dim, block_size, scale, G); \
+        softmax_rows(scores, num_heads, len);                                                           \
+        request_values(outr, scores, v_cache, table, len, num_kv_heads, head_dim, block_size, G);      \
         break;
 
 /* Returns 0, or -1 for shapes this kernel does not handle (the caller falls back). */
@@ -106,30 +116,26 @@ int paged_decode_attention_f32(float *out, const float *q, const float *k_cache,
                                int64_t block_size, float scale) {
     const int64_t group = num_heads / num_kv_heads;
     if (head_dim % 8 != 0 || group < 1 || group > MAX_GROUP) return -1;
-    const int64_t row = num_kv_heads * head_dim; /* floats per token in one cache plane */
 
 #pragma omp parallel
     {
         float *scores = NULL;
         int64_t capacity = 0;
 
-#pragma omp for collapse(2) schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1)
         for (int64_t r = 0; r < num_reqs; r++) {
-            for (int64_t h = 0; h < num_kv_heads; h++) {
-                const int64_t len = seq_lens[r];
-                if (len * group > capacity) {
-                    free(scores);
-                    capacity = len * group;
-                    scores = (float *)malloc(capacity * sizeof(float));
-                }
-                struct Shape s = {block_table + r * table_stride, len, row, head_dim, block_size, scale};
-                const float *qh = q + (r * num_heads + h * group) * head_dim;
-                float *oh = out + (r * num_heads + h * group) * head_dim;
-                const float *kh = k_cache + h * head_dim, *vh = v_cache + h * head_dim;
-                switch (group) {
-                    SPECIALISE(1) SPECIALISE(2) SPECIALISE(3) SPECIALISE(4)
-                    SPECIALISE(5) SPECIALISE(6) SPECIALISE(7) SPECIALISE(8)
-                }
+            const int64_t len = seq_lens[r];
+            if (len * num_heads > capacity) {
+                free(scores);
+                capacity = len * num_heads;
+                scores = (float *)malloc(capacity * sizeof(float));
+            }
+            const int32_t *table = block_table + r * table_stride;
+            const float *qr = q + r * num_heads * head_dim;
+            float *outr = out + r * num_heads * head_dim;
+            switch (group) {
+                SPECIALISE(1) SPECIALISE(2) SPECIALISE(3) SPECIALISE(4)
+                SPECIALISE(5) SPECIALISE(6) SPECIALISE(7) SPECIALISE(8)
             }
         }
         free(scores);
