@@ -56,7 +56,10 @@ def test_dtype_and_derived_values(tiny_model_dir):
     assert llm.engine.config.block_size == 32 and llm.engine.config.max_num_batched_tokens == 2048
     out = llm.generate("Hello", None)[0]
     assert out.outputs[0].token_ids
-    assert LLM(tiny_model_dir("llama"), max_model_len=128).engine.dtype is torch.float32  # auto on CPU
+    from kiln_cpu.platform import has_amx_bf16
+
+    auto = LLM(tiny_model_dir("llama"), max_model_len=128).engine.dtype
+    assert auto is (torch.bfloat16 if has_amx_bf16() else torch.float32)
 
 
 def test_dummy_weights_need_no_checkpoint(tiny_model_dir, tmp_path):

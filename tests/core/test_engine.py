@@ -12,7 +12,7 @@ from kiln import LLM, RequestOutputKind, SamplingParams
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir):
-    return LLM(tiny_model_dir("llama"), max_model_len=256, block_size=16)
+    return LLM(tiny_model_dir("llama"), max_model_len=256, block_size=16, dtype="float32")
 
 
 def test_request_output_has_every_field(llm):
@@ -82,8 +82,10 @@ def test_abort_mid_generation_frees_everything(llm):
 def test_prompt_logprobs_survive_chunked_prefill(tiny_model_dir):
     prompt = list(range(700, 760))
     params = SamplingParams(max_tokens=1, prompt_logprobs=1)
-    whole = LLM(tiny_model_dir("llama"), max_model_len=256).generate({"prompt_token_ids": prompt}, params)[0]
-    chunked = LLM(tiny_model_dir("llama"), max_model_len=256, max_num_batched_tokens=16).generate(
+    whole = LLM(tiny_model_dir("llama"), max_model_len=256, dtype="float32").generate(
+        {"prompt_token_ids": prompt}, params
+    )[0]
+    chunked = LLM(tiny_model_dir("llama"), max_model_len=256, dtype="float32", max_num_batched_tokens=16).generate(
         {"prompt_token_ids": prompt}, params
     )[0]
     assert len(whole.prompt_logprobs) == len(prompt) and whole.prompt_logprobs[0] is None

@@ -1,8 +1,9 @@
 """CPU attention over the paged cache.
 
-* Decodes (one query token each), fp32: one call per layer into the C kernel of
-  ``csrc/paged_attention.c``, which reads K/V in place through the block table.
-* Decodes otherwise (other dtypes, or no C compiler): one batched SDPA call per
+* Decodes (one query token each), fp32 or bf16 cache: one call per layer into the
+  C kernel of ``csrc/paged_attention.c``, which reads K/V in place through the
+  block table.
+* Decodes otherwise (fp16, odd shapes, or no C compiler): one batched SDPA call per
   layer over blocks gathered into a padded (reqs, kv_heads, len, dim) tensor,
   with a key-padding mask. GQA needs no K/V copies: the query heads sharing a KV
   head become that head's "query length".
@@ -34,7 +35,7 @@ class CpuAttentionBackend(AttentionBackend):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, dtype)
-        use_native = dtype == torch.float32 and native.supports(num_heads, num_kv_heads, head_dim)
+        use_native = native.supports(num_heads, num_kv_heads, head_dim, dtype)
         self.native = native.load_kernels() if use_native else None
 
     def build_metadata(self, layout: BatchLayout) -> CpuMetadata:
@@ -62,8 +63,8 @@ class CpuAttentionBackend(AttentionBackend):
             nd = metadata.decode_blocks.shape[0]
             if self.native is not None:
                 layout = metadata.layout
-                native.paged_decode_attention(
-                    out[:nd], q[:nd], kv_cache[0], kv_cache[1], layout.block_table[:nd], layout.seq_lens[:nd], scale
+                out[:nd] = native.paged_decode_attention(
+                    q[:nd], kv_cache[0], kv_cache[1], layout.block_table[:nd], layout.seq_lens[:nd], scale
                 )
             else:
                 out[:nd] = self._decode(q[:nd], kv_cache, metadata, scale)

@@ -54,34 +54,41 @@ def load_kernels() -> ctypes.CDLL | None:
             return None
         os.replace(tmp, target)
     lib = ctypes.CDLL(str(target))
-    fn = lib.paged_decode_attention_f32
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float]
-    fn.restype = ctypes.c_int
+    for fn in (lib.paged_decode_attention_f32, lib.paged_decode_attention_bf16):
+        fn.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float]
+        fn.restype = ctypes.c_int
     return lib
 
 
+CACHE_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def paged_decode_attention(
-    out: torch.Tensor,  # (reqs, heads, dim) fp32, written
-    q: torch.Tensor,  # (reqs, heads, dim) fp32
-    k_cache: torch.Tensor,  # (blocks, block_size, kv_heads, dim) fp32, contiguous
+    q: torch.Tensor,  # (reqs, heads, dim)
+    k_cache: torch.Tensor,  # (blocks, block_size, kv_heads, dim) fp32 or bf16, contiguous
     v_cache: torch.Tensor,
-    block_table: torch.Tensor,  # (reqs, width) int32, contiguous
+    block_table: torch.Tensor,  # (reqs, width) int32, contiguous rows
     seq_lens: torch.Tensor,  # (reqs,) int32
     scale: float,
-) -> None:
+) -> torch.Tensor:
+    """Attention output (reqs, heads, dim) in q's dtype; computed in fp32."""
     lib = load_kernels()
-    q = q.contiguous()
-    num_reqs, num_heads, head_dim = q.shape
-    status = lib.paged_decode_attention_f32(
-        out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+    kernel = lib.paged_decode_attention_f32 if k_cache.dtype == torch.float32 else lib.paged_decode_attention_bf16
+    q32 = q.float().contiguous()
+    out = torch.empty_like(q32)
+    num_reqs, num_heads, head_dim = q32.shape
+    status = kernel(
+        out.data_ptr(), q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(),
         num_reqs, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], scale,
     )
     if status != 0:
         raise ValueError(f"native decode attention does not support head_dim={head_dim}, heads={num_heads}")
+    return out.to(q.dtype)
 
 
-def supports(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
-    """Shapes the C kernel handles (others use the torch path)."""
-    return head_dim % 8 == 0 and num_heads // num_kv_heads <= 8
+def supports(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
+    """Shapes and cache dtypes the C kernel handles (others use the torch path)."""
+    group = num_heads // num_kv_heads
+    return dtype in CACHE_DTYPES and head_dim % 8 == 0 and 1 <= group <= 8 and group * num_kv_heads == num_heads

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 
 import numpy as np
@@ -9,6 +11,26 @@ import psutil
 import torch
 
 from kiln.platforms.base import Platform
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
+MADV_HUGEPAGE = 14
+PAGE = 4096
+
+
+def has_amx_bf16() -> bool:
+    """Whether the CPU has AMX bf16 tiles (Linux: the cpuinfo flag)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and "amx_bf16" in line.split() for line in f)
+    except OSError:
+        return False
+
+
+def _glibc() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    return libc if libc is not None and hasattr(libc, "mallopt") else None
 
 
 class CpuPlatform(Platform):
@@ -22,6 +44,15 @@ class CpuPlatform(Platform):
         # One OpenMP thread per physical core: hyper-threads only add contention.
         threads = int(os.environ.get("KILN_CPU_THREADS", 0)) or psutil.cpu_count(logical=False) or os.cpu_count()
         torch.set_num_threads(threads)
+        self.libc = _glibc()
+        if self.libc is not None and os.environ.get("KILN_CPU_MALLOC_TUNING", "1") != "0":
+            # NOTE: glibc serves every allocation over 128 KiB with a fresh mmap and
+            # unmaps it on free, so each step's activations page-fault (and are zeroed
+            # by the kernel) all over again: elementwise ops on a 2048-token prefill
+            # ran 4-5x slower (measured). Keep blocks up to 32 MiB (glibc's cap) in
+            # the heap for reuse, and never trim it.
+            self.libc.mallopt(M_MMAP_THRESHOLD, 32 * 1024 * 1024)
+            self.libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)
 
     def device(self) -> torch.device:
         return torch.device("cpu")
@@ -35,12 +66,18 @@ class CpuPlatform(Platform):
         # blocks never written cost no resident memory, unlike torch.zeros, which
         # writes every byte. So a large KV pool is cheap until it is used.
         nbytes = int(np.prod(shape)) * torch.finfo(dtype).bits // 8
-        return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+        buffer = np.zeros(nbytes, dtype=np.uint8)
+        if self.libc is not None:
+            # Huge pages: 512x fewer page faults when blocks are first written.
+            start = -(-buffer.ctypes.data // PAGE) * PAGE
+            self.libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(nbytes - (start - buffer.ctypes.data)), MADV_HUGEPAGE)
+        return torch.from_numpy(buffer).view(dtype).view(shape)
 
     def dtype_for(self, model_dtype: torch.dtype | None) -> torch.dtype:
-        # NOTE: without AMX, bf16/fp16 matmuls are no faster than fp32 on x86 CPUs
-        # (measured), and fp32 keeps outputs identical to a fp32 reference.
-        return torch.float32
+        # NOTE: with AMX (Xeon Sapphire Rapids and later) bf16 matmuls ran 8x faster
+        # than fp32 here (2.7 vs 0.34 TFLOPS at 2048x576x3072); without it bf16 is no
+        # faster, and fp32 keeps outputs identical to an fp32 reference.
+        return torch.bfloat16 if has_amx_bf16() else torch.float32
 
     def attention_backend(self) -> str:
         return "cpu"
