@@ -91,4 +91,4 @@ def paged_decode_attention(
 def supports(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
     """Shapes and cache dtypes the C kernel handles (others use the torch path)."""
     group = num_heads // num_kv_heads
-    return dtype in CACHE_DTYPES and head_dim % 8 == 0 and 1 <= group <= 8 and group * num_kv_heads == num_heads
+    return dtype in CACHE_DTYPES and head_dim in (64, 128) and 1 <= group <= 8 and group * num_kv_heads == num_heads

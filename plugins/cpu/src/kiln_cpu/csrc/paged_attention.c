@@ -2,17 +2,16 @@
  * Decode attention straight from the paged KV cache, for Kiln's CPU plugin.
  * The cache holds fp32 or bf16; queries, outputs and all arithmetic are fp32.
  *
- * One query token per request, one request per work item. K and V are read in
- * place through the block table (no gathered copy), in token order with all
- * heads of a token together, so each cache row streams through once; the query
- * heads sharing a kv head (the GQA group) reuse every K/V vector they load:
+ * One query token per request. K and V are read in place through the block
+ * table (no gathered copy). Work is split by (request, kv head); the query heads
+ * sharing a kv head (the GQA group) reuse every K/V vector they load:
  *
- *   scores[h][g][t] = scale * q[h][g] . K[t][h]      t < seq_len
- *   p[h][g][t]      = softmax_t(scores[h][g][t])
- *   out[h][g]       = sum_t p[h][g][t] * V[t][h]
+ *   s[g][t] = scale * q[g] . K[t]      t < seq_len
+ *   p[g][t] = exp(s[g][t] - max_t s[g][t])
+ *   out[g]  = sum_t p[g][t] * V[t] / sum_t p[g][t]
  *
- * The group size is made a compile-time constant (one specialisation per size
- * up to MAX_GROUP) so the per-head accumulators live in vector registers.
+ * Group size G and head size D are compile-time constants (one function per
+ * pair), so q and the output accumulators stay in vector registers.
  *
  * Built at first use by kiln_cpu.native with the C compiler and OpenMP; the
  * loader resolves libgomp to the copy torch already loaded, so both share one
@@ -25,9 +24,11 @@
 
 /* Eight floats; GCC/Clang lower it to AVX/AVX-512 or NEON as available. */
 typedef float v8 __attribute__((vector_size(32)));
+typedef int32_t i8 __attribute__((vector_size(32)));
 typedef uint16_t u16x8 __attribute__((vector_size(16)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
-#define MAX_GROUP 8
+
+static inline v8 splat(float x) { return (v8){x, x, x, x, x, x, x, x}; }
 
 static inline v8 load8_f32(const float *p) {
     v8 v;
@@ -49,109 +50,142 @@ static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
 
 static inline float hsum8(v8 a) { return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7])); }
 
-static void softmax_rows(float *scores, int64_t rows, int64_t len) {
-    for (int64_t r = 0; r < rows; r++) {
-        float *s = scores + r * len;
-        float m = -INFINITY, sum = 0.0f;
-        for (int64_t t = 0; t < len; t++) m = s[t] > m ? s[t] : m;
-        for (int64_t t = 0; t < len; t++) {
-            s[t] = expf(s[t] - m);
-            sum += s[t];
-        }
-        const float inv = 1.0f / sum;
-        for (int64_t t = 0; t < len; t++) s[t] *= inv;
-    }
+static inline v8 vmax(v8 a, v8 b) {
+    const i8 take_b = a < b;
+    return (v8)(((i8)a & ~take_b) | ((i8)b & take_b));
 }
 
-/* Everything that depends on the cache element type T, read eight at a time by LOAD. */
-#define DEFINE_DECODE_ATTENTION(NAME, T, LOAD)                                                                   \
-    /* scores[(h * group + g) * len + t] for every kv head h. */                                                 \
-    static inline __attribute__((always_inline)) void scores_##NAME(                                             \
-        float *scores, const float *q, const T *k_cache, const int32_t *table, int64_t len, int64_t kv_heads,    \
-        int64_t head_dim, int64_t block_size, float scale, const int64_t group) {                               \
-        const int64_t row = kv_heads * head_dim;                                                                 \
+/* exp(x) for x <= 0 (Cephes' single-precision polynomial, about 1 ulp): x = n ln2 + r. */
+static inline v8 exp8_nonpositive(v8 x) {
+    x = vmax(x, splat(-87.0f));
+    const i8 n = __builtin_convertvector(x * splat(1.44269504088896341f) - splat(0.5f), i8);
+    const v8 nf = __builtin_convertvector(n, v8);
+    const v8 r = x - nf * splat(0.693359375f) + nf * splat(2.12194440e-4f);
+    v8 p = splat(1.9875691500e-4f);
+    p = p * r + splat(1.3981999507e-3f);
+    p = p * r + splat(8.3334519073e-3f);
+    p = p * r + splat(4.1665795894e-2f);
+    p = p * r + splat(1.6666665459e-1f);
+    p = p * r + splat(5.0000001201e-1f);
+    p = p * r * r + r + splat(1.0f);
+    return p * (v8)((n + 127) << 23);
+}
+
+/* p[t] = exp(s[t] - max s) over a row padded with -inf to a multiple of 8; returns sum p. */
+static inline float softmax_numerators(float *s, int64_t padded) {
+    v8 m = splat(-INFINITY);
+    for (int64_t t = 0; t < padded; t += 8) m = vmax(m, load8_f32(s + t));
+    float mx = m[0];
+    for (int i = 1; i < 8; i++) mx = m[i] > mx ? m[i] : mx;
+    v8 sum = splat(0.0f);
+    for (int64_t t = 0; t < padded; t += 8) {
+        const v8 e = exp8_nonpositive(load8_f32(s + t) - splat(mx));
+        store8(s + t, e);
+        sum += e;
+    }
+    return hsum8(sum);
+}
+
+/* One (request, kv head): out[g][:] for g < G. k and v point at this head's slice of
+ * block 0; scores has room for G rows of `padded` floats. */
+#define DEFINE_HEAD(NAME, T, LOAD, G, D)                                                                         \
+    static void head_##NAME##_##G##_##D(float *out, const float *q, const T *k, const T *v,                    \
+                                        const int32_t *table, int64_t len, int64_t row, int64_t block_size,     \
+                                        float scale, float *scores, int64_t padded) {                           \
+        v8 qv[G][D / 8];                                                                                         \
+        for (int g = 0; g < G; g++)                                                                              \
+            for (int c = 0; c < D / 8; c++) qv[g][c] = load8_f32(q + g * D + 8 * c) * splat(scale);             \
         for (int64_t t0 = 0; t0 < len; t0 += block_size) {                                                       \
-            const T *kb = k_cache + (int64_t)table[t0 / block_size] * block_size * row;                          \
+            const T *kb = k + (int64_t)table[t0 / block_size] * block_size * row;                                \
             const int64_t n = len - t0 < block_size ? len - t0 : block_size;                                     \
             for (int64_t j = 0; j < n; j++) {                                                                    \
-                for (int64_t h = 0; h < kv_heads; h++) {                                                         \
-                    const T *k = kb + j * row + h * head_dim;                                                    \
-                    const float *qh = q + h * group * head_dim;                                                  \
-                    v8 acc[MAX_GROUP];                                                                           \
-                    for (int64_t g = 0; g < group; g++) acc[g] = (v8){0};                                        \
-                    for (int64_t i = 0; i < head_dim; i += 8) {                                                  \
-                        const v8 kv = LOAD(k + i);                                                               \
-                        for (int64_t g = 0; g < group; g++) acc[g] += load8_f32(qh + g * head_dim + i) * kv;     \
-                    }                                                                                            \
-                    for (int64_t g = 0; g < group; g++)                                                          \
-                        scores[(h * group + g) * len + t0 + j] = scale * hsum8(acc[g]);                          \
+                v8 acc[G];                                                                                       \
+                for (int g = 0; g < G; g++) acc[g] = splat(0.0f);                                                \
+                for (int c = 0; c < D / 8; c++) {                                                                \
+                    const v8 kv = LOAD(kb + j * row + 8 * c);                                                    \
+                    for (int g = 0; g < G; g++) acc[g] += qv[g][c] * kv;                                         \
+                }                                                                                                \
+                for (int g = 0; g < G; g++) scores[g * padded + t0 + j] = hsum8(acc[g]);                         \
+            }                                                                                                    \
+        }                                                                                                        \
+        float inv[G];                                                                                            \
+        for (int g = 0; g < G; g++) {                                                                            \
+            for (int64_t t = len; t < padded; t++) scores[g * padded + t] = -INFINITY;                           \
+            inv[g] = 1.0f / softmax_numerators(scores + g * padded, padded);                                    \
+        }                                                                                                        \
+        v8 o[G][D / 8];                                                                                          \
+        for (int g = 0; g < G; g++)                                                                              \
+            for (int c = 0; c < D / 8; c++) o[g][c] = splat(0.0f);                                               \
+        for (int64_t t0 = 0; t0 < len; t0 += block_size) {                                                       \
+            const T *vb = v + (int64_t)table[t0 / block_size] * block_size * row;                                \
+            const int64_t n = len - t0 < block_size ? len - t0 : block_size;                                     \
+            for (int64_t j = 0; j < n; j++) {                                                                    \
+                v8 w[G];                                                                                         \
+                for (int g = 0; g < G; g++) w[g] = splat(scores[g * padded + t0 + j]);                           \
+                for (int c = 0; c < D / 8; c++) {                                                                \
+                    const v8 vv = LOAD(vb + j * row + 8 * c);                                                    \
+                    for (int g = 0; g < G; g++) o[g][c] += w[g] * vv;                                            \
                 }                                                                                                \
             }                                                                                                    \
         }                                                                                                        \
-    }                                                                                                            \
-                                                                                                                 \
-    /* out[h][g] = sum_t p[h][g][t] * V[t][h], reading V once, in token order. */                                \
-    static inline __attribute__((always_inline)) void values_##NAME(                                             \
-        float *out, const float *p, const T *v_cache, const int32_t *table, int64_t len, int64_t kv_heads,       \
-        int64_t head_dim, int64_t block_size, const int64_t group) {                                            \
-        const int64_t row = kv_heads * head_dim;                                                                 \
-        memset(out, 0, kv_heads * group * head_dim * sizeof(float));                                             \
-        for (int64_t t0 = 0; t0 < len; t0 += block_size) {                                                      \
-            const T *vb = v_cache + (int64_t)table[t0 / block_size] * block_size * row;                          \
-            const int64_t n = len - t0 < block_size ? len - t0 : block_size;                                     \
-            for (int64_t j = 0; j < n; j++) {                                                                    \
-                for (int64_t h = 0; h < kv_heads; h++) {                                                         \
-                    const T *v = vb + j * row + h * head_dim;                                                    \
-                    float w[MAX_GROUP];                                                                          \
-                    for (int64_t g = 0; g < group; g++) w[g] = p[(h * group + g) * len + t0 + j];                \
-                    for (int64_t i = 0; i < head_dim; i += 8) {                                                  \
-                        const v8 vv = LOAD(v + i);                                                               \
-                        for (int64_t g = 0; g < group; g++) {                                                    \
-                            float *o = out + (h * group + g) * head_dim + i;                                     \
-                            store8(o, load8_f32(o) + w[g] * vv);                                                 \
-                        }                                                                                        \
-                    }                                                                                            \
-                }                                                                                                \
-            }                                                                                                    \
-        }                                                                                                        \
-    }                                                                                                            \
-                                                                                                                 \
-    /* Returns 0, or -1 for shapes this kernel does not handle (the caller falls back). */                       \
+        for (int g = 0; g < G; g++)                                                                              \
+            for (int c = 0; c < D / 8; c++) store8(out + g * D + 8 * c, o[g][c] * splat(inv[g]));                \
+    }
+
+typedef void (*head_fn_f32)(float *, const float *, const float *, const float *, const int32_t *, int64_t, int64_t,
+                            int64_t, float, float *, int64_t);
+typedef void (*head_fn_bf16)(float *, const float *, const uint16_t *, const uint16_t *, const int32_t *, int64_t,
+                             int64_t, int64_t, float, float *, int64_t);
+
+#define DEFINE_HEADS(NAME, T, LOAD, D)                                                                              \
+    DEFINE_HEAD(NAME, T, LOAD, 1, D)                                                                                \
+    DEFINE_HEAD(NAME, T, LOAD, 2, D)                                                                                \
+    DEFINE_HEAD(NAME, T, LOAD, 3, D)                                                                                \
+    DEFINE_HEAD(NAME, T, LOAD, 4, D)                                                                                \
+    DEFINE_HEAD(NAME, T, LOAD, 5, D)                                                                                \
+    DEFINE_HEAD(NAME, T, LOAD, 6, D)                                                                                \
+    DEFINE_HEAD(NAME, T, LOAD, 7, D)                                                                                \
+    DEFINE_HEAD(NAME, T, LOAD, 8, D)                                                                                \
+    static const head_fn_##NAME heads_##NAME##_##D[9] = {NULL,                  head_##NAME##_1_##D,                \
+                                                          head_##NAME##_2_##D,  head_##NAME##_3_##D,                \
+                                                          head_##NAME##_4_##D,  head_##NAME##_5_##D,                \
+                                                          head_##NAME##_6_##D,  head_##NAME##_7_##D,                \
+                                                          head_##NAME##_8_##D};
+
+/* The entry point for cache element type T: returns 0, or -1 for shapes this kernel
+ * does not handle (the caller then falls back to torch). */
+#define DEFINE_DECODE_ATTENTION(NAME, T, LOAD)                                                                   \
+    DEFINE_HEADS(NAME, T, LOAD, 64)                                                                              \
+    DEFINE_HEADS(NAME, T, LOAD, 128)                                                                             \
     int paged_decode_attention_##NAME(float *out, const float *q, const T *k_cache, const T *v_cache,            \
                                       const int32_t *block_table, int64_t table_stride, const int32_t *seq_lens, \
                                       int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads,                 \
                                       int64_t head_dim, int64_t block_size, float scale) {                       \
         const int64_t group = num_heads / num_kv_heads;                                                          \
-        if (head_dim % 8 != 0 || group < 1 || group > MAX_GROUP || group * num_kv_heads != num_heads) return -1; \
+        if (group < 1 || group > 8 || group * num_kv_heads != num_heads) return -1;                              \
+        if (head_dim != 64 && head_dim != 128) return -1;                                                        \
+        const head_fn_##NAME fn = head_dim == 64 ? heads_##NAME##_64[group] : heads_##NAME##_128[group];         \
+        const int64_t row = num_kv_heads * head_dim;                                                             \
         _Pragma("omp parallel") {                                                                                \
             float *scores = NULL;                                                                                \
             int64_t capacity = 0;                                                                                \
-            _Pragma("omp for schedule(dynamic, 1)") for (int64_t r = 0; r < num_reqs; r++) {                     \
-                const int64_t len = seq_lens[r];                                                                 \
-                if (len * num_heads > capacity) {                                                                \
-                    free(scores);                                                                                \
-                    capacity = len * num_heads;                                                                  \
-                    scores = (float *)malloc(capacity * sizeof(float));                                          \
-                }                                                                                                \
-                const int32_t *table = block_table + r * table_stride;                                           \
-                const float *qr = q + r * num_heads * head_dim;                                                  \
-                float *outr = out + r * num_heads * head_dim;                                                    \
-                switch (group) {                                                                                 \
-                    SPECIALISE(NAME, 1) SPECIALISE(NAME, 2) SPECIALISE(NAME, 3) SPECIALISE(NAME, 4)              \
-                    SPECIALISE(NAME, 5) SPECIALISE(NAME, 6) SPECIALISE(NAME, 7) SPECIALISE(NAME, 8)              \
+            _Pragma("omp for collapse(2) schedule(dynamic, 4)") for (int64_t r = 0; r < num_reqs; r++) {         \
+                for (int64_t h = 0; h < num_kv_heads; h++) {                                                     \
+                    const int64_t len = seq_lens[r], padded = (len + 7) / 8 * 8;                                 \
+                    if (padded * group > capacity) {                                                             \
+                        free(scores);                                                                            \
+                        capacity = padded * group;                                                               \
+                        scores = (float *)malloc(capacity * sizeof(float));                                      \
+                    }                                                                                            \
+                    const int64_t first = (r * num_heads + h * group) * head_dim;                                \
+                    fn(out + first, q + first, k_cache + h * head_dim, v_cache + h * head_dim,                   \
+                       block_table + r * table_stride, len, row, block_size, scale, scores, padded);             \
                 }                                                                                                \
             }                                                                                                    \
             free(scores);                                                                                        \
         }                                                                                                        \
         return 0;                                                                                                \
     }
-
-#define SPECIALISE(NAME, G)                                                                               \
-    case G:                                                                                              \
-        scores_##NAME(scores, qr, k_cache, table, len, num_kv_heads, head_dim, block_size, scale, G);    \
-        softmax_rows(scores, num_heads, len);                                                            \
-        values_##NAME(outr, scores, v_cache, table, len, num_kv_heads, head_dim, block_size, G);         \
-        break;
 
 DEFINE_DECODE_ATTENTION(f32, float, load8_f32)
 DEFINE_DECODE_ATTENTION(bf16, uint16_t, load8_bf16)
