@@ -126,11 +126,17 @@ class LLMEngine:
         ops = resolve_ops(self.platform.custom_ops())
         device = self.platform.device()
         torch.manual_seed(self.config.seed)
-        with torch.device(device):
-            model = cls(hf_config, ops, backend, max_positions=self.config.max_model_len)
+        # Build straight in the target dtype: no full-size fp32 copy on the way.
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(device):
+                model = cls(hf_config, ops, backend, max_positions=self.config.max_model_len)
+        finally:
+            torch.set_default_dtype(default_dtype)
         if self.config.load_format != "dummy":
             model.load_weights(iter_weights(self.model_path))
-        return model.to(self.dtype).eval()
+        return model.eval()
 
     def _num_kv_blocks(self) -> int:
         cfg = self.config

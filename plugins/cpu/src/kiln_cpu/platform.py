@@ -45,14 +45,7 @@ class CpuPlatform(Platform):
         threads = int(os.environ.get("KILN_CPU_THREADS", 0)) or psutil.cpu_count(logical=False) or os.cpu_count()
         torch.set_num_threads(threads)
         self.libc = _glibc()
-        if self.libc is not None and os.environ.get("KILN_CPU_MALLOC_TUNING", "1") != "0":
-            # NOTE: glibc serves every allocation over 128 KiB with a fresh mmap and
-            # unmaps it on free, so each step's activations page-fault (and are zeroed
-            # by the kernel) all over again: elementwise ops on a 2048-token prefill
-            # ran 4-5x slower (measured). Keep blocks up to 32 MiB (glibc's cap) in
-            # the heap for reuse, and never trim it.
-            self.libc.mallopt(M_MMAP_THRESHOLD, 32 * 1024 * 1024)
-            self.libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)
+        self._malloc_tuned = False
 
     def device(self) -> torch.device:
         return torch.device("cpu")
@@ -65,6 +58,7 @@ class CpuPlatform(Platform):
         # NOTE: numpy's zeros come from calloc, i.e. fresh zero pages from the kernel:
         # blocks never written cost no resident memory, unlike torch.zeros, which
         # writes every byte. So a large KV pool is cheap until it is used.
+        self._tune_malloc()
         nbytes = int(np.prod(shape)) * torch.finfo(dtype).bits // 8
         buffer = np.zeros(nbytes, dtype=np.uint8)
         if self.libc is not None:
@@ -72,6 +66,22 @@ class CpuPlatform(Platform):
             start = -(-buffer.ctypes.data // PAGE) * PAGE
             self.libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(nbytes - (start - buffer.ctypes.data)), MADV_HUGEPAGE)
         return torch.from_numpy(buffer).view(dtype).view(shape)
+
+    def _tune_malloc(self) -> None:
+        """Switch glibc malloc from load-time to step-time behaviour (once the weights are in).
+
+        NOTE: glibc serves every allocation over 128 KiB with a fresh mmap and unmaps it
+        on free, so each step's activations page-fault (and are zeroed) all over again:
+        elementwise ops in a 2048-token prefill ran 4-5x slower (measured). We first
+        return load-time garbage to the kernel, then keep blocks up to 32 MiB (glibc's
+        cap) in the heap for reuse and never trim it. Off with KILN_CPU_MALLOC_TUNING=0.
+        """
+        if self.libc is None or self._malloc_tuned or os.environ.get("KILN_CPU_MALLOC_TUNING", "1") == "0":
+            return
+        self.libc.malloc_trim(0)
+        self.libc.mallopt(M_MMAP_THRESHOLD, 32 * 1024 * 1024)
+        self.libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)
+        self._malloc_tuned = True
 
     def dtype_for(self, model_dtype: torch.dtype | None) -> torch.dtype:
         # NOTE: with AMX (Xeon Sapphire Rapids and later) bf16 matmuls ran 8x faster

@@ -1,0 +1,166 @@
+"""Offline throughput: Kiln versus Hugging Face ``generate`` on the same machine, in one run.
+
+Workload (issue 2): 64 prompts of 256 random tokens, 128 new tokens each,
+``ignore_eos``, greedy. Kiln gets all prompts at once (continuous batching);
+transformers runs static batches of 16. Each system runs in its own process,
+one after the other (two torch processes on the same cores slow each other
+down), and reports output tokens/s and its peak RSS. transformers runs in fp32
+and bf16 and the faster is the baseline; Kiln runs with ``dtype=auto``.
+
+    python bench/offline_throughput.py [--repeats 3] [--systems kiln,hf-float32,hf-bfloat16]
+
+Prints a table and writes ``bench/results/offline_throughput.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results" / "offline_throughput.json"
+
+
+def make_prompts(num: int, length: int, vocab: int, special: set[int], seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    allowed = [t for t in range(vocab) if t not in special]
+    return [[rng.choice(allowed) for _ in range(length)] for _ in range(num)]
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_kiln(args: argparse.Namespace) -> dict:
+    from kiln import LLM, SamplingParams
+
+    llm = LLM(args.model)
+    tok = llm.get_tokenizer()
+    prompts = make_prompts(args.num_prompts, args.input_len, len(tok), set(tok.all_special_ids))
+    llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], SamplingParams(max_tokens=8, ignore_eos=True))
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0)
+    start = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    elapsed = time.perf_counter() - start
+    assert all(len(o.outputs[0].token_ids) == args.output_len for o in outputs)
+    return {"seconds": elapsed, "dtype": str(llm.engine.dtype).removeprefix("torch.")}
+
+
+def run_hf(args: argparse.Namespace, dtype: str) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, dtype)).eval()
+    prompts = torch.tensor(make_prompts(args.num_prompts, args.input_len, len(tok), set(tok.all_special_ids)))
+    kwargs = dict(do_sample=False, pad_token_id=tok.pad_token_id or 0)
+    with torch.inference_mode():
+        model.generate(prompts[:2], attention_mask=torch.ones_like(prompts[:2]), max_new_tokens=8, **kwargs)
+        start = time.perf_counter()
+        for i in range(0, len(prompts), args.batch_size):
+            batch = prompts[i : i + args.batch_size]
+            out = model.generate(
+                batch,
+                attention_mask=torch.ones_like(batch),
+                max_new_tokens=args.output_len,
+                min_new_tokens=args.output_len,
+                **kwargs,
+            )
+            assert out.shape[1] == args.input_len + args.output_len
+        elapsed = time.perf_counter() - start
+    return {"seconds": elapsed, "dtype": dtype}
+
+
+def worker(args: argparse.Namespace) -> None:
+    load = os.getloadavg()[0]
+    if args.worker == "kiln":
+        result = run_kiln(args)
+    else:
+        result = run_hf(args, args.worker.removeprefix("hf-"))
+    result.update(
+        system=args.worker,
+        output_tokens_per_s=args.num_prompts * args.output_len / result["seconds"],
+        peak_rss_mb=peak_rss_mb(),
+        loadavg_at_start=load,
+    )
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def run_system(name: str, args: argparse.Namespace) -> dict:
+    cmd = [sys.executable, __file__, "--worker", name, "--model", args.model]
+    for flag in ("num_prompts", "input_len", "output_len", "batch_size"):
+        cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="HF folder (default: the embedded default model)")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=16, help="transformers' static batch size")
+    parser.add_argument("--systems", default="kiln,hf-float32,hf-bfloat16")
+    parser.add_argument("--repeats", type=int, default=1, help="best of N runs per system")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.model is None:
+        from kiln.models.loader import resolve_model
+
+        args.model = resolve_model(None, "auto").path
+    if args.worker:
+        worker(args)
+        return
+
+    best: dict[str, dict] = {}
+    for _ in range(args.repeats):
+        for name in args.systems.split(","):
+            result = run_system(name, args)
+            if name not in best or result["output_tokens_per_s"] > best[name]["output_tokens_per_s"]:
+                best[name] = result
+    report(args, best)
+
+
+def report(args: argparse.Namespace, best: dict[str, dict]) -> None:
+    print(f"\n{'system':<14}{'dtype':<10}{'out tok/s':>11}{'seconds':>10}{'peak RSS MB':>13}")
+    for r in best.values():
+        print(f"{r['system']:<14}{r['dtype']:<10}{r['output_tokens_per_s']:>11.1f}{r['seconds']:>10.1f}{r['peak_rss_mb']:>13.0f}")
+    summary = {}
+    hf = [r for name, r in best.items() if name.startswith("hf")]
+    if "kiln" in best and hf:
+        base = max(hf, key=lambda r: r["output_tokens_per_s"])
+        kiln = best["kiln"]
+        summary = {
+            "baseline": base["system"],
+            "speedup": kiln["output_tokens_per_s"] / base["output_tokens_per_s"],
+            "rss_ratio": kiln["peak_rss_mb"] / base["peak_rss_mb"],
+        }
+        print(
+            f"\nKiln / {base['system']}: {summary['speedup']:.2f}x output tokens/s, "
+            f"peak RSS {kiln['peak_rss_mb']:.0f} vs {base['peak_rss_mb']:.0f} MB"
+        )
+        print("target: Kiln >= 2x the faster transformers run, peak RSS no higher")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps({
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "workload": {k: getattr(args, k) for k in ("num_prompts", "input_len", "output_len", "batch_size", "repeats")},
+        "results": best,
+        "summary": summary,
+    }, indent=2))
+    print(f"saved {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
