@@ -135,7 +135,9 @@ def main() -> None:
 def report(args: argparse.Namespace, best: dict[str, dict]) -> None:
     print(f"\n{'system':<14}{'dtype':<10}{'out tok/s':>11}{'seconds':>10}{'peak RSS MB':>13}")
     for r in best.values():
-        print(f"{r['system']:<14}{r['dtype']:<10}{r['output_tokens_per_s']:>11.1f}{r['seconds']:>10.1f}{r['peak_rss_mb']:>13.0f}")
+        print(
+            f"{r['system']:<14}{r['dtype']:<10}{r['output_tokens_per_s']:>11.1f}{r['seconds']:>10.1f}{r['peak_rss_mb']:>13.0f}"
+        )
     summary = {}
     hf = [r for name, r in best.items() if name.startswith("hf")]
     if "kiln" in best and hf:
@@ -152,13 +154,24 @@ def report(args: argparse.Namespace, best: dict[str, dict]) -> None:
         )
         print("target: Kiln >= 2x the faster transformers run, peak RSS no higher")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
-        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
-        "workload": {k: getattr(args, k) for k in ("num_prompts", "input_len", "output_len", "batch_size", "repeats")},
-        "results": best,
-        "summary": summary,
-    }, indent=2))
+    RESULTS.write_text(
+        json.dumps(
+            {
+                "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                "machine": {
+                    "cpus": os.cpu_count(),
+                    "platform": platform.platform(),
+                    "python": platform.python_version(),
+                },
+                "workload": {
+                    k: getattr(args, k) for k in ("num_prompts", "input_len", "output_len", "batch_size", "repeats")
+                },
+                "results": best,
+                "summary": summary,
+            },
+            indent=2,
+        )
+    )
     print(f"saved {RESULTS}")
 
 

@@ -118,7 +118,18 @@ def test_priority_scheduling_serves_urgent_requests_first(tiny_model_dir):
 @pytest.mark.slow
 def test_kiln_generate_cli_prints_a_completion(default_model_dir):
     out = subprocess.run(
-        [sys.executable, "-m", "kiln.cli", "generate", "What is the capital of France?", "--chat", "--max-tokens", "16"],
-        capture_output=True, text=True, check=True,
+        [
+            sys.executable,
+            "-m",
+            "kiln.cli",
+            "generate",
+            "What is the capital of France?",
+            "--chat",
+            "--max-tokens",
+            "16",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
     )
     assert "Paris" in out.stdout

@@ -99,8 +99,9 @@ def test_auto_picks_highest_priority_available():
 
 
 def test_kiln_plugins_cli_lists_versions_and_registrations():
-    out = subprocess.run([sys.executable, "-m", "kiln.cli", "plugins", "--json"], capture_output=True, text=True,
-                         check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "kiln.cli", "plugins", "--json"], capture_output=True, text=True, check=True
+    )
     data = json.loads(out.stdout)
     by_name = {p["name"]: p for p in data["plugins"]}
     assert by_name["cpu"]["distribution"] == "kiln-plugin-cpu" and by_name["cpu"]["version"]
@@ -176,7 +177,10 @@ def test_a_plugin_attention_backend_is_used_by_the_engine(tiny_model_dir):
         params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
         counted = LLM(tiny_model_dir("llama"), attention_backend="counting", max_model_len=64)
         plain = LLM(tiny_model_dir("llama"), max_model_len=64)
-        assert counted.generate("abc", params)[0].outputs[0].token_ids == plain.generate("abc", params)[0].outputs[0].token_ids
+        assert (
+            counted.generate("abc", params)[0].outputs[0].token_ids
+            == plain.generate("abc", params)[0].outputs[0].token_ids
+        )
         assert calls and set(calls) == {0, 1}
     finally:
         pm.unregister("counting-plugin")

@@ -18,8 +18,14 @@ def make_sched(num_blocks=64, block_size=4, **cfg) -> Scheduler:
 
 def make_req(n, rid, arrival=0.0, priority=0, max_tokens=8) -> Request:
     base = 1000 * (1 + sum(map(ord, rid)))  # distinct prompts: no accidental prefix hits
-    return Request(rid, list(range(base, base + n)), SamplingParams(max_tokens=max_tokens), frozenset({0}), arrival,
-                   priority=priority)
+    return Request(
+        rid,
+        list(range(base, base + n)),
+        SamplingParams(max_tokens=max_tokens),
+        frozenset({0}),
+        arrival,
+        priority=priority,
+    )
 
 
 def run_step(s: Scheduler, token=7):

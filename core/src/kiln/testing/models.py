@@ -48,7 +48,9 @@ def build_tiny_model(model_type: str, path: str | os.PathLike, tokenizer_dir: st
     return str(path)
 
 
-def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int, stop_at_eos: bool = False) -> list[list[int]]:
+def hf_greedy(
+    model_dir: str, prompts: list[list[int]], max_new_tokens: int, stop_at_eos: bool = False
+) -> list[list[int]]:
     """Reference: Hugging Face ``generate`` greedy, one prompt at a time, fp32.
 
     Unless ``stop_at_eos``, EOS is suppressed so every output is ``max_new_tokens`` long."""

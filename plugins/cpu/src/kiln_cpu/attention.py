@@ -78,8 +78,13 @@ class CpuAttentionBackend(AttentionBackend):
                 key, value = gather_kv(kv_cache, blocks, seq_len)
                 mask = torch.arange(seq_len)[None, :] <= torch.arange(context, seq_len)[:, None]
             o = F.scaled_dot_product_attention(
-                qi, key.transpose(0, 1)[None], value.transpose(0, 1)[None],
-                attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True,
+                qi,
+                key.transpose(0, 1)[None],
+                value.transpose(0, 1)[None],
+                attn_mask=mask,
+                is_causal=mask is None,
+                scale=scale,
+                enable_gqa=True,
             )
             out[q_start:q_end] = o[0].transpose(0, 1)
         return out

@@ -79,9 +79,19 @@ def paged_decode_attention(
     out = torch.empty_like(q32)
     num_reqs, num_heads, head_dim = q32.shape
     status = kernel(
-        out.data_ptr(), q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-        block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(),
-        num_reqs, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], scale,
+        out.data_ptr(),
+        q32.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_table.data_ptr(),
+        block_table.stride(0),
+        seq_lens.data_ptr(),
+        num_reqs,
+        num_heads,
+        k_cache.shape[2],
+        head_dim,
+        k_cache.shape[1],
+        scale,
     )
     if status != 0:
         raise ValueError(f"native decode attention does not support head_dim={head_dim}, heads={num_heads}")

@@ -12,7 +12,6 @@ import torch
 
 from kiln.platforms.base import Platform
 
-
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 MADV_HUGEPAGE = 14
 PAGE = 4096
@@ -64,7 +63,9 @@ class CpuPlatform(Platform):
         if self.libc is not None:
             # Huge pages: 512x fewer page faults when blocks are first written.
             start = -(-buffer.ctypes.data // PAGE) * PAGE
-            self.libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(nbytes - (start - buffer.ctypes.data)), MADV_HUGEPAGE)
+            self.libc.madvise(
+                ctypes.c_void_p(start), ctypes.c_size_t(nbytes - (start - buffer.ctypes.data)), MADV_HUGEPAGE
+            )
         return torch.from_numpy(buffer).view(dtype).view(shape)
 
     def _tune_malloc(self) -> None:
