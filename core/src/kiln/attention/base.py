@@ -37,6 +37,40 @@ class BatchLayout:
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
 
+    @classmethod
+    def build(
+        cls,
+        block_rows: list[list[int]],
+        context_lens: list[int],
+        query_lens: list[int],
+        block_size: int,
+        device: torch.device | str,
+    ) -> BatchLayout:
+        """Describe requests (decodes first) by their block ids, tokens already cached,
+        and tokens computed this step."""
+        slots: list[int] = []
+        starts, seq_lens = [0], []
+        for ids, context, n in zip(block_rows, context_lens, query_lens):
+            slots.extend(ids[p // block_size] * block_size + p % block_size for p in range(context, context + n))
+            starts.append(starts[-1] + n)
+            seq_lens.append(context + n)
+        table = torch.zeros(len(block_rows), max(len(r) for r in block_rows), dtype=torch.int32)
+        for i, row in enumerate(block_rows):
+            table[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
+        return cls(
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+            block_table=table.to(device),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            num_decode_reqs=sum(1 for n in query_lens if n == 1),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            block_size=block_size,
+            query_lens_cpu=list(query_lens),
+            seq_lens_cpu=seq_lens,
+        )
+
     @property
     def num_reqs(self) -> int:
         return len(self.seq_lens_cpu)

@@ -55,45 +55,21 @@ class ModelRunner:
         self.kv_caches = [self.platform.allocate_kv_cache(shape, self.backend.dtype) for _ in self.model.layers]
 
     def _layout(self, batch: list[tuple[Request, int]]):
-        bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
-        query_start = [0]
-        seq_lens: list[int] = []
-        block_rows: list[list[int]] = []
         for req, n in batch:
             start = req.num_computed_tokens
             input_ids.extend(req.all_token_ids[start : start + n])
             positions.extend(range(start, start + n))
-            ids = [b.block_id for b in req.blocks]
-            slots.extend(ids[p // bs] * bs + p % bs for p in range(start, start + n))
-            query_start.append(query_start[-1] + n)
-            seq_lens.append(start + n)
-            block_rows.append(ids)
-        width = max(len(r) for r in block_rows)
-        table = torch.zeros(len(batch), width, dtype=torch.int32)
-        for i, row in enumerate(block_rows):
-            table[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
-        query_lens = [n for _, n in batch]
-        seq = torch.tensor(seq_lens, dtype=torch.int32)
-        q_len = torch.tensor(query_lens, dtype=torch.int32)
-        dev = self.device
-        layout = BatchLayout(
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
-            seq_lens=seq.to(dev),
-            context_lens=(seq - q_len).to(dev),
-            block_table=table.to(dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            num_decode_reqs=sum(1 for n in query_lens if n == 1),
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-            block_size=bs,
-            query_lens_cpu=query_lens,
-            seq_lens_cpu=seq_lens,
+        layout = BatchLayout.build(
+            [[b.block_id for b in req.blocks] for req, _ in batch],
+            [req.num_computed_tokens for req, _ in batch],
+            [n for _, n in batch],
+            self.block_size,
+            self.device,
         )
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
-        pos = torch.tensor(positions, dtype=torch.int64, device=dev)
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
         return ids, pos, layout
 
     @torch.inference_mode()

@@ -27,33 +27,9 @@ def random_layout(
     shapes = sorted(shapes, key=lambda s: s[1] != 1)
     free = list(range(1, num_blocks))
     rng.shuffle(free)
-    tables, slots, starts, seq_lens = [], [], [0], []
-    for context, q_len in shapes:
-        seq_len = context + q_len
-        blocks = [free.pop() for _ in range(-(-seq_len // block_size))]
-        tables.append(blocks)
-        slots += [blocks[p // block_size] * block_size + p % block_size for p in range(context, seq_len)]
-        starts.append(starts[-1] + q_len)
-        seq_lens.append(seq_len)
-    width = max(len(t) for t in tables)
-    table = torch.zeros(len(shapes), width, dtype=torch.int32)
-    for i, t in enumerate(tables):
-        table[i, : len(t)] = torch.tensor(t)
-    q_lens = [q for _, q in shapes]
-    layout = BatchLayout(
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        context_lens=torch.tensor([c for c, _ in shapes], dtype=torch.int32, device=device),
-        block_table=table.to(device),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        num_decode_reqs=sum(1 for q in q_lens if q == 1),
-        max_query_len=max(q_lens),
-        max_seq_len=max(seq_lens),
-        block_size=block_size,
-        query_lens_cpu=q_lens,
-        seq_lens_cpu=seq_lens,
-    )
-    return layout, starts[-1]
+    tables = [[free.pop() for _ in range(-(-(c + q) // block_size))] for c, q in shapes]
+    layout = BatchLayout.build(tables, [c for c, _ in shapes], [q for _, q in shapes], block_size, device)
+    return layout, layout.num_tokens
 
 
 # (context_len, query_len) per request: decodes, fresh prefills, chunks on a cached
