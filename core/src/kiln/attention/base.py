@@ -116,6 +116,11 @@ class AttentionBackend(ABC):
         """Shape of one layer's cache; the default is (2, blocks, block_size, kv_heads, head_dim)."""
         return (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
 
+    def reference_view(self, kv_cache: torch.Tensor) -> torch.Tensor:
+        """The cache as a (2, blocks, block_size, kv_heads, head_dim) view, the reference
+        layout; lets the contract suite seed and compare caches of any layout."""
+        return kv_cache
+
     def build_metadata(self, layout: BatchLayout) -> object:
         """Backend-private metadata built once per step and passed to every layer."""
         return layout

@@ -1,5 +1,9 @@
 """CPU attention over the paged cache.
 
+The cache is head-major: (2, blocks, kv_heads, block_size, head_dim), so one
+head's keys in one block are a contiguous run that the decode kernel streams
+through and that gathers turn straight into SDPA's (heads, len, dim) shape.
+
 * Decodes (one query token each), fp32 or bf16 cache: one call per layer into the
   C kernel of ``csrc/paged_attention.c``, which reads K/V in place through the
   block table.
@@ -18,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kiln.attention.base import AttentionBackend, BatchLayout, gather_kv, write_kv_cache
+from kiln.attention.base import AttentionBackend, BatchLayout
 from kiln_cpu import native
 
 
@@ -37,6 +41,12 @@ class CpuAttentionBackend(AttentionBackend):
         super().__init__(num_heads, num_kv_heads, head_dim, dtype)
         use_native = native.supports(num_heads, num_kv_heads, head_dim, dtype)
         self.native = native.load_kernels() if use_native else None
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (2, num_blocks, self.num_kv_heads, block_size, self.head_dim)
+
+    def reference_view(self, kv_cache: torch.Tensor) -> torch.Tensor:
+        return kv_cache.transpose(2, 3)
 
     def build_metadata(self, layout: BatchLayout) -> CpuMetadata:
         nd, bs = layout.num_decode_reqs, layout.block_size
@@ -57,7 +67,7 @@ class CpuAttentionBackend(AttentionBackend):
         return CpuMetadata(layout, decode_blocks, decode_mask, prefills)
 
     def forward(self, q, k, v, kv_cache, metadata: CpuMetadata, *, layer_idx, scale):
-        write_kv_cache(k, v, kv_cache, metadata.layout.slot_mapping)
+        self._write(k, v, kv_cache, metadata.layout)
         out = torch.empty_like(q)
         if metadata.decode_blocks is not None:
             nd = metadata.decode_blocks.shape[0]
@@ -71,20 +81,15 @@ class CpuAttentionBackend(AttentionBackend):
         for q_start, q_end, context, seq_len, blocks in metadata.prefills:
             # NOTE: 4-D inputs take torch's CPU flash kernel; 3-D ones fall back to the
             # (several times slower) math path.
-            qi = q[q_start:q_end].transpose(0, 1)[None]
+            qi = q[q_start:q_end].transpose(0, 1)
             if context == 0:
-                key, value, mask = k[q_start:q_end], v[q_start:q_end], None
+                key, value, mask = k[q_start:q_end].transpose(0, 1), v[q_start:q_end].transpose(0, 1), None
             else:
-                key, value = gather_kv(kv_cache, blocks, seq_len)
+                kv = kv_cache[:, blocks].transpose(1, 2).flatten(2, 3)[:, :, :seq_len]  # (2, heads, len, dim)
+                key, value = kv[0], kv[1]
                 mask = torch.arange(seq_len)[None, :] <= torch.arange(context, seq_len)[:, None]
             o = F.scaled_dot_product_attention(
-                qi,
-                key.transpose(0, 1)[None],
-                value.transpose(0, 1)[None],
-                attn_mask=mask,
-                is_causal=mask is None,
-                scale=scale,
-                enable_gqa=True,
+                qi[None], key[None], value[None], attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
             )
             out[q_start:q_end] = o[0].transpose(0, 1)
         return out
@@ -93,10 +98,21 @@ class CpuAttentionBackend(AttentionBackend):
         nd = q.shape[0]
         hkv, d = self.num_kv_heads, self.head_dim
         group = self.num_heads // hkv
-        kv = kv_cache[:, metadata.decode_blocks]  # (2, nd, blocks, block_size, hkv, d)
-        key = kv[0].flatten(1, 2).transpose(1, 2)  # (nd, hkv, len, d)
-        value = kv[1].flatten(1, 2).transpose(1, 2)
+        kv = kv_cache[:, metadata.decode_blocks].transpose(2, 3).flatten(3, 4)  # (2, nd, hkv, len, d)
+        key, value = kv[0], kv[1]
         o = F.scaled_dot_product_attention(
             q.view(nd, hkv, group, d), key, value, attn_mask=metadata.decode_mask, scale=scale
         )
         return o.reshape(nd, self.num_heads, d)
+
+    def _write(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layout: BatchLayout) -> None:
+        slots = layout.slot_mapping
+        keep = slots >= 0
+        if not bool(keep.all()):
+            k, v, slots = k[keep], v[keep], slots[keep]
+        bs, heads = layout.block_size, self.num_kv_heads
+        # Row of (block, head, offset) in the cache seen as (blocks * heads * block_size, dim).
+        rows = ((slots // bs * heads)[:, None] + torch.arange(heads)) * bs + (slots % bs)[:, None]
+        flat = kv_cache.view(2, -1, self.head_dim)
+        flat[0].index_copy_(0, rows.flatten(), k.reshape(-1, self.head_dim))
+        flat[1].index_copy_(0, rows.flatten(), v.reshape(-1, self.head_dim))

@@ -24,7 +24,7 @@ import torch
 logger = logging.getLogger("kiln.cpu")
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention.c"
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
 
 def _cache_dir() -> Path:
@@ -66,7 +66,7 @@ CACHE_DTYPES = (torch.float32, torch.bfloat16)
 
 def paged_decode_attention(
     q: torch.Tensor,  # (reqs, heads, dim)
-    k_cache: torch.Tensor,  # (blocks, block_size, kv_heads, dim) fp32 or bf16, contiguous
+    k_cache: torch.Tensor,  # (blocks, kv_heads, block_size, dim) fp32 or bf16, contiguous
     v_cache: torch.Tensor,
     block_table: torch.Tensor,  # (reqs, width) int32, contiguous rows
     seq_lens: torch.Tensor,  # (reqs,) int32
@@ -88,9 +88,9 @@ def paged_decode_attention(
         seq_lens.data_ptr(),
         num_reqs,
         num_heads,
-        k_cache.shape[2],
+        k_cache.shape[1],  # kv heads
         head_dim,
-        k_cache.shape[1],
+        k_cache.shape[2],  # block size
         scale,
     )
     if status != 0:

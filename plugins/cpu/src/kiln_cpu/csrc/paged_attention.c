@@ -2,9 +2,11 @@
  * Decode attention straight from the paged KV cache, for Kiln's CPU plugin.
  * The cache holds fp32 or bf16; queries, outputs and all arithmetic are fp32.
  *
- * One query token per request. K and V are read in place through the block
- * table (no gathered copy). Work is split by (request, kv head); the query heads
- * sharing a kv head (the GQA group) reuse every K/V vector they load:
+ * Cache layout, per plane (K or V): (blocks, kv_heads, block_size, head_dim), so
+ * one head's rows in one block are contiguous. One query token per request. K and
+ * V are read in place through the block table (no gathered copy). Work is split
+ * by (request, kv head); the query heads sharing a kv head (the GQA group) reuse
+ * every K/V vector they load:
  *
  *   s[g][t] = scale * q[g] . K[t]      t < seq_len
  *   p[g][t] = exp(s[g][t] - max_t s[g][t])
@@ -86,8 +88,9 @@ static inline float softmax_numerators(float *s, int64_t padded) {
     return hsum8(sum);
 }
 
-/* One (request, kv head): out[g][:] for g < G. k and v point at this head's slice of
- * block 0; scores has room for G rows of `padded` floats. */
+/* One (request, kv head): out[g][:] for g < G. k and v point at this head's rows in
+ * block 0; `row` is the stride between blocks / block_size; scores has room for G
+ * rows of `padded` floats. */
 #define DEFINE_HEAD(NAME, T, LOAD, G, D)                                                                         \
     static void head_##NAME##_##G##_##D(float *out, const float *q, const T *k, const T *v,                    \
                                         const int32_t *table, int64_t len, int64_t row, int64_t block_size,     \
@@ -102,7 +105,7 @@ static inline float softmax_numerators(float *s, int64_t padded) {
                 v8 acc[G];                                                                                       \
                 for (int g = 0; g < G; g++) acc[g] = splat(0.0f);                                                \
                 for (int c = 0; c < D / 8; c++) {                                                                \
-                    const v8 kv = LOAD(kb + j * row + 8 * c);                                                    \
+                    const v8 kv = LOAD(kb + j * D + 8 * c);                                                    \
                     for (int g = 0; g < G; g++) acc[g] += qv[g][c] * kv;                                         \
                 }                                                                                                \
                 for (int g = 0; g < G; g++) scores[g * padded + t0 + j] = hsum8(acc[g]);                         \
@@ -123,7 +126,7 @@ static inline float softmax_numerators(float *s, int64_t padded) {
                 v8 w[G];                                                                                         \
                 for (int g = 0; g < G; g++) w[g] = splat(scores[g * padded + t0 + j]);                           \
                 for (int c = 0; c < D / 8; c++) {                                                                \
-                    const v8 vv = LOAD(vb + j * row + 8 * c);                                                    \
+                    const v8 vv = LOAD(vb + j * D + 8 * c);                                                    \
                     for (int g = 0; g < G; g++) o[g][c] += w[g] * vv;                                            \
                 }                                                                                                \
             }                                                                                                    \
@@ -178,7 +181,7 @@ typedef void (*head_fn_bf16)(float *, const float *, const uint16_t *, const uin
                         scores = (float *)malloc(capacity * sizeof(float));                                      \
                     }                                                                                            \
                     const int64_t first = (r * num_heads + h * group) * head_dim;                                \
-                    fn(out + first, q + first, k_cache + h * head_dim, v_cache + h * head_dim,                   \
+                    fn(out + first, q + first, k_cache + h * block_size * head_dim, v_cache + h * block_size * head_dim,                   \
                        block_table + r * table_stride, len, row, block_size, scale, scores, padded);             \
                 }                                                                                                \
             }                                                                                                    \
