@@ -100,15 +100,3 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
-
-    @property
-    def all_stop_token_ids(self) -> set[int]:
-        return set(self.stop_token_ids)
-
-    def clone_for_child(self) -> SamplingParams:
-        """A copy for one of the ``best_of`` sequences a request fans out into."""
-        from copy import copy
-
-        child = copy(self)
-        child.n = child.best_of = 1
-        return child
