@@ -80,12 +80,31 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def cmd_serve(ns: argparse.Namespace) -> int:
+    from kiln.entrypoints.openai.api_server import run_server
+
+    return run_server(ns)
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    from kiln.entrypoints.openai.cli_args import add_serve_args, apply_config_file
     from kiln.plugins import get_plugin_manager
 
     parser = argparse.ArgumentParser(prog="kiln", description="Kiln LLM serving engine")
-    parser.add_argument("--log-level", default="WARNING", help="python logging level (default: WARNING)")
+    parser.add_argument(
+        "--log-level", default=None, help="python logging level (default: INFO for serve, else WARNING)"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser(
+        "serve",
+        help="serve a model over the OpenAI-compatible HTTP API",
+        description="Serve a model over the OpenAI-compatible API (vLLM's endpoints, fields and flags).",
+    )
+    add_serve_args(s)
+    s.set_defaults(func=cmd_serve)
+    if argv is not None and "serve" in argv:
+        apply_config_file(s, argv)
 
     p = sub.add_parser("plugins", help="list installed plugins, their versions and what each registered")
     p.add_argument("--json", action="store_true", help="print JSON")
@@ -108,9 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv)
     ns = parser.parse_args(argv)
-    logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    level = ns.log_level or ("INFO" if ns.command == "serve" else "WARNING")
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return ns.func(ns) or 0
     except ValueError as exc:

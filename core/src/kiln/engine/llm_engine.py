@@ -69,6 +69,8 @@ class LLMEngine:
         self.logprob_formatter = LogprobFormatter(self.tokenizer)
         self.groups: dict[str, RequestGroup] = {}
         self._ids = itertools.count()
+        self.num_prompt_tokens = 0  # prompt tokens computed (recomputation included), for stats
+        self.num_generation_tokens = 0
         eos = self.generation_defaults.pop("eos_token_ids", [])
         self.eos_token_ids = frozenset(
             eos + ([self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])
@@ -192,6 +194,23 @@ class LLMEngine:
         priority: int = 0,
     ) -> str:
         """Validate and queue a request; raises ``ValueError`` naming the bad field."""
+        group = self.prepare_request(request_id, prompt, params, arrival_time, priority)
+        self.add_prepared(group)
+        return group.request_id
+
+    def prepare_request(
+        self,
+        request_id: str | None,
+        prompt: PromptInput,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> RequestGroup:
+        """Tokenize and validate a request without touching the scheduler.
+
+        Safe to call from another thread than the one stepping the engine (the
+        server's front end does), so bad input fails before it is queued.
+        """
         arrival = arrival_time or time.time()
         request_id = request_id or str(next(self._ids))
         if request_id in self.groups:
@@ -221,13 +240,18 @@ class LLMEngine:
                 )
             )
         detoks = [IncrementalDetokenizer(self.tokenizer, ids, params) for _ in children]
-        self.groups[request_id] = RequestGroup(request_id, text, ids, params, children, detoks)
+        return RequestGroup(request_id, text, ids, params, children, detoks)
+
+    def add_prepared(self, group: RequestGroup) -> None:
+        """Queue a request made by ``prepare_request``."""
+        if group.request_id in self.groups:
+            raise ValueError(f"request_id: {group.request_id!r} is already running")
+        self.groups[group.request_id] = group
         now = time.time()
-        for child in children:
+        for child in group.children:
             child.metrics.request_start_time = now
-            child.metrics.preprocess_cost_time = now - arrival
+            child.metrics.preprocess_cost_time = now - child.arrival_time
             self.scheduler.add_request(child)
-        return request_id
 
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
@@ -289,6 +313,9 @@ class LLMEngine:
                         req.logprobs.append(self.logprob_formatter.position(lp))
         for req, (first, logits) in result.prompt_logits.items():
             self._record_prompt_logprobs(req, first, logits)
+        for req, n in out.scheduled:
+            self.num_prompt_tokens += min(n, max(0, len(req.prompt_token_ids) - req.num_computed_tokens))
+        self.num_generation_tokens += len(sampled)
         self.scheduler.update_from_output(out, sampled)
 
         now = time.time()
@@ -345,4 +372,7 @@ class LLMEngine:
             "kv_cache_usage": self.kv.usage,
             "prefix_cache_queries": self.kv.prefix_queries,
             "prefix_cache_hits": self.kv.prefix_hits,
+            "prompt_tokens": self.num_prompt_tokens,
+            "generation_tokens": self.num_generation_tokens,
+            "num_preemptions": self.scheduler.num_preemptions,
         }

@@ -47,6 +47,7 @@ class Scheduler:
         self.token_budget = config.max_num_batched_tokens
         self.priority = config.scheduling_policy == "priority"
         self.reserve = int((1.0 - config.kv_cache_ratio) * (kv.num_blocks - 1))
+        self.num_preemptions = 0
 
     def _key(self, req: Request) -> tuple:
         return (req.priority, req.arrival_time) if self.priority else (req.arrival_time,)
@@ -109,6 +110,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.insert(0, req)
 
     def update_from_output(self, output: SchedulerOutput, sampled: dict[Request, int]) -> list[Request]:

@@ -1,0 +1,180 @@
+"""``AsyncEngine``: the engine loop on its own thread, fed from and read by asyncio.
+
+The HTTP front end tokenizes and validates on the event loop
+(``LLMEngine.prepare_request``), so bad input fails before it is queued; the
+engine thread alone steps the model (one process, one compute thread pool: two
+OpenMP pools on the same cores slow each other badly) and posts each step's
+outputs back to the event loop. The loop only ever waits on queues, never on
+torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+
+from kiln.engine.llm_engine import LLMEngine, PromptInput
+from kiln.outputs import RequestOutput
+from kiln.sampling_params import SamplingParams
+
+logger = logging.getLogger("kiln.engine")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped on an error; no request can be served any more."""
+
+
+class RequestStream:
+    """The outputs of one request, as an async iterator; ``close()`` aborts it if unfinished."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.finished = False
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[RequestOutput]:
+        while not self.finished:
+            item = await self.queue.get()
+            if isinstance(item, BaseException):
+                self.finished = True
+                raise item
+            self.finished = item.finished
+            yield item
+
+    def close(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.engine.abort(self.request_id)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, log_stats_interval: float | None = 10.0) -> None:
+        self.engine = engine
+        self.log_stats_interval = log_stats_interval
+        self.dead: BaseException | None = None
+        self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, RequestStream] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._last_log = (time.monotonic(), 0, 0)
+
+    # ------------------------------------------------------------ event loop side
+    def start(self) -> None:
+        """Start the engine thread; call from inside the running event loop."""
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="kiln-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Let the engine finish what it holds, then stop its thread."""
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.dead is None and self._thread is not None and self._thread.is_alive()
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptInput,
+        params: SamplingParams,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> RequestStream:
+        """Validate and queue a request; raises ``ValueError`` for bad input, ``EngineDeadError`` if stopped."""
+        if not self.is_healthy:
+            raise EngineDeadError(f"the engine is not running: {self.dead!r}" if self.dead else "the engine is stopped")
+        if request_id in self._streams:
+            raise ValueError(f"request_id: {request_id!r} is already running")
+        group = self.engine.prepare_request(request_id, prompt, params, arrival_time, priority)
+        stream = RequestStream(self, request_id)
+        self._streams[request_id] = stream
+        self._commands.put(("add", group))
+        self._wake.set()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        if self._streams.pop(request_id, None) is not None:
+            self._commands.put(("abort", request_id))
+            self._wake.set()
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue  # aborted while the step ran
+            stream.queue.put_nowait(out)
+            if out.finished:
+                del self._streams[out.request_id]
+
+    def _fail_all(self, exc: BaseException) -> None:
+        error = EngineDeadError(f"the engine stopped: {exc!r}")
+        for stream in self._streams.values():
+            stream.queue.put_nowait(error)
+        self._streams.clear()
+
+    # ---------------------------------------------------------------- engine side
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                self._drain_commands()
+                if not engine.has_unfinished_requests():
+                    if self._stopping:
+                        return
+                    self._wake.wait(self.log_stats_interval)
+                    self._wake.clear()
+                    self._log_stats()
+                    continue
+                outputs = engine.step()
+                if outputs:
+                    self._loop.call_soon_threadsafe(self._dispatch, outputs)
+                self._log_stats()
+        except BaseException as exc:  # the loop must report every death, not only Exceptions
+            logger.exception("engine loop stopped")
+            self.dead = exc
+            self._loop.call_soon_threadsafe(self._fail_all, exc)
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                command, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command == "add":
+                self.engine.add_prepared(arg)
+            else:
+                self.engine.abort_request(arg)
+
+    def _log_stats(self) -> None:
+        if self.log_stats_interval is None:
+            return
+        now = time.monotonic()
+        then, prompt_then, gen_then = self._last_log
+        if now - then < self.log_stats_interval:
+            return
+        stats = self.engine.get_stats()
+        elapsed = now - then
+        logger.info(
+            "throughput: prompt %.1f tokens/s, generation %.1f tokens/s | running %d, waiting %d reqs | "
+            "KV cache usage %.1f%%",
+            (stats["prompt_tokens"] - prompt_then) / elapsed,
+            (stats["generation_tokens"] - gen_then) / elapsed,
+            stats["num_running"],
+            stats["num_waiting"],
+            100 * stats["kv_cache_usage"],
+        )
+        self._last_log = (now, stats["prompt_tokens"], stats["generation_tokens"])

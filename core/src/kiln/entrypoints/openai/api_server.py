@@ -1,0 +1,288 @@
+"""``kiln serve``: the FastAPI app (OpenAI and vLLM endpoints) and how uvicorn runs it."""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import kiln
+from kiln.engine.async_engine import AsyncEngine
+from kiln.engine.llm_engine import LLMEngine
+from kiln.entrypoints.openai.chat_utils import resolve_chat_template
+from kiln.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
+from kiln.entrypoints.openai.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    GenerateRequest,
+    TokenizeRequest,
+)
+from kiln.entrypoints.openai.serving import Prompt, ServerOptions, error_message, new_id
+from kiln.entrypoints.openai.serving_chat import ChatServing
+from kiln.entrypoints.openai.serving_completion import CompletionServing
+from kiln.plugins import load_ref
+from kiln.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger("kiln.server")
+
+
+class APIKeyMiddleware:
+    """Requires ``Authorization: Bearer KEY`` on ``/v1`` routes (CORS preflights pass)."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["method"] != "OPTIONS":
+            path = scope["path"].removeprefix(scope.get("root_path", ""))
+            if path.startswith("/v1") and dict(scope["headers"]).get(b"authorization") != self.expected:
+                error = APIError("invalid or missing API key", status=401)
+                await JSONResponse(error.body(), status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class RequestIdMiddleware:
+    """Echoes ``X-Request-Id`` (or a new one) on every response."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = dict(scope["headers"]).get(b"x-request-id") or uuid.uuid4().hex.encode()
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id)]
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+def _validation_error(exc: RequestValidationError) -> JSONResponse:
+    parts, param = [], None
+    for err in exc.errors():
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        param = param or (loc[0] if loc else None)
+        where = ".".join(loc) or "body"
+        parts.append(f"{where}: {err.get('msg')}")
+    error = APIError("; ".join(parts) or "invalid request", param=param)
+    return JSONResponse(error.body(), status_code=400)
+
+
+def build_app(engine: AsyncEngine, options: ServerOptions, args: argparse.Namespace) -> FastAPI:
+    metrics = ServerMetrics(engine.engine, options.served_model_names[0])
+    completions = CompletionServing(engine, options, metrics)
+    chat = ChatServing(engine, options, metrics)
+    llm: LLMEngine = engine.engine
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        yield
+        engine.shutdown()
+
+    docs = {} if not args.disable_fastapi_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="Kiln", version=kiln.__version__, lifespan=lifespan, root_path=args.root_path or "", **docs)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError):
+        return _validation_error(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        return JSONResponse(APIError(str(exc.detail), status=exc.status_code).body(), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception):
+        logger.exception("internal error on %s", request.url.path)
+        error = APIError(f"internal server error: {type(exc).__name__}", status=500)
+        return JSONResponse(error.body(), status_code=500)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if engine.is_healthy else 503)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": kiln.__version__}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        data = [
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "kiln",
+                "root": llm.model_path,
+                "parent": None,
+                "max_model_len": llm.config.max_model_len,
+            }
+            for name in options.served_model_names
+        ]
+        return {"object": "list", "data": data}
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, raw: Request):
+        return await completions.create(body, raw)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, raw: Request):
+        return await chat.create(body, raw)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        completions.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError("give exactly one of prompt and messages", param="prompt")
+        if body.messages is not None:
+            text = chat.render(body)
+            ids = chat.tokenize(text, bool(body.add_special_tokens))
+        else:
+            add = True if body.add_special_tokens is None else body.add_special_tokens
+            ids = completions.tokenize(body.prompt, add)
+        out = {"count": len(ids), "max_model_len": llm.config.max_model_len, "tokens": ids}
+        if body.return_token_strs:
+            out["token_strs"] = llm.tokenizer.convert_ids_to_tokens(ids)
+        return out
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        completions.check_model(body.model)
+        vocab = llm.hf_config.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(f"tokens: ids out of the vocabulary [0, {vocab}): {bad[:5]}", param="tokens")
+        return {"prompt": llm.tokenizer.decode(body.tokens)}
+
+    @app.post("/generate")
+    async def generate(body: GenerateRequest, raw: Request):
+        """vLLM's simple API: ``{"prompt", "stream", ...SamplingParams}`` → ``{"text": [prompt + output]}``."""
+        fields = dict(body.model_extra or {})
+        kind = RequestOutputKind.CUMULATIVE if body.stream else RequestOutputKind.FINAL_ONLY
+        try:
+            params = SamplingParams(**fields, output_kind=kind)
+        except TypeError as exc:
+            raise APIError(f"unknown sampling parameter: {exc}") from None
+        except ValueError as exc:
+            raise error_message(exc) from None
+        if isinstance(body.prompt, str):
+            prompt = Prompt(body.prompt, completions.tokenize(body.prompt, True))
+        else:
+            prompt = Prompt(None, body.prompt)
+        stream = completions.start(new_id("generate"), [(prompt, params)])[0]
+        prefix = body.prompt if isinstance(body.prompt, str) else ""
+        if body.stream:
+
+            async def lines():
+                try:
+                    async for out in stream:
+                        yield json.dumps({"text": [prefix + c.text for c in out.outputs]}) + "\n"
+                finally:
+                    stream.close()
+
+            return StreamingResponse(lines(), media_type="application/x-ndjson")
+        out = (await completions.final_outputs([stream], raw))[0]
+        return {"text": [prefix + c.text for c in out.outputs]}
+
+    _add_middleware(app, args)
+    return app
+
+
+def _add_middleware(app: FastAPI, args: argparse.Namespace) -> None:
+    for ref in args.middleware:
+        imported = load_ref(ref)
+        if inspect.isclass(imported):
+            app.add_middleware(imported)
+        elif inspect.iscoroutinefunction(imported):
+            app.middleware("http")(imported)
+        else:
+            raise ValueError(f"--middleware: {ref!r} is neither a class nor an async function")
+    if args.enable_request_id_headers:
+        app.add_middleware(RequestIdMiddleware)
+    if args.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=args.api_key)
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=args.allowed_origins,
+        allow_credentials=args.allow_credentials,
+        allow_methods=args.allowed_methods,
+        allow_headers=args.allowed_headers,
+    )
+
+
+def _warm_up(llm: LLMEngine) -> None:
+    """One tiny request through every stage, so the first client does not pay for lazy set-up."""
+    llm.add_request("warm-up", {"prompt_token_ids": [0] * 4}, SamplingParams(max_tokens=2, ignore_eos=True))
+    while llm.has_unfinished_requests():
+        llm.step()
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Load the model, then serve until SIGINT/SIGTERM (in-flight requests are drained first)."""
+    import uvicorn
+
+    from kiln.cli import engine_kwargs
+    from kiln.config import EngineConfig
+    from kiln.plugins import get_plugin_manager
+
+    started = time.monotonic()
+    config = EngineConfig.create(model=args.model_tag or args.model, **engine_kwargs(args))
+    llm = LLMEngine(config)
+    _warm_up(llm)
+    options = ServerOptions(
+        served_model_names=args.served_model_name or [llm.model_name],
+        response_role=args.response_role,
+        chat_template=resolve_chat_template(args.chat_template, get_plugin_manager().registry),
+        chat_template_content_format=args.chat_template_content_format,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        disable_log_requests=args.disable_log_requests,
+        max_log_len=args.max_log_len,
+        generation_overrides=args.override_generation_config or {},
+    )
+    engine = AsyncEngine(llm, log_stats_interval=None if args.disable_log_stats else 10.0)
+    app = build_app(engine, options, args)
+    logger.info(
+        "model loaded in %.1f s; serving %s on %s:%d",
+        time.monotonic() - started,
+        options.served_model_names[0],
+        args.host,
+        args.port,
+    )
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.uvicorn_log_level,
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+        ssl_ca_certs=args.ssl_ca_certs,
+        root_path=args.root_path or "",
+    )
+    return 0

@@ -1,0 +1,119 @@
+"""Chat templates: choosing one (``--chat-template``), the content format, and rendering messages."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Literal
+
+import jinja2
+import jinja2.nodes
+
+from kiln.entrypoints.openai.protocol import APIError
+from kiln.plugins import Registry, load_ref
+
+ContentFormat = Literal["string", "openai"]
+
+
+def resolve_chat_template(value: str | None, registry: Registry) -> str | None:
+    """``--chat-template``: a name registered by a plugin, a file, or the template itself."""
+    if value is None:
+        return None
+    named = registry.items["chat_templates"].get(value)
+    if named is not None:
+        return _template_source(named)
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in value or "{%" in value:
+        return value
+    names = sorted(registry.items["chat_templates"])
+    raise ValueError(
+        f"--chat-template: {value!r} is neither a file, a registered template ({', '.join(names) or 'none'}) "
+        "nor a Jinja template"
+    )
+
+
+def _template_source(registered: Any) -> str:
+    # Plugins register the Jinja source, a loader function, or a lazy "module:attr" to either.
+    if isinstance(registered, str) and "{" in registered:
+        return registered
+    loaded = load_ref(registered)
+    return loaded() if callable(loaded) else loaded
+
+
+def detect_content_format(template: str | None) -> ContentFormat:
+    """``openai`` when the template loops over a message's ``content`` (a list of parts), else ``string``."""
+    if not template:
+        return "string"
+    try:
+        ast = jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError:
+        return "string"
+    for loop in ast.find_all(jinja2.nodes.For):
+        for node in loop.iter.find_all((jinja2.nodes.Getattr, jinja2.nodes.Getitem)):
+            key = node.attr if isinstance(node, jinja2.nodes.Getattr) else getattr(node.arg, "value", None)
+            if key == "content":
+                return "openai"
+        if isinstance(loop.iter, jinja2.nodes.Name) and loop.iter.name == "content":
+            return "openai"
+    return "string"
+
+
+def normalize_messages(messages: list[Any], content_format: ContentFormat) -> list[dict[str, Any]]:
+    """Plain dicts for the template; list content is checked (text only) and joined for ``string``."""
+    out = []
+    for i, message in enumerate(messages):
+        msg = message.model_dump(exclude_none=True) if hasattr(message, "model_dump") else dict(message)
+        content = msg.get("content")
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                kind = part.get("type")
+                if kind not in ("text", "input_text") or not isinstance(part.get("text"), str):
+                    raise APIError(
+                        f"messages[{i}].content: content part type {kind!r} is not supported (text parts only)",
+                        param="messages",
+                    )
+                texts.append(part["text"])
+            msg["content"] = (
+                "\n".join(texts) if content_format == "string" else [{"type": "text", "text": t} for t in texts]
+            )
+        elif content is None and content_format == "string" and "tool_calls" not in msg:
+            msg["content"] = ""
+        out.append(msg)
+    return out
+
+
+def render_chat(
+    tokenizer,
+    messages: list[dict[str, Any]],
+    template: str | None,
+    *,
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+    tools: list[dict] | None = None,
+    documents: list[dict] | None = None,
+    kwargs: dict[str, Any] | None = None,
+) -> str:
+    """Apply the chat template; template errors (e.g. ``raise_exception`` on bad roles) become a 400."""
+    if continue_final_message and add_generation_prompt:
+        raise APIError(
+            "continue_final_message: cannot be combined with add_generation_prompt=true", param="continue_final_message"
+        )
+    if continue_final_message and messages[-1].get("role") != "assistant":
+        raise APIError("continue_final_message: the last message must be an assistant message", param="messages")
+    if template is None and tokenizer.chat_template is None:
+        raise APIError("chat_template: the model's tokenizer has no chat template; pass one", param="chat_template")
+    try:
+        return tokenizer.apply_chat_template(
+            messages,
+            chat_template=template,
+            tools=tools,
+            documents=documents,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            **(kwargs or {}),
+        )
+    except (jinja2.TemplateError, ValueError, TypeError, KeyError) as exc:
+        raise APIError(f"chat template: {exc}", param="messages") from None

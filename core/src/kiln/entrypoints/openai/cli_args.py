@@ -1,0 +1,133 @@
+"""``kiln serve`` flags (vLLM's names) and ``--config file.yaml`` (command line > file > defaults)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import yaml
+
+from kiln.cli import add_engine_args
+
+
+def _json_list(value: str) -> list[str]:
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError:
+        parsed = [v.strip() for v in value.split(",")]
+    if isinstance(parsed, str):
+        parsed = [parsed]
+    if not isinstance(parsed, list):
+        raise argparse.ArgumentTypeError(f"expected a JSON list, got {value!r}")
+    return parsed
+
+
+def _json_dict(value: str) -> dict:
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {value!r}")
+    return parsed
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model_tag", nargs="?", default=None, help="HF folder or .gguf file (default: embedded SmolLM2-135M-Instruct)"
+    )
+    parser.add_argument("--model", default=None, help="the model, as a flag (the positional wins)")
+    parser.add_argument("--config", default=None, help="YAML file of flags (keys as flag names); the command line wins")
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="0.0.0.0", help="address to listen on (default: 0.0.0.0)")
+    server.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    server.add_argument(
+        "--uvicorn-log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error", "critical", "trace"],
+        help="uvicorn's log level (default: info)",
+    )
+    server.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    server.add_argument("--allowed-origins", type=_json_list, default=["*"], help='CORS origins, JSON list (["*"])')
+    server.add_argument("--allowed-methods", type=_json_list, default=["*"], help='CORS methods, JSON list (["*"])')
+    server.add_argument("--allowed-headers", type=_json_list, default=["*"], help='CORS headers, JSON list (["*"])')
+    server.add_argument(
+        "--api-key",
+        default=os.environ.get("KILN_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $KILN_API_KEY)",
+    )
+    server.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="names the API accepts for the model; the first is reported (default: the model's name)",
+    )
+    server.add_argument("--chat-template", default=None, help="chat template: a file, a registered name, or inline")
+    server.add_argument(
+        "--chat-template-content-format",
+        default="auto",
+        choices=["auto", "string", "openai"],
+        help="render message content as a string or as OpenAI parts (auto: detect from the template)",
+    )
+    server.add_argument("--response-role", default="assistant", help="role of generated chat messages")
+    server.add_argument("--ssl-keyfile", default=None, help="TLS key file")
+    server.add_argument("--ssl-certfile", default=None, help="TLS certificate file")
+    server.add_argument("--ssl-ca-certs", default=None, help="CA certificates file")
+    server.add_argument("--root-path", default=None, help="FastAPI root_path when behind a path-routing proxy")
+    server.add_argument(
+        "--middleware",
+        action="append",
+        default=[],
+        help="import path of an ASGI middleware class or an @app.middleware('http') function (repeatable)",
+    )
+    server.add_argument(
+        "--return-tokens-as-token-ids", action="store_true", help="logprob tokens as 'token_id:{id}' strings"
+    )
+    server.add_argument("--enable-request-id-headers", action="store_true", help="add X-Request-Id to responses")
+    server.add_argument("--disable-fastapi-docs", action="store_true", help="no /docs, /redoc or /openapi.json")
+    server.add_argument("--disable-log-requests", action="store_true", help="do not log each request")
+    server.add_argument("--max-log-len", type=int, default=None, help="characters/tokens of a prompt to log")
+    server.add_argument(
+        "--disable-log-stats", action="store_true", help="no periodic throughput / queue / KV-usage log line"
+    )
+    server.add_argument(
+        "--enable-prompt-tokens-details", action="store_true", help="usage.prompt_tokens_details.cached_tokens"
+    )
+    server.add_argument(
+        "--override-generation-config",
+        type=_json_dict,
+        default=None,
+        help="JSON sampling defaults over the model's generation config, e.g. '{\"temperature\": 0.5}'",
+    )
+    add_engine_args(parser)
+
+
+def apply_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """Make the values of ``--config FILE`` the parser's defaults, so the command line still wins."""
+    path = None
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            path = argv[i + 1]
+        elif arg.startswith("--config="):
+            path = arg.split("=", 1)[1]
+    if path is None:
+        return
+    try:
+        with open(path, encoding="utf-8") as f:
+            values = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        parser.error(f"--config: cannot read {path}: {exc}")
+    if not isinstance(values, dict):
+        parser.error(f"--config: {path} must hold a mapping of flag names to values")
+    actions = {a.dest: a for a in parser._actions}
+    defaults = {}
+    for key, value in values.items():
+        dest = str(key).lstrip("-").replace("-", "_")
+        if dest not in actions or dest in ("config", "help"):
+            parser.error(f"--config: unknown flag {key!r} in {path}")
+        action = actions[dest]
+        if action.type is not None and isinstance(value, str):
+            value = action.type(value)
+        defaults[dest] = value
+    parser.set_defaults(**defaults)

@@ -1,0 +1,111 @@
+"""``/metrics``: Prometheus text, named as vLLM's metrics with a ``kiln:`` prefix.
+
+Engine-wide figures (running/waiting requests, KV usage, prefix-cache and
+token counters) are read from the engine when scraped; per-request latencies
+are observed by the front end as requests finish.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from kiln.outputs import RequestOutput
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+_TOKEN_BUCKETS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+class _EngineCollector:
+    def __init__(self, engine, model_name: str) -> None:
+        self.engine, self.model_name = engine, model_name
+
+    def collect(self):
+        stats = self.engine.get_stats()
+        label = ["model_name"], [self.model_name]
+        for name, doc, key in (
+            ("kiln:num_requests_running", "Requests being generated.", "num_running"),
+            ("kiln:num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting"),
+            ("kiln:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", "kv_cache_usage"),
+        ):
+            gauge = GaugeMetricFamily(name, doc, labels=label[0])
+            gauge.add_metric(label[1], stats[key])
+            yield gauge
+        for name, doc, key in (
+            ("kiln:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries"),
+            ("kiln:prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
+            ("kiln:prompt_tokens", "Prompt tokens computed.", "prompt_tokens"),
+            ("kiln:generation_tokens", "Tokens generated.", "generation_tokens"),
+            ("kiln:num_preemptions", "Requests preempted to free KV-cache blocks.", "num_preemptions"),
+        ):
+            counter = CounterMetricFamily(name, doc, labels=label[0])
+            counter.add_metric(label[1], stats[key])
+            yield counter
+
+
+class ServerMetrics:
+    def __init__(self, engine, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        self.registry.register(_EngineCollector(engine, model_name))
+        labels = ["model_name"]
+        self.ttft = Histogram(
+            "kiln:time_to_first_token_seconds",
+            "Time to first token.",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.tpot = Histogram(
+            "kiln:time_per_output_token_seconds",
+            "Mean time per output token after the first, per request.",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "kiln:e2e_request_latency_seconds",
+            "End-to-end request latency.",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.prompt_len = Histogram(
+            "kiln:request_prompt_tokens", "Prompt length.", labels, buckets=_TOKEN_BUCKETS, registry=self.registry
+        )
+        self.output_len = Histogram(
+            "kiln:request_generation_tokens",
+            "Tokens generated per request.",
+            labels,
+            buckets=_TOKEN_BUCKETS,
+            registry=self.registry,
+        )
+        self.finished = Counter(
+            "kiln:request_success",
+            "Finished requests by finish reason.",
+            labels + ["finished_reason"],
+            registry=self.registry,
+        )
+
+    def observe_finished(self, out: RequestOutput, generated: list[int]) -> None:
+        """Record a finished request; ``generated`` is each completion's token count (streams send deltas)."""
+        m, name = out.metrics, self.model_name
+        for completion in out.outputs:
+            self.finished.labels(name, completion.finish_reason or "abort").inc()
+        self.prompt_len.labels(name).observe(len(out.prompt_token_ids))
+        self.output_len.labels(name).observe(sum(generated))
+        if m is None or m.first_token_time is None:
+            return
+        self.ttft.labels(name).observe(m.first_token_time)
+        if m.finished_time is not None:
+            self.e2e.labels(name).observe(m.finished_time - m.arrival_time)
+        if generated and generated[0] > 1 and m.last_token_time is not None:
+            first = m.arrival_time + m.first_token_time
+            self.tpot.labels(name).observe((m.last_token_time - first) / (generated[0] - 1))
+
+    def observe_aborted(self, count: int = 1) -> None:
+        self.finished.labels(self.model_name, "abort").inc(count)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

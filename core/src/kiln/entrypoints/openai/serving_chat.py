@@ -1,0 +1,163 @@
+"""``POST /v1/chat/completions``: chat template, OpenAI logprobs shape, role-first streaming."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from kiln.engine.async_engine import EngineDeadError, RequestStream
+from kiln.entrypoints.openai.chat_utils import detect_content_format, normalize_messages, render_chat
+from kiln.entrypoints.openai.protocol import APIError, ChatCompletionRequest, TokenizeRequest
+from kiln.entrypoints.openai.serving import OpenAIServing, Prompt, new_id, now, sse
+from kiln.outputs import PositionLogprobs
+
+
+class ChatServing(OpenAIServing):
+    def render(self, req: ChatCompletionRequest | TokenizeRequest) -> str:
+        """The conversation as the chat template renders it (shared with ``/tokenize``)."""
+        template = req.chat_template or self.options.chat_template
+        content_format = self.options.chat_template_content_format
+        if content_format == "auto":
+            content_format = detect_content_format(template or self.tokenizer.chat_template)
+        return render_chat(
+            self.tokenizer,
+            normalize_messages(req.messages, content_format),
+            template,
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            tools=req.tools,
+            documents=getattr(req, "documents", None),
+            kwargs=req.chat_template_kwargs,
+        )
+
+    async def create(self, req: ChatCompletionRequest, raw: HTTPRequest):
+        self.check_model(req.model)
+        self.check_unsupported(req)
+        if req.tool_choice not in (None, "none"):
+            raise APIError(
+                "tool_choice: tool calling needs --enable-auto-tool-choice and --tool-call-parser "
+                "(kiln-plugin-tool-parsers)",
+                param="tool_choice",
+            )
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError("top_logprobs: needs logprobs=true", param="top_logprobs")
+        text = self.render(req)
+        prompt = self.truncate(Prompt(text, self.tokenize(text, req.add_special_tokens)), req)
+        top = (req.top_logprobs or 0) if req.logprobs else None
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = self.sampling_params(req, len(prompt.token_ids), max_tokens, top, req.prompt_logprobs)
+        request_id = new_id("chatcmpl", req.request_id)
+        streams = self.start(request_id, [(prompt, params)], req.priority)
+        echo = self.echo_text(req)
+        if req.stream:
+            return StreamingResponse(
+                self.stream(req, request_id, prompt, streams[0], echo), media_type="text/event-stream"
+            )
+        out = (await self.final_outputs(streams, raw))[0]
+        choices = [
+            {
+                "index": c.index,
+                "message": {
+                    "role": self.options.response_role,
+                    "content": echo + c.text,
+                    "reasoning_content": None,
+                    "tool_calls": [],
+                },
+                "logprobs": self.chat_logprobs(req, c.token_ids, c.logprobs),
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            for c in out.outputs
+        ]
+        body = {
+            "id": request_id,
+            "object": "chat.completion",
+            "created": now(),
+            "model": self.model_name,
+            "choices": choices,
+            "usage": self.usage(
+                len(prompt.token_ids), sum(len(c.token_ids) for c in out.outputs), out.num_cached_tokens
+            ),
+        }
+        if req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self.prompt_logprobs_json(out)
+        return JSONResponse(body)
+
+    def echo_text(self, req: ChatCompletionRequest) -> str:
+        """``echo``: the last message's content, when it is the role being answered (continued)."""
+        last = req.messages[-1]
+        if req.echo and last.role == self.options.response_role and isinstance(last.content, str):
+            return last.content
+        return ""
+
+    def chat_logprobs(
+        self, req: ChatCompletionRequest, ids: list[int], positions: list[PositionLogprobs] | None
+    ) -> dict | None:
+        if not req.logprobs or positions is None:
+            return None
+        as_ids = self.tokens_as_ids(req)
+
+        def entry(tid, lp) -> dict:
+            token = self.token_str(tid, lp.decoded_token, as_ids)
+            return {"token": token, "logprob": self.clamp(lp.logprob), "bytes": list(token.encode("utf-8"))}
+
+        content = []
+        for tid, position in zip(ids, positions):
+            item = entry(tid, position[tid])
+            item["top_logprobs"] = [entry(t, lp) for t, lp in self.top_entries(position, req.top_logprobs or 0)]
+            content.append(item)
+        return {"content": content}
+
+    async def stream(
+        self, req: ChatCompletionRequest, request_id: str, prompt: Prompt, stream: RequestStream, echo: str
+    ) -> AsyncIterator[str]:
+        created, role = now(), self.options.response_role
+        counts = [0] * req.n
+        options = req.stream_options
+        cached = 0
+
+        def chunk(choices: list[dict], usage: bool) -> str:
+            body = {
+                "id": request_id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": self.model_name,
+                "choices": choices,
+            }
+            if usage:
+                body["usage"] = self.usage(len(prompt.token_ids), sum(counts), cached)
+            return sse(body)
+
+        continuous = bool(options and options.continuous_usage_stats)
+        try:
+            for i in range(req.n):
+                delta = {"role": role, "content": echo}
+                yield chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}], continuous)
+            async for out in stream:
+                cached = out.num_cached_tokens
+                for c in out.outputs:
+                    counts[c.index] += len(c.token_ids)
+                    if not c.text and not c.token_ids and c.finish_reason is None:
+                        continue
+                    choice = {
+                        "index": c.index,
+                        "delta": {"content": c.text} if c.text else {},
+                        "logprobs": self.chat_logprobs(req, c.token_ids, c.logprobs),
+                        "finish_reason": c.finish_reason,
+                    }
+                    if c.finish_reason is not None:
+                        choice["stop_reason"] = c.stop_reason
+                    yield chunk([choice], continuous)
+                if out.finished:
+                    self.metrics.observe_finished(out, counts)
+            if options and options.include_usage:
+                yield chunk([], True)
+        except EngineDeadError as exc:
+            yield sse(APIError(str(exc), status=503).body())
+        finally:
+            if not stream.finished:
+                self.metrics.observe_aborted()
+            stream.close()
+        yield "data: [DONE]\n\n"
