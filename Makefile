@@ -20,8 +20,12 @@ $(STAMP): pyproject.toml core/pyproject.toml plugins/cpu/pyproject.toml
 
 setup: $(STAMP)
 
+HOST ?= 127.0.0.1
+PORT ?= 8000
+SERVE_ARGS ?=
+
 serve: setup
-	$(VENV)/bin/kiln generate "Write a haiku about a kiln." --chat --max-tokens 64
+	$(VENV)/bin/kiln serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
