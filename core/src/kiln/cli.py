@@ -86,7 +86,20 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     return run_server(ns)
 
 
+def cmd_bench_serve(ns: argparse.Namespace) -> int:
+    from kiln.benchmarks.serve import cmd_bench_serve as run
+
+    return run(ns)
+
+
+BENCH_SERVE_HELP = (
+    "Send synthetic prompts (random, or sharing a prefix) to a server's /v1/completions, streaming, at a fixed "
+    "concurrency or Poisson rate; report throughput and TTFT/TPOT/ITL as a table and JSON."
+)
+
+
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    from kiln.benchmarks.serve import add_bench_serve_args
     from kiln.entrypoints.openai.cli_args import add_serve_args, apply_config_file
     from kiln.plugins import get_plugin_manager
 
@@ -103,6 +116,15 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     )
     add_serve_args(s)
     s.set_defaults(func=cmd_serve)
+
+    b = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    bs = b.add_parser(
+        "serve",
+        help="benchmark an OpenAI-compatible server (throughput, TTFT, TPOT, ITL)",
+        description=BENCH_SERVE_HELP,
+    )
+    add_bench_serve_args(bs)
+    bs.set_defaults(func=cmd_bench_serve)
     if argv is not None and "serve" in argv:
         apply_config_file(s, argv)
 

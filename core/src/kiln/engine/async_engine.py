@@ -70,8 +70,13 @@ class AsyncEngine:
 
     # ------------------------------------------------------------ event loop side
     def start(self) -> None:
-        """Start the engine thread; call from inside the running event loop."""
-        self._loop = asyncio.get_running_loop()
+        """Start the engine thread, posting to the running event loop (a new loop restarts it)."""
+        loop = asyncio.get_running_loop()
+        if self._thread is not None and self._thread.is_alive():
+            if loop is self._loop:
+                return
+            self.shutdown()
+        self._loop, self._stopping = loop, False
         self._thread = threading.Thread(target=self._run, name="kiln-engine", daemon=True)
         self._thread.start()
 
