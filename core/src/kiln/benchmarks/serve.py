@@ -167,7 +167,7 @@ def format_table(runs: dict[str, dict]) -> str:
     cols = [max(12, len(label)) for label in labels]
     lines = [" " * width + "  " + "  ".join(label.rjust(c) for label, c in zip(labels, cols))]
     for name, fmt in rows:
-        lines.append(name.ljust(width) + "  " + "  ".join(fmt(runs[l]).rjust(c) for l, c in zip(labels, cols)))
+        lines.append(name.ljust(width) + "  " + "  ".join(fmt(runs[label]).rjust(c) for label, c in zip(labels, cols)))
     return "\n".join(lines)
 
 
