@@ -107,6 +107,9 @@ class CpuAttentionBackend(AttentionBackend):
 
     def _write(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layout: BatchLayout) -> None:
         slots = layout.slot_mapping
+        if self.native is not None and k.dtype == kv_cache.dtype and k.stride(1) == v.stride(1) == self.head_dim:
+            native.write_kv_cache(kv_cache, k, v, slots, layout.block_size)
+            return
         keep = slots >= 0
         if not bool(keep.all()):
             k, v, slots = k[keep], v[keep], slots[keep]

@@ -23,8 +23,9 @@ import torch
 
 logger = logging.getLogger("kiln.cpu")
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention.c"
-FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / "paged_attention.c", CSRC / "fused_ops.c"]
+FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c11", f"-I{CSRC}"]
 
 
 def _cache_dir() -> Path:
@@ -41,13 +42,15 @@ def load_kernels() -> ctypes.CDLL | None:
     if compiler is None:
         logger.warning("no C compiler found: CPU attention falls back to torch (slower)")
         return None
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + platform.processor().encode())
-    target = _cache_dir() / f"paged_attention-{key.hexdigest()[:16]}.so"
+    sources = b"".join(p.read_bytes() for p in [*SOURCES, CSRC / "vec.h"])
+    key = hashlib.sha256(sources + " ".join(FLAGS).encode() + platform.processor().encode())
+    target = _cache_dir() / f"kiln-cpu-{key.hexdigest()[:16]}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
-        result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+        cmd = [compiler, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"]
+        result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
             os.unlink(tmp)
             logger.warning("building CPU kernels failed, falling back to torch:\n%s", result.stderr[-2000:])
@@ -58,6 +61,15 @@ def load_kernels() -> ctypes.CDLL | None:
     for fn in (lib.paged_decode_attention_f32, lib.paged_decode_attention_bf16):
         fn.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float]
         fn.restype = ctypes.c_int
+    f32 = ctypes.c_float
+    for dt in ("f32", "bf16"):
+        getattr(lib, f"rms_norm_{dt}").argtypes = [ptr, ptr, ptr, i64, i64, i64, f32]
+        getattr(lib, f"add_rms_norm_{dt}").argtypes = [ptr, ptr, ptr, i64, i64, f32]
+        getattr(lib, f"rotary_{dt}").argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64]
+        getattr(lib, f"silu_and_mul_{dt}").argtypes = [ptr, ptr, i64, i64]
+        getattr(lib, f"write_kv_{dt}").argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64]
+        for op in ("rms_norm", "add_rms_norm", "rotary", "silu_and_mul", "write_kv"):
+            getattr(lib, f"{op}_{dt}").restype = None
     return lib
 
 
@@ -96,6 +108,18 @@ def paged_decode_attention(
     if status != 0:
         raise ValueError(f"native decode attention does not support head_dim={head_dim}, heads={num_heads}")
     return out.to(q.dtype)
+
+
+def write_kv_cache(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, block_size: int):
+    """Copy (tokens, kv_heads, dim) K/V rows (rows may be strided) into their slots; slot -1 is skipped."""
+    lib = load_kernels()
+    kernel = lib.write_kv_f32 if kv_cache.dtype == torch.float32 else lib.write_kv_bf16
+    slots = slots.to(torch.int64).contiguous()
+    tokens, heads, dim = k.shape
+    kernel(
+        kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), k.data_ptr(), v.data_ptr(), slots.data_ptr(),
+        tokens, heads, dim, block_size, k.stride(0), v.stride(0),
+    )  # fmt: skip
 
 
 def supports(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+from collections.abc import Callable
 
 import numpy as np
 import psutil
@@ -92,3 +93,8 @@ class CpuPlatform(Platform):
 
     def attention_backend(self) -> str:
         return "cpu"
+
+    def custom_ops(self) -> dict[str, Callable]:
+        from kiln_cpu.fused_ops import fused_ops
+
+        return fused_ops()

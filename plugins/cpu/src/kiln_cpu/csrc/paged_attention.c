@@ -24,54 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* Eight floats; GCC/Clang lower it to AVX/AVX-512 or NEON as available. */
-typedef float v8 __attribute__((vector_size(32)));
-typedef int32_t i8 __attribute__((vector_size(32)));
-typedef uint16_t u16x8 __attribute__((vector_size(16)));
-typedef uint32_t u32x8 __attribute__((vector_size(32)));
-
-static inline v8 splat(float x) { return (v8){x, x, x, x, x, x, x, x}; }
-
-static inline v8 load8_f32(const float *p) {
-    v8 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-/* A bf16 is the top half of an fp32: widen by shifting into place. */
-static inline v8 load8_bf16(const uint16_t *p) {
-    u16x8 h;
-    memcpy(&h, p, sizeof h);
-    const u32x8 w = __builtin_convertvector(h, u32x8) << 16;
-    v8 v;
-    memcpy(&v, &w, sizeof v);
-    return v;
-}
-
-static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
-
-static inline float hsum8(v8 a) { return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7])); }
-
-static inline v8 vmax(v8 a, v8 b) {
-    const i8 take_b = a < b;
-    return (v8)(((i8)a & ~take_b) | ((i8)b & take_b));
-}
-
-/* exp(x) for x <= 0 (Cephes' single-precision polynomial, about 1 ulp): x = n ln2 + r. */
-static inline v8 exp8_nonpositive(v8 x) {
-    x = vmax(x, splat(-87.0f));
-    const i8 n = __builtin_convertvector(x * splat(1.44269504088896341f) - splat(0.5f), i8);
-    const v8 nf = __builtin_convertvector(n, v8);
-    const v8 r = x - nf * splat(0.693359375f) + nf * splat(2.12194440e-4f);
-    v8 p = splat(1.9875691500e-4f);
-    p = p * r + splat(1.3981999507e-3f);
-    p = p * r + splat(8.3334519073e-3f);
-    p = p * r + splat(4.1665795894e-2f);
-    p = p * r + splat(1.6666665459e-1f);
-    p = p * r + splat(5.0000001201e-1f);
-    p = p * r * r + r + splat(1.0f);
-    return p * (v8)((n + 127) << 23);
-}
+#include "vec.h"
 
 /* p[t] = exp(s[t] - max s) over a row padded with -inf to a multiple of 8; returns sum p. */
 static inline float softmax_numerators(float *s, int64_t padded) {

@@ -1,0 +1,92 @@
+/*
+ * Eight-float vectors shared by Kiln's CPU kernels. GCC/Clang lower them to
+ * AVX/AVX-512 or NEON as the build machine allows (-march=native).
+ */
+#ifndef KILN_VEC_H
+#define KILN_VEC_H
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef int32_t i8 __attribute__((vector_size(32)));
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+
+static inline v8 splat(float x) { return (v8){x, x, x, x, x, x, x, x}; }
+
+static inline v8 load8_f32(const float *p) {
+    v8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* A bf16 is the top half of an fp32: widen by shifting into place. */
+static inline v8 load8_bf16(const uint16_t *p) {
+    u16x8 h;
+    memcpy(&h, p, sizeof h);
+    const u32x8 w = __builtin_convertvector(h, u32x8) << 16;
+    v8 v;
+    memcpy(&v, &w, sizeof v);
+    return v;
+}
+
+static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
+
+static inline float hsum8(v8 a) { return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7])); }
+
+static inline v8 vmax(v8 a, v8 b) {
+    const i8 take_b = a < b;
+    return (v8)(((i8)a & ~take_b) | ((i8)b & take_b));
+}
+
+/* exp(x) for x <= 0 (Cephes' single-precision polynomial, about 1 ulp): x = n ln2 + r. */
+static inline v8 exp8_nonpositive(v8 x) {
+    x = vmax(x, splat(-87.0f));
+    const i8 n = __builtin_convertvector(x * splat(1.44269504088896341f) - splat(0.5f), i8);
+    const v8 nf = __builtin_convertvector(n, v8);
+    const v8 r = x - nf * splat(0.693359375f) + nf * splat(2.12194440e-4f);
+    v8 p = splat(1.9875691500e-4f);
+    p = p * r + splat(1.3981999507e-3f);
+    p = p * r + splat(8.3334519073e-3f);
+    p = p * r + splat(4.1665795894e-2f);
+    p = p * r + splat(1.6666665459e-1f);
+    p = p * r + splat(5.0000001201e-1f);
+    p = p * r * r + r + splat(1.0f);
+    return p * (v8)((n + 127) << 23);
+}
+
+/* fp32 -> bf16, round to nearest even (inputs are finite). */
+static inline uint16_t to_bf16(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float from_bf16(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float x;
+    memcpy(&x, &u, sizeof x);
+    return x;
+}
+
+/* Round each lane to bf16 precision (nearest even), keeping it an fp32. */
+static inline v8 round8_bf16(v8 v) {
+    u32x8 u;
+    memcpy(&u, &v, sizeof u);
+    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    memcpy(&v, &u, sizeof v);
+    return v;
+}
+
+static inline void store8_bf16(uint16_t *p, v8 v) {
+    u32x8 u;
+    memcpy(&u, &v, sizeof u);
+    const u16x8 h = __builtin_convertvector((u + 0x7fffu + ((u >> 16) & 1u)) >> 16, u16x8);
+    memcpy(p, &h, sizeof h);
+}
+
+static inline v8 round8_f32(v8 v) { return v; }
+
+#endif

@@ -1,0 +1,80 @@
+"""The platform's fused ops (``Platform.custom_ops``): C kernels for fp32/bf16, torch otherwise.
+
+Each wrapper takes the reference op's arguments and returns what it returns
+(see ``kiln.ops``); shapes, strides or dtypes the kernels do not handle go to
+the reference. ``fused_add_rms_norm`` and ``rotary_embedding`` work in place,
+as vLLM's kernels do: the model never reuses their inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from kiln import ops as reference
+from kiln_cpu import native
+
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+def _kernel(op: str, dtype: torch.dtype):
+    return getattr(native.load_kernels(), f"{op}_{_SUFFIX[dtype]}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dim = x.shape[-1]
+    if x.dtype not in _SUFFIX or weight.dtype != x.dtype or x.stride(-1) != 1 or not x.is_contiguous():
+        return reference.rms_norm(x, weight, eps)
+    out = torch.empty_like(x)
+    rows = x.numel() // dim
+    _kernel("rms_norm", x.dtype)(out.data_ptr(), x.data_ptr(), weight.data_ptr(), rows, dim, dim, eps)
+    return out
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    ok = x.dtype in _SUFFIX and x.dtype == residual.dtype == weight.dtype and x.shape == residual.shape
+    if not (ok and x.is_contiguous() and residual.is_contiguous()):
+        return reference.fused_add_rms_norm(x, residual, weight, eps)
+    dim = x.shape[-1]
+    _kernel("add_rms_norm", x.dtype)(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), x.numel() // dim, dim, eps)
+    return x, residual
+
+
+def rotary_embedding(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens, q_heads, dim = q.shape
+    rows_ok = all(t.stride(2) == 1 and t.stride(1) == dim for t in (q, k))
+    if q.dtype not in _SUFFIX or k.dtype != q.dtype or not rows_ok or cos_sin_cache.dtype != torch.float32:
+        return reference.rotary_embedding(positions, q, k, cos_sin_cache)
+    pos = positions.to(torch.int64).contiguous()
+    cache = cos_sin_cache.contiguous()
+    _kernel("rotary", q.dtype)(
+        pos.data_ptr(), q.data_ptr(), k.data_ptr(), cache.data_ptr(),
+        tokens, q_heads, k.shape[1], dim, q.stride(0), k.stride(0),
+    )  # fmt: skip
+    return q, k
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    if x.dtype not in _SUFFIX or not x.is_contiguous():
+        return reference.silu_and_mul(x)
+    d = x.shape[-1] // 2
+    out = torch.empty((*x.shape[:-1], d), dtype=x.dtype)
+    _kernel("silu_and_mul", x.dtype)(out.data_ptr(), x.data_ptr(), x.numel() // (2 * d), d)
+    return out
+
+
+def fused_ops() -> dict[str, Callable]:
+    """The overrides, when the C kernels are built (``KILN_CPU_NATIVE=0`` turns them off)."""
+    if native.load_kernels() is None:
+        return {}
+    return {
+        "rms_norm": rms_norm,
+        "fused_add_rms_norm": fused_add_rms_norm,
+        "rotary_embedding": rotary_embedding,
+        "silu_and_mul": silu_and_mul,
+    }
