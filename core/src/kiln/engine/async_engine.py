@@ -2,10 +2,15 @@
 
 The HTTP front end tokenizes and validates on the event loop
 (``LLMEngine.prepare_request``), so bad input fails before it is queued; the
-engine thread alone steps the model (one process, one compute thread pool: two
+engine loop alone steps the model (one process, one compute thread pool: two
 OpenMP pools on the same cores slow each other badly) and posts each step's
-outputs back to the event loop. The loop only ever waits on queues, never on
-torch.
+outputs back to the event loop. The event loop only ever waits on queues, never
+on torch.
+
+``kiln serve`` runs the engine loop on the process's main thread and the HTTP
+server on another (``run_loop``): small oneDNN matmuls ran about twice as slow
+from a second thread as from the main one on this project's machines. Tests and
+embedders can let ``start()`` run it on a thread of its own instead.
 """
 
 from __future__ import annotations
@@ -56,8 +61,9 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, log_stats_interval: float | None = 10.0) -> None:
+    def __init__(self, engine: LLMEngine, log_stats_interval: float | None = 10.0, own_thread: bool = True) -> None:
         self.engine = engine
+        self.own_thread = own_thread  # False: the caller runs ``run_loop()`` on a thread it chose
         self.log_stats_interval = log_stats_interval
         self.dead: BaseException | None = None
         self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
@@ -66,22 +72,32 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._looping = False
         self._last_log = (time.monotonic(), 0, 0)
 
     # ------------------------------------------------------------ event loop side
     def start(self) -> None:
-        """Start the engine thread, posting to the running event loop (a new loop restarts it)."""
+        """Post outputs to the running event loop; start the engine thread unless the caller runs it.
+
+        A new event loop restarts the thread (test clients run one loop per client)."""
         loop = asyncio.get_running_loop()
+        if not self.own_thread:
+            self._loop = loop
+            return
         if self._thread is not None and self._thread.is_alive():
             if loop is self._loop:
                 return
             self.shutdown()
-        self._loop, self._stopping = loop, False
+        self._loop, self._stopping, self._looping = loop, False, True
         self._thread = threading.Thread(target=self._run, name="kiln-engine", daemon=True)
         self._thread.start()
 
+    def run_loop(self) -> None:
+        """Run the engine loop on the calling thread until ``shutdown()`` (``own_thread=False``)."""
+        self._run()
+
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Let the engine finish what it holds, then stop its thread."""
+        """Let the engine finish what it holds, then stop its loop."""
         self._stopping = True
         self._wake.set()
         if self._thread is not None:
@@ -89,7 +105,7 @@ class AsyncEngine:
 
     @property
     def is_healthy(self) -> bool:
-        return self.dead is None and self._thread is not None and self._thread.is_alive()
+        return self.dead is None and self._looping
 
     def add_request(
         self,
@@ -134,6 +150,7 @@ class AsyncEngine:
     # ---------------------------------------------------------------- engine side
     def _run(self) -> None:
         engine = self.engine
+        self._looping = True
         try:
             while True:
                 self._drain_commands()
@@ -151,7 +168,10 @@ class AsyncEngine:
         except BaseException as exc:  # the loop must report every death, not only Exceptions
             logger.exception("engine loop stopped")
             self.dead = exc
-            self._loop.call_soon_threadsafe(self._fail_all, exc)
+            if self._loop is not None:
+                self._loop.call_soon_threadsafe(self._fail_all, exc)
+        finally:
+            self._looping = False
 
     def _drain_commands(self) -> None:
         while True:

@@ -151,7 +151,9 @@ class LLMEngine:
             torch.set_default_dtype(default_dtype)
         if self.config.load_format != "dummy":
             model.load_weights(iter_weights(self.model_path))
-        return model.eval()
+        model.eval()
+        self.platform.process_weights(model)
+        return model
 
     def _num_kv_blocks(self) -> int:
         cfg = self.config

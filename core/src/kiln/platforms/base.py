@@ -107,6 +107,10 @@ class Platform(ABC):
         ``silu_and_mul``) that replace the core's torch reference ops (``kiln.ops``)."""
         return {}
 
+    def process_weights(self, model: torch.nn.Module) -> None:
+        """Called once after the weights are loaded: repack them into the layout the device's
+        matmul kernels prefer (replacing ``nn.Linear`` modules in place). Default: nothing."""
+
     def graph_runner(self, config: EngineConfig) -> GraphRunner | None:
         """A graph runner for decode batches, or None for eager execution."""
         return None

@@ -94,6 +94,11 @@ class CpuPlatform(Platform):
     def attention_backend(self) -> str:
         return "cpu"
 
+    def process_weights(self, model: torch.nn.Module) -> None:
+        from kiln_cpu.packed_linear import pack_linears
+
+        pack_linears(model)
+
     def custom_ops(self) -> dict[str, Callable]:
         from kiln_cpu.fused_ops import fused_ops
 

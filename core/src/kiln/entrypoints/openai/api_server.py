@@ -6,6 +6,8 @@ import argparse
 import inspect
 import json
 import logging
+import signal
+import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -266,7 +268,7 @@ def run_server(args: argparse.Namespace) -> int:
         max_log_len=args.max_log_len,
         generation_overrides=args.override_generation_config or {},
     )
-    engine = AsyncEngine(llm, log_stats_interval=None if args.disable_log_stats else 10.0)
+    engine = AsyncEngine(llm, log_stats_interval=None if args.disable_log_stats else 10.0, own_thread=False)
     app = build_app(engine, options, args)
     logger.info(
         "model loaded in %.1f s; serving %s on %s:%d",
@@ -275,14 +277,34 @@ def run_server(args: argparse.Namespace) -> int:
         args.host,
         args.port,
     )
-    uvicorn.run(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.uvicorn_log_level,
-        ssl_keyfile=args.ssl_keyfile,
-        ssl_certfile=args.ssl_certfile,
-        ssl_ca_certs=args.ssl_ca_certs,
-        root_path=args.root_path or "",
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.uvicorn_log_level,
+            ssl_keyfile=args.ssl_keyfile,
+            ssl_certfile=args.ssl_certfile,
+            ssl_ca_certs=args.ssl_ca_certs,
+            root_path=args.root_path or "",
+        )
     )
-    return 0
+
+    def serve_http() -> None:
+        try:
+            server.run()
+        finally:
+            engine.shutdown(timeout=0)  # stops the engine loop once it holds no requests
+
+    def stop(signum, frame) -> None:
+        logger.info("received signal %d: draining in-flight requests", signum)
+        server.should_exit = True
+
+    # uvicorn only installs signal handlers on the main thread, which the engine loop holds.
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    http = threading.Thread(target=serve_http, name="kiln-http")
+    http.start()
+    engine.run_loop()
+    http.join()
+    return 1 if engine.dead is not None else 0
