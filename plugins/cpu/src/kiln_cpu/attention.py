@@ -73,8 +73,8 @@ class CpuAttentionBackend(AttentionBackend):
             nd = metadata.decode_blocks.shape[0]
             if self.native is not None:
                 layout = metadata.layout
-                out[:nd] = native.paged_decode_attention(
-                    q[:nd], kv_cache[0], kv_cache[1], layout.block_table[:nd], layout.seq_lens[:nd], scale
+                native.paged_decode_attention(
+                    out[:nd], q[:nd], kv_cache[0], kv_cache[1], layout.block_table[:nd], layout.seq_lens[:nd], scale
                 )
             else:
                 out[:nd] = self._decode(q[:nd], kv_cache, metadata, scale)

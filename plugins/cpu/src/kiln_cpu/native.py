@@ -59,7 +59,7 @@ def load_kernels() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(str(target))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     for fn in (lib.paged_decode_attention_f32, lib.paged_decode_attention_bf16):
-        fn.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float]
+        fn.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float]
         fn.restype = ctypes.c_int
     f32 = ctypes.c_float
     for dt in ("f32", "bf16"):
@@ -77,22 +77,24 @@ CACHE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def paged_decode_attention(
-    q: torch.Tensor,  # (reqs, heads, dim)
-    k_cache: torch.Tensor,  # (blocks, kv_heads, block_size, dim) fp32 or bf16, contiguous
+    out: torch.Tensor,  # (reqs, heads, dim), contiguous: written in place
+    q: torch.Tensor,  # (reqs, heads, dim); rows may be strided
+    k_cache: torch.Tensor,  # (blocks, kv_heads, block_size, dim), q's dtype, contiguous
     v_cache: torch.Tensor,
     block_table: torch.Tensor,  # (reqs, width) int32, contiguous rows
     seq_lens: torch.Tensor,  # (reqs,) int32
     scale: float,
-) -> torch.Tensor:
-    """Attention output (reqs, heads, dim) in q's dtype; computed in fp32."""
+) -> None:
+    """Decode attention into ``out``; computed in fp32."""
     lib = load_kernels()
     kernel = lib.paged_decode_attention_f32 if k_cache.dtype == torch.float32 else lib.paged_decode_attention_bf16
-    q32 = q.float().contiguous()
-    out = torch.empty_like(q32)
-    num_reqs, num_heads, head_dim = q32.shape
+    num_reqs, num_heads, head_dim = q.shape
+    if q.stride(2) != 1 or q.stride(1) != head_dim or not out.is_contiguous() or q.dtype != k_cache.dtype:
+        raise ValueError("native decode attention needs (reqs, heads, dim) rows of the cache's dtype")
     status = kernel(
         out.data_ptr(),
-        q32.data_ptr(),
+        q.data_ptr(),
+        q.stride(0),
         k_cache.data_ptr(),
         v_cache.data_ptr(),
         block_table.data_ptr(),
@@ -107,7 +109,6 @@ def paged_decode_attention(
     )
     if status != 0:
         raise ValueError(f"native decode attention does not support head_dim={head_dim}, heads={num_heads}")
-    return out.to(q.dtype)
 
 
 def write_kv_cache(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, block_size: int):

@@ -1,6 +1,7 @@
 /*
  * Decode attention straight from the paged KV cache, for Kiln's CPU plugin.
- * The cache holds fp32 or bf16; queries, outputs and all arithmetic are fp32.
+ * Queries, outputs and the cache share one dtype, fp32 or bf16; all arithmetic is
+ * fp32. Query rows may be strided (they are views into the fused qkv projection).
  *
  * Cache layout, per plane (K or V): (blocks, kv_heads, block_size, head_dim), so
  * one head's rows in one block are contiguous. One query token per request. K and
@@ -44,13 +45,13 @@ static inline float softmax_numerators(float *s, int64_t padded) {
 /* One (request, kv head): out[g][:] for g < G. k and v point at this head's rows in
  * block 0; `row` is the stride between blocks / block_size; scores has room for G
  * rows of `padded` floats. */
-#define DEFINE_HEAD(NAME, T, LOAD, G, D)                                                                         \
-    static void head_##NAME##_##G##_##D(float *out, const float *q, const T *k, const T *v,                    \
+#define DEFINE_HEAD(NAME, T, LOAD, STORE, G, D)                                                                  \
+    static void head_##NAME##_##G##_##D(T *out, const T *q, const T *k, const T *v,                            \
                                         const int32_t *table, int64_t len, int64_t row, int64_t block_size,     \
                                         float scale, float *scores, int64_t padded) {                           \
         v8 qv[G][D / 8];                                                                                         \
         for (int g = 0; g < G; g++)                                                                              \
-            for (int c = 0; c < D / 8; c++) qv[g][c] = load8_f32(q + g * D + 8 * c) * splat(scale);             \
+            for (int c = 0; c < D / 8; c++) qv[g][c] = LOAD(q + g * D + 8 * c) * splat(scale);                  \
         for (int64_t t0 = 0; t0 < len; t0 += block_size) {                                                       \
             const T *kb = k + (int64_t)table[t0 / block_size] * block_size * row;                                \
             const int64_t n = len - t0 < block_size ? len - t0 : block_size;                                     \
@@ -85,23 +86,23 @@ static inline float softmax_numerators(float *s, int64_t padded) {
             }                                                                                                    \
         }                                                                                                        \
         for (int g = 0; g < G; g++)                                                                              \
-            for (int c = 0; c < D / 8; c++) store8(out + g * D + 8 * c, o[g][c] * splat(inv[g]));                \
+            for (int c = 0; c < D / 8; c++) STORE(out + g * D + 8 * c, o[g][c] * splat(inv[g]));                 \
     }
 
 typedef void (*head_fn_f32)(float *, const float *, const float *, const float *, const int32_t *, int64_t, int64_t,
                             int64_t, float, float *, int64_t);
-typedef void (*head_fn_bf16)(float *, const float *, const uint16_t *, const uint16_t *, const int32_t *, int64_t,
-                             int64_t, int64_t, float, float *, int64_t);
+typedef void (*head_fn_bf16)(uint16_t *, const uint16_t *, const uint16_t *, const uint16_t *, const int32_t *,
+                             int64_t, int64_t, int64_t, float, float *, int64_t);
 
-#define DEFINE_HEADS(NAME, T, LOAD, D)                                                                              \
-    DEFINE_HEAD(NAME, T, LOAD, 1, D)                                                                                \
-    DEFINE_HEAD(NAME, T, LOAD, 2, D)                                                                                \
-    DEFINE_HEAD(NAME, T, LOAD, 3, D)                                                                                \
-    DEFINE_HEAD(NAME, T, LOAD, 4, D)                                                                                \
-    DEFINE_HEAD(NAME, T, LOAD, 5, D)                                                                                \
-    DEFINE_HEAD(NAME, T, LOAD, 6, D)                                                                                \
-    DEFINE_HEAD(NAME, T, LOAD, 7, D)                                                                                \
-    DEFINE_HEAD(NAME, T, LOAD, 8, D)                                                                                \
+#define DEFINE_HEADS(NAME, T, LOAD, STORE, D)                                                                            \
+    DEFINE_HEAD(NAME, T, LOAD, STORE, 1, D)                                                                                \
+    DEFINE_HEAD(NAME, T, LOAD, STORE, 2, D)                                                                                \
+    DEFINE_HEAD(NAME, T, LOAD, STORE, 3, D)                                                                                \
+    DEFINE_HEAD(NAME, T, LOAD, STORE, 4, D)                                                                                \
+    DEFINE_HEAD(NAME, T, LOAD, STORE, 5, D)                                                                                \
+    DEFINE_HEAD(NAME, T, LOAD, STORE, 6, D)                                                                                \
+    DEFINE_HEAD(NAME, T, LOAD, STORE, 7, D)                                                                                \
+    DEFINE_HEAD(NAME, T, LOAD, STORE, 8, D)                                                                                \
     static const head_fn_##NAME heads_##NAME##_##D[9] = {NULL,                  head_##NAME##_1_##D,                \
                                                           head_##NAME##_2_##D,  head_##NAME##_3_##D,                \
                                                           head_##NAME##_4_##D,  head_##NAME##_5_##D,                \
@@ -110,10 +111,10 @@ typedef void (*head_fn_bf16)(float *, const float *, const uint16_t *, const uin
 
 /* The entry point for cache element type T: returns 0, or -1 for shapes this kernel
  * does not handle (the caller then falls back to torch). */
-#define DEFINE_DECODE_ATTENTION(NAME, T, LOAD)                                                                   \
-    DEFINE_HEADS(NAME, T, LOAD, 64)                                                                              \
-    DEFINE_HEADS(NAME, T, LOAD, 128)                                                                             \
-    int paged_decode_attention_##NAME(float *out, const float *q, const T *k_cache, const T *v_cache,            \
+#define DEFINE_DECODE_ATTENTION(NAME, T, LOAD, STORE)                                                            \
+    DEFINE_HEADS(NAME, T, LOAD, STORE, 64)                                                                       \
+    DEFINE_HEADS(NAME, T, LOAD, STORE, 128)                                                                      \
+    int paged_decode_attention_##NAME(T *out, const T *q, int64_t q_stride, const T *k_cache, const T *v_cache,  \
                                       const int32_t *block_table, int64_t table_stride, const int32_t *seq_lens, \
                                       int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads,                 \
                                       int64_t head_dim, int64_t block_size, float scale) {                       \
@@ -134,7 +135,7 @@ typedef void (*head_fn_bf16)(float *, const float *, const uint16_t *, const uin
                         scores = (float *)malloc(capacity * sizeof(float));                                      \
                     }                                                                                            \
                     const int64_t first = (r * num_heads + h * group) * head_dim;                                \
-                    fn(out + first, q + first, k_cache + h * block_size * head_dim, v_cache + h * block_size * head_dim,                   \
+                    fn(out + first, q + r * q_stride + h * group * head_dim, k_cache + h * block_size * head_dim, v_cache + h * block_size * head_dim,                   \
                        block_table + r * table_stride, len, row, block_size, scale, scores, padded);             \
                 }                                                                                                \
             }                                                                                                    \
@@ -143,5 +144,5 @@ typedef void (*head_fn_bf16)(float *, const float *, const uint16_t *, const uin
         return 0;                                                                                                \
     }
 
-DEFINE_DECODE_ATTENTION(f32, float, load8_f32)
-DEFINE_DECODE_ATTENTION(bf16, uint16_t, load8_bf16)
+DEFINE_DECODE_ATTENTION(f32, float, load8_f32, store8)
+DEFINE_DECODE_ATTENTION(bf16, uint16_t, load8_bf16, store8_bf16)
