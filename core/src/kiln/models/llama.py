@@ -113,7 +113,9 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, ops, backend) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        self.lm_head = None if self.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight  # one tensor; a platform may repack a copy
         self.register_buffer("rope_cache", cos_sin_cache(head_dim_of(cfg), max_positions, cfg), persistent=False)
         self.ops = ops
 
@@ -125,9 +127,7 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head is None:
-            return torch.nn.functional.linear(hidden, self.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()  # a module: platforms may repack it (process_weights)
+        return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face-named tensors, merging q/k/v and gate/up into one matmul each."""
@@ -143,7 +143,7 @@ class LlamaForCausalLM(nn.Module):
         }
         for name, tensor in weights:
             name = name.removeprefix("model.")
-            if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
+            if "rotary_emb" in name or (name == "lm_head.weight" and self.tie_word_embeddings):
                 continue
             parts = name.split(".")
             if len(parts) >= 2 and parts[-2] in merges:
