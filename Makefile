@@ -32,6 +32,7 @@ test: setup
 
 bench: setup
 	$(PY) bench/offline_throughput.py
+	$(PY) bench/serve_compare.py
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -287,13 +287,6 @@ def test_min_tokens_holds_back_stop_token_ids(llm, prompt):
     assert out.finish_reason == "stop" and out.stop_reason == stop
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Kiln bug: stop strings are checked before min_tokens is reached. vLLM (PR #22014, "
-    "vllm/v1/engine/detokenizer.py) only looks for stop strings once num_output_tokens > min_tokens; "
-    "kiln.engine.detokenizer.IncrementalDetokenizer.update/_check_stop never looks at min_tokens, "
-    "so a stop string completed at output token 2 ends a min_tokens=9 request after 2 tokens.",
-)
 def test_min_tokens_holds_back_stop_strings(llm, tok, prompt, greedy):
     """A stop string completed before min_tokens must not end the request (vLLM)."""
     k, word = _whole_word_positions(tok, greedy.token_ids)[0]
@@ -327,13 +320,6 @@ def test_stop_token_id_ends_generation_at_that_token(llm, prompt, greedy):
     assert out.finish_reason == "stop" and out.stop_reason == stop
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="vLLM-parity bug: the text of a stop token id is kept in the output text. vLLM's "
-    "detokenizer skips the stop-terminating token when include_stop_str_in_output is False; "
-    "Kiln's LLMEngine._on_token feeds every token, including the stop_token_ids hit, to "
-    "IncrementalDetokenizer.update, so its text (here a whole word) ends the output.",
-)
 def test_stop_token_text_is_not_in_the_output(llm, tok, prompt, greedy):
     """vLLM: the token that matched stop_token_ids is in token_ids but not in text."""
     k = next(k for k in range(5, GREEDY_LEN) if greedy.token_ids[k] not in greedy.token_ids[:k])
@@ -474,12 +460,6 @@ def test_prompt_logprobs(llm, prompt):
         assert position[token].rank >= 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Kiln bug: a one-token prompt gets prompt_logprobs == [] instead of [None]. "
-    "ModelRunner.execute only emits prompt spans while start < num_prompt_tokens - 1, so "
-    "LLMEngine._record_prompt_logprobs (which appends the leading None) is never called.",
-)
 def test_prompt_logprobs_of_a_one_token_prompt(llm):
     """vLLM: prompt_logprobs always has one entry per prompt token, so [None] here."""
     (res,) = llm.generate({"prompt_token_ids": [1000]}, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2))

@@ -15,6 +15,7 @@ BAD = [
     ("/v1/completions", {**COMPLETION, "temperature": -1}, 400, "temperature"),
     ("/v1/completions", {**COMPLETION, "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {**COMPLETION, "n": 0}, 400, "n"),
+    ("/v1/completions", {**COMPLETION, "n": 100000}, 400, "n"),
     ("/v1/completions", {**COMPLETION, "max_tokens": "many"}, 400, "max_tokens"),
     ("/v1/completions", {**COMPLETION, "max_tokens": 4000}, 400, "max_tokens"),
     ("/v1/completions", {**COMPLETION, "prompt": "word " * 2100}, 400, "prompt"),

@@ -32,8 +32,10 @@ class IncrementalDetokenizer:
         self.text = ""
         self._after_special = False
 
-    def update(self, token_ids: list[int]) -> str | None:
-        """Append tokens; return the stop string if one now appears (the text is cut there)."""
+    def update(self, token_ids: list[int], check_stop: bool = True) -> str | None:
+        """Append tokens; return the stop string if one now appears (the text is cut there).
+
+        ``check_stop=False`` (before ``min_tokens``) only appends."""
         start = len(self.text)
         for tid in token_ids:
             if tid in self.special_ids:
@@ -48,7 +50,7 @@ class IncrementalDetokenizer:
                     chunk = " " + chunk
                 self.text += chunk
                 self._after_special = False
-        return self._check_stop(start) if self.stop else None
+        return self._check_stop(start) if self.stop and check_stop else None
 
     def _check_stop(self, new_from: int) -> str | None:
         search_from = max(0, new_from - self.max_stop_len + 1)

@@ -241,6 +241,9 @@ class LLMEngine:
                     generator=None if seed is None else torch.Generator().manual_seed(seed),
                 )
             )
+        if params.prompt_logprobs is not None:
+            for child in children:
+                child.prompt_logprobs = [None]  # nothing predicts the first prompt token
         detoks = [IncrementalDetokenizer(self.tokenizer, ids, params) for _ in children]
         return RequestGroup(request_id, text, ids, params, children, detoks)
 
@@ -346,7 +349,12 @@ class LLMEngine:
         m.last_token_time = now
         group = self.groups[req.parent_id or req.request_id]
         detok = group.detokenizers[group.children.index(req)]
-        stop = detok.update([token])
+        params = req.sampling_params
+        if req.status is RequestStatus.FINISHED_STOPPED and not params.include_stop_str_in_output:
+            stop = None  # EOS or a stop_token_id ended it: like vLLM, its text is not part of the output
+        else:
+            # vLLM looks for stop strings only once min_tokens are out.
+            stop = detok.update([token], check_stop=req.num_output_tokens > params.min_tokens)
         if stop is not None:
             req.stop_reason = stop
             if req.is_finished:
@@ -357,8 +365,6 @@ class LLMEngine:
             m.finished_time = now
 
     def _record_prompt_logprobs(self, req: Request, first: int, logits: torch.Tensor) -> None:
-        if not req.prompt_logprobs:
-            req.prompt_logprobs.append(None)  # nothing predicts the first prompt token
         if len(req.prompt_logprobs) != first + 1:
             return  # recomputed after preemption: already recorded
         k = req.sampling_params.prompt_logprobs

@@ -96,6 +96,10 @@ class OpenAIServing:
                 param="response_format",
             )
         best_of = req.best_of or req.n
+        limit = self.llm.config.max_num_seqs
+        if max(req.n, best_of) > limit:
+            name = "n" if req.n > limit else "best_of"
+            raise APIError(f"{name}: at most {limit} sequences per request (--max-num-seqs)", param=name)
         if req.stream and best_of > req.n:
             raise APIError("best_of: values above n are not supported when streaming", param="best_of")
 
