@@ -49,20 +49,20 @@ static inline float softmax_numerators(float *s, int64_t padded) {
     static void head_##NAME##_##G##_##D(T *out, const T *q, const T *k, const T *v,                            \
                                         const int32_t *table, int64_t len, int64_t row, int64_t block_size,     \
                                         float scale, float *scores, int64_t padded) {                           \
-        v8 qv[G][D / 8];                                                                                         \
+        v16 qv[G][D / 16];                                                                                       \
         for (int g = 0; g < G; g++)                                                                              \
-            for (int c = 0; c < D / 8; c++) qv[g][c] = LOAD(q + g * D + 8 * c) * splat(scale);                  \
+            for (int c = 0; c < D / 16; c++) qv[g][c] = LOAD(q + g * D + 16 * c) * splat16(scale);              \
         for (int64_t t0 = 0; t0 < len; t0 += block_size) {                                                       \
             const T *kb = k + (int64_t)table[t0 / block_size] * block_size * row;                                \
             const int64_t n = len - t0 < block_size ? len - t0 : block_size;                                     \
             for (int64_t j = 0; j < n; j++) {                                                                    \
-                v8 acc[G];                                                                                       \
-                for (int g = 0; g < G; g++) acc[g] = splat(0.0f);                                                \
-                for (int c = 0; c < D / 8; c++) {                                                                \
-                    const v8 kv = LOAD(kb + j * D + 8 * c);                                                    \
+                v16 acc[G];                                                                                      \
+                for (int g = 0; g < G; g++) acc[g] = splat16(0.0f);                                              \
+                for (int c = 0; c < D / 16; c++) {                                                               \
+                    const v16 kv = LOAD(kb + j * D + 16 * c);                                                    \
                     for (int g = 0; g < G; g++) acc[g] += qv[g][c] * kv;                                         \
                 }                                                                                                \
-                for (int g = 0; g < G; g++) scores[g * padded + t0 + j] = hsum8(acc[g]);                         \
+                for (int g = 0; g < G; g++) scores[g * padded + t0 + j] = hsum16(acc[g]);                       \
             }                                                                                                    \
         }                                                                                                        \
         float inv[G];                                                                                            \
@@ -70,23 +70,23 @@ static inline float softmax_numerators(float *s, int64_t padded) {
             for (int64_t t = len; t < padded; t++) scores[g * padded + t] = -INFINITY;                           \
             inv[g] = 1.0f / softmax_numerators(scores + g * padded, padded);                                    \
         }                                                                                                        \
-        v8 o[G][D / 8];                                                                                          \
+        v16 o[G][D / 16];                                                                                        \
         for (int g = 0; g < G; g++)                                                                              \
-            for (int c = 0; c < D / 8; c++) o[g][c] = splat(0.0f);                                               \
+            for (int c = 0; c < D / 16; c++) o[g][c] = splat16(0.0f);                                            \
         for (int64_t t0 = 0; t0 < len; t0 += block_size) {                                                       \
             const T *vb = v + (int64_t)table[t0 / block_size] * block_size * row;                                \
             const int64_t n = len - t0 < block_size ? len - t0 : block_size;                                     \
             for (int64_t j = 0; j < n; j++) {                                                                    \
-                v8 w[G];                                                                                         \
-                for (int g = 0; g < G; g++) w[g] = splat(scores[g * padded + t0 + j]);                           \
-                for (int c = 0; c < D / 8; c++) {                                                                \
-                    const v8 vv = LOAD(vb + j * D + 8 * c);                                                    \
+                v16 w[G];                                                                                        \
+                for (int g = 0; g < G; g++) w[g] = splat16(scores[g * padded + t0 + j]);                         \
+                for (int c = 0; c < D / 16; c++) {                                                               \
+                    const v16 vv = LOAD(vb + j * D + 16 * c);                                                    \
                     for (int g = 0; g < G; g++) o[g][c] += w[g] * vv;                                            \
                 }                                                                                                \
             }                                                                                                    \
         }                                                                                                        \
         for (int g = 0; g < G; g++)                                                                              \
-            for (int c = 0; c < D / 8; c++) STORE(out + g * D + 8 * c, o[g][c] * splat(inv[g]));                 \
+            for (int c = 0; c < D / 16; c++) STORE(out + g * D + 16 * c, o[g][c] * splat16(inv[g]));            \
     }
 
 typedef void (*head_fn_f32)(float *, const float *, const float *, const float *, const int32_t *, int64_t, int64_t,
@@ -144,5 +144,5 @@ typedef void (*head_fn_bf16)(uint16_t *, const uint16_t *, const uint16_t *, con
         return 0;                                                                                                \
     }
 
-DEFINE_DECODE_ATTENTION(f32, float, load8_f32, store8)
-DEFINE_DECODE_ATTENTION(bf16, uint16_t, load8_bf16, store8_bf16)
+DEFINE_DECODE_ATTENTION(f32, float, load16_f32, store16_f32)
+DEFINE_DECODE_ATTENTION(bf16, uint16_t, load16_bf16, store16_bf16)
