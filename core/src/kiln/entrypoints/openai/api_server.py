@@ -101,7 +101,7 @@ def build_app(engine: AsyncEngine, options: ServerOptions, args: argparse.Namesp
         engine.shutdown()
 
     docs = {} if not args.disable_fastapi_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
-    app = FastAPI(title="Kiln", version=kiln.__version__, lifespan=lifespan, root_path=args.root_path or "", **docs)
+    app = FastAPI(title="Kiln", version=kiln.__version__, lifespan=lifespan, **docs)  # uvicorn sets root_path
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
