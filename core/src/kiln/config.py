@@ -40,6 +40,10 @@ class EngineConfig(BaseModel):
     max_logprobs: int = Field(20, ge=0)
     device: str = "auto"
     attention_backend: str | None = Field(None, description="a registered attention backend; the platform's if unset")
+    guided_decoding_backend: str = Field(
+        "xgrammar",
+        description="guided-decoding backend for requests that name none; 'NAME:no-fallback' forbids fallback",
+    )
     tensor_parallel_size: int = Field(1, ge=1)
     trust_remote_code: bool = False
 

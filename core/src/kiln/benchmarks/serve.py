@@ -97,7 +97,9 @@ async def _one(client: httpx.AsyncClient, cfg: BenchConfig, model: str, prompt: 
 async def run_benchmark(cfg: BenchConfig) -> dict:
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=cfg.base_url, headers=headers, timeout=None, limits=limits) as client:
+    # A stalled stream fails its request after 5 min instead of hanging the run.
+    timeout = httpx.Timeout(None, read=300.0)
+    async with httpx.AsyncClient(base_url=cfg.base_url, headers=headers, timeout=timeout, limits=limits) as client:
         model = cfg.model or (await client.get("/v1/models")).json()["data"][0]["id"]
         prompts = make_prompts(cfg)
         gate = asyncio.Semaphore(cfg.max_concurrency or len(prompts))

@@ -18,6 +18,7 @@ from kiln.engine.output_processor import LogprobFormatter, RequestGroup
 from kiln.engine.request import Request, RequestStatus
 from kiln.engine.sampler import Sampler, top_logprobs
 from kiln.engine.scheduler import Scheduler
+from kiln.guided import GuidedManager, allocate_bitmask
 from kiln.models.loader import iter_weights, load_generation_defaults, resolve_model
 from kiln.ops import resolve_ops
 from kiln.outputs import RequestOutput
@@ -66,6 +67,8 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv)
         self.sampler = Sampler(config.seed)
+        self.guided = GuidedManager(registry, self.tokenizer, hf_config.vocab_size, config.guided_decoding_backend)
+        self.sampler.masks.append(self._guided_mask)
         self.logprob_formatter = LogprobFormatter(self.tokenizer)
         self.groups: dict[str, RequestGroup] = {}
         self._ids = itertools.count()
@@ -223,6 +226,7 @@ class LLMEngine:
             ids = ids[-params.truncate_prompt_tokens :]
         if params.bad_words:
             params._bad_words_token_ids = self._bad_words_ids(params.bad_words)
+        guide = None if params.guided_decoding is None else self.guided.compile(params.guided_decoding)
         salt = request_id if params.best_of > 1 else None
         children = []
         for i in range(params.best_of):
@@ -239,6 +243,7 @@ class LLMEngine:
                     parent_id=None if params.best_of == 1 else request_id,
                     cache_salt=salt,
                     generator=None if seed is None else torch.Generator().manual_seed(seed),
+                    matcher=None if guide is None else guide.matcher(),
                 )
             )
         if params.prompt_logprobs is not None:
@@ -316,12 +321,18 @@ class LLMEngine:
                     req.cumulative_logprob += lp.logprob
                     if req.sampling_params.logprobs is not None:
                         req.logprobs.append(self.logprob_formatter.position(lp))
+        for req, token in sampled.items():
+            if req.matcher is not None and not req.matcher.accept(token):
+                logger.warning("request %s: sampled token %d breaks its constraint", req.request_id, token)
         for req, (first, logits) in result.prompt_logits.items():
             self._record_prompt_logprobs(req, first, logits)
         for req, n in out.scheduled:
             self.num_prompt_tokens += min(n, max(0, len(req.prompt_token_ids) - req.num_computed_tokens))
         self.num_generation_tokens += len(sampled)
         self.scheduler.update_from_output(out, sampled)
+        for req in sampled:
+            if req.matcher is not None and req.matcher.is_terminated() and not req.is_finished:
+                self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)  # the constraint is complete
 
         now = time.time()
         step_time = time.perf_counter() - t0
@@ -341,6 +352,16 @@ class LLMEngine:
             if group.finished:
                 del self.groups[gid]
         return outputs
+
+    def _guided_mask(self, logits: torch.Tensor, reqs: Sequence[Request]) -> None:
+        """Mask the logits of constrained rows to what their matchers allow (before any sampling step)."""
+        rows = [i for i, r in enumerate(reqs) if r.matcher is not None and not r.matcher.is_terminated()]
+        if not rows:
+            return
+        bitmask = allocate_bitmask(logits.shape[0], logits.shape[-1])
+        for i in rows:
+            reqs[i].matcher.fill_bitmask(bitmask, i)
+        self.guided.apply_bitmask(logits, bitmask, rows)
 
     def _on_token(self, req: Request, token: int, now: float) -> None:
         m = req.metrics

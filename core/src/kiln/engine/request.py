@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     import torch
 
     from kiln.engine.kv_cache import Block
+    from kiln.guided import GuideMatcher
     from kiln.sampling_params import SamplingParams
 
 
@@ -46,6 +47,7 @@ class Request:
     parent_id: str | None = None  # the user's request id when this is one of best_of sequences
     cache_salt: object = None  # requests fanned out from one prompt share this, so share blocks
     generator: torch.Generator | None = None
+    matcher: GuideMatcher | None = None  # guided decoding: this sequence's constraint state
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

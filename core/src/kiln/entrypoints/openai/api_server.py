@@ -197,6 +197,7 @@ def build_app(engine: AsyncEngine, options: ServerOptions, args: argparse.Namesp
             prompt = Prompt(body.prompt, completions.tokenize(body.prompt, True))
         else:
             prompt = Prompt(None, body.prompt)
+        await completions.compile_guide(params)
         stream = completions.start(new_id("generate"), [(prompt, params)])[0]
         prefix = body.prompt if isinstance(body.prompt, str) else ""
         if body.stream:

@@ -17,19 +17,11 @@ from fastapi import Request as HTTPRequest
 from kiln.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from kiln.entrypoints.openai.metrics import ServerMetrics
 from kiln.entrypoints.openai.protocol import APIError, SamplingFields
+from kiln.guided import GuidedDecodingParams
 from kiln.outputs import PositionLogprobs, RequestOutput
 from kiln.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("kiln.server")
-
-_GUIDED_FIELDS = (
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "guided_decoding_backend",
-    "guided_whitespace_pattern",
-)
 
 
 @dataclass
@@ -82,19 +74,6 @@ class OpenAIServing:
             raise APIError(
                 "length_penalty: it applies to beam search only, which is not supported yet", param="length_penalty"
             )
-        for name in _GUIDED_FIELDS:
-            if getattr(req, name) is not None:
-                raise APIError(
-                    f"{name}: guided decoding needs a guided-decoding backend and none is installed "
-                    "(pip install kiln-plugin-guided)",
-                    param=name,
-                )
-        if req.response_format is not None and req.response_format.type != "text":
-            raise APIError(
-                f"response_format: {req.response_format.type!r} needs a guided-decoding backend and none is "
-                "installed (pip install kiln-plugin-guided)",
-                param="response_format",
-            )
         best_of = req.best_of or req.n
         limit = self.llm.config.max_num_seqs
         if max(req.n, best_of) > limit:
@@ -102,6 +81,44 @@ class OpenAIServing:
             raise APIError(f"{name}: at most {limit} sequences per request (--max-num-seqs)", param=name)
         if req.stream and best_of > req.n:
             raise APIError("best_of: values above n are not supported when streaming", param="best_of")
+
+    def guided_params(self, req: SamplingFields) -> GuidedDecodingParams | None:
+        """The request's constraint from vLLM's ``guided_*`` fields or OpenAI's ``response_format``."""
+        given: dict[str, Any] = {}
+        for field, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_grammar", "grammar")):
+            if getattr(req, field) is not None:
+                given[key] = getattr(req, field)
+        if req.guided_choice is not None:
+            given["choice"] = tuple(req.guided_choice)
+        fmt = req.response_format
+        if fmt is not None and fmt.type == "json_object":
+            given["json_object"] = True
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+                raise APIError("response_format: json_schema needs a 'schema'", param="response_format")
+            given["json"] = fmt.json_schema.json_schema
+        if not given:
+            return None
+        if len(given) > 1:
+            raise APIError(
+                f"guided decoding: give one constraint, got {', '.join(sorted(given))}", param="response_format"
+            )
+        try:
+            return GuidedDecodingParams(
+                **given, backend=req.guided_decoding_backend, whitespace_pattern=req.guided_whitespace_pattern
+            )
+        except ValueError as exc:
+            raise error_message(exc) from None
+
+    async def compile_guide(self, params: SamplingParams) -> None:
+        """Compile the constraint off the event loop (and off the engine loop): the request waits,
+        everything else goes on. Later lookups hit the cache; errors become a 400."""
+        if params.guided_decoding is None:
+            return
+        try:
+            await asyncio.to_thread(self.llm.guided.compile, params.guided_decoding)
+        except ValueError as exc:
+            raise error_message(exc) from None
 
     def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
@@ -169,6 +186,7 @@ class OpenAIServing:
         values.update({k: v for k, v in given.items() if v is not None})
         values["max_tokens"] = min(values.get("max_tokens") or room, room) if max_tokens is None else max_tokens
         values["output_kind"] = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
+        values["guided_decoding"] = self.guided_params(req)
         try:
             return SamplingParams(**values)
         except ValueError as exc:

@@ -48,6 +48,7 @@ class ChatServing(OpenAIServing):
         top = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self.sampling_params(req, len(prompt.token_ids), max_tokens, top, req.prompt_logprobs)
+        await self.compile_guide(params)
         request_id = new_id("chatcmpl", req.request_id)
         streams = self.start(request_id, [(prompt, params)], req.priority)
         echo = self.echo_text(req)

@@ -1,0 +1,1 @@
+"""Guided decoding backends for Kiln (xgrammar, lm-format-enforcer)."""

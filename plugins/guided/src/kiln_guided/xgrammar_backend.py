@@ -1,0 +1,82 @@
+"""The ``xgrammar`` backend: grammars compiled by xgrammar's compiler (its own cache underneath
+Kiln's), one ``GrammarMatcher`` per sequence, and xgrammar's CPU kernel to apply the mask."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import torch
+import xgrammar as xgr
+
+from kiln.guided import CompiledGuide, GuidedBackend, GuidedDecodingParams, GuideMatcher, UnsupportedConstraint
+
+# xgrammar prefixes its messages with "[time] file.cc:line: ".
+_LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+
+
+def choice_grammar(choices: tuple[str, ...]) -> str:
+    """``guided_choice`` as EBNF alternation (xgrammar has no choice API)."""
+    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+
+
+class XGrammarMatcher(GuideMatcher):
+    def __init__(self, compiled: xgr.CompiledGrammar) -> None:
+        self.matcher = xgr.GrammarMatcher(compiled)
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def accept(self, token_id: int) -> bool:
+        return self.matcher.accept_token(token_id)
+
+    def is_terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+    def rollback(self, num_tokens: int) -> None:
+        self.matcher.rollback(num_tokens)
+
+
+class XGrammarGuide(CompiledGuide):
+    def __init__(self, compiled: xgr.CompiledGrammar) -> None:
+        self.compiled = compiled
+
+    def matcher(self) -> GuideMatcher:
+        return XGrammarMatcher(self.compiled)
+
+
+class XGrammarBackend(GuidedBackend):
+    name = "xgrammar"
+
+    def __init__(self, tokenizer, vocab_size: int) -> None:
+        super().__init__(tokenizer, vocab_size)
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        self.compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=True)
+
+    def compile(self, params: GuidedDecodingParams) -> CompiledGuide:
+        if params.whitespace_pattern is not None:
+            raise UnsupportedConstraint("guided_whitespace_pattern is not supported by xgrammar")
+        kind = params.kind
+        try:
+            if kind == "json":
+                compiled = self.compiler.compile_json_schema(json.dumps(params.json), any_whitespace=True)
+            elif kind == "json_object":
+                compiled = self.compiler.compile_builtin_json_grammar()
+            elif kind == "regex":
+                compiled = self.compiler.compile_regex(params.regex)
+            elif kind == "choice":
+                compiled = self.compiler.compile_grammar(choice_grammar(params.choice))
+            elif kind == "grammar":
+                compiled = self.compiler.compile_grammar(params.grammar)
+            else:
+                compiled = self.compiler.compile_structural_tag(params.structural_tag)
+        except RuntimeError as exc:
+            message = _LOCATION.sub("", str(exc).strip())
+            if kind == "json" and message.startswith("Unsupported"):
+                raise UnsupportedConstraint(f"xgrammar: {message}") from None
+            raise ValueError(f"guided_{'decoding' if kind == 'structural_tag' else kind}: {message}") from None
+        return XGrammarGuide(compiled)
+
+    def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+        # xgrammar's CPU kernel wants fp32 logits; the engine's are.
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=rows)
