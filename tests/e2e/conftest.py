@@ -34,8 +34,8 @@ def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
 
 
-@pytest.fixture(scope="session")
-def async_client(server):
+@pytest.fixture
+def async_client(server):  # per test: its connections belong to that test's event loop
     import openai
 
     return openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=300)

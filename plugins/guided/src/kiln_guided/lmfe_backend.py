@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import torch
 from lmformatenforcer import JsonSchemaParser, RegexParser, TokenEnforcer, TokenEnforcerTokenizerData
-from lmformatenforcer.exceptions import LMFormatEnforcerException
 
 from kiln.guided import CompiledGuide, GuidedBackend, GuidedDecodingParams, GuideMatcher, UnsupportedConstraint
 
@@ -66,13 +65,15 @@ class LMFormatEnforcerBackend(GuidedBackend):
         self.data = tokenizer_data(tokenizer, vocab_size)
 
     def compile(self, params: GuidedDecodingParams) -> CompiledGuide:
+        if params.whitespace_pattern is not None:
+            raise UnsupportedConstraint("guided_whitespace_pattern is not supported by lm-format-enforcer")
         try:
             if params.kind == "json":
                 return LMFEGuide(self, JsonSchemaParser(params.json))
             if params.kind == "json_object":
-                return LMFEGuide(self, JsonSchemaParser(None))
+                return LMFEGuide(self, JsonSchemaParser({"type": "object"}))
             if params.kind == "regex":
                 return LMFEGuide(self, RegexParser(params.regex))
-        except (LMFormatEnforcerException, ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"guided_{params.kind}: {exc}") from None
+        except Exception as exc:  # its parsers raise their own types (interegular's Unsupported, ...)
+            raise ValueError(f"guided_{params.kind}: {type(exc).__name__}: {exc}") from None
         raise UnsupportedConstraint(f"{params.kind} constraints are not supported by lm-format-enforcer")

@@ -13,6 +13,9 @@ from kiln.guided import CompiledGuide, GuidedBackend, GuidedDecodingParams, Guid
 
 # xgrammar prefixes its messages with "[time] file.cc:line: ".
 _LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+# Whitespace between JSON tokens is free (as in vLLM) but bounded: a small model sampling at
+# temperature 1 must not wander into an endless run of newlines.
+MAX_WHITESPACE = 4
 
 
 def choice_grammar(choices: tuple[str, ...]) -> str:
@@ -58,10 +61,11 @@ class XGrammarBackend(GuidedBackend):
             raise UnsupportedConstraint("guided_whitespace_pattern is not supported by xgrammar")
         kind = params.kind
         try:
-            if kind == "json":
-                compiled = self.compiler.compile_json_schema(json.dumps(params.json), any_whitespace=True)
-            elif kind == "json_object":
-                compiled = self.compiler.compile_builtin_json_grammar()
+            if kind in ("json", "json_object"):  # json_object: any object, as OpenAI and vLLM mean it
+                schema = params.json if kind == "json" else {"type": "object"}
+                compiled = self.compiler.compile_json_schema(
+                    json.dumps(schema), any_whitespace=True, max_whitespace_cnt=MAX_WHITESPACE
+                )
             elif kind == "regex":
                 compiled = self.compiler.compile_regex(params.regex)
             elif kind == "choice":
@@ -72,8 +76,8 @@ class XGrammarBackend(GuidedBackend):
                 compiled = self.compiler.compile_structural_tag(params.structural_tag)
         except RuntimeError as exc:
             message = _LOCATION.sub("", str(exc).strip())
-            if kind == "json" and message.startswith("Unsupported"):
-                raise UnsupportedConstraint(f"xgrammar: {message}") from None
+            if message.startswith("Unsupported") or "not supported" in message:
+                raise UnsupportedConstraint(f"xgrammar: {message}") from None  # lookaheads, (?i)...
             raise ValueError(f"guided_{'decoding' if kind == 'structural_tag' else kind}: {message}") from None
         return XGrammarGuide(compiled)
 

@@ -85,9 +85,9 @@ class OpenAIServing:
     def guided_params(self, req: SamplingFields) -> GuidedDecodingParams | None:
         """The request's constraint from vLLM's ``guided_*`` fields or OpenAI's ``response_format``."""
         given: dict[str, Any] = {}
-        for field, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_grammar", "grammar")):
-            if getattr(req, field) is not None:
-                given[key] = getattr(req, field)
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_grammar", "grammar")):
+            if getattr(req, name) is not None:
+                given[key] = getattr(req, name)
         if req.guided_choice is not None:
             given["choice"] = tuple(req.guided_choice)
         fmt = req.response_format
