@@ -33,6 +33,7 @@ test: setup
 bench: setup
 	$(PY) bench/offline_throughput.py
 	$(PY) bench/serve_compare.py
+	$(PY) bench/guided_compare.py
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -122,3 +122,36 @@ def test_without_a_backend_plugin_the_error_says_what_to_install(kiln_plugins, l
     manager = GuidedManager(kiln_plugins.registry, llm.get_tokenizer(), 49152)
     with pytest.raises(ValueError, match="pip install kiln-plugin-guided"):
         manager.compile(GuidedDecodingParams(regex="a"))
+
+
+def test_constraints_survive_preemption_and_chunked_prefill(tiny_model_dir):
+    # Few KV blocks and a small token budget: requests are chunked and preempted (recomputed).
+    llm = LLM(
+        tiny_model_dir("llama"),
+        max_model_len=160,
+        block_size=16,
+        dtype="float32",
+        num_gpu_blocks_override=13,
+        max_num_batched_tokens=64,
+        kv_cache_ratio=1.0,
+    )
+    prompts = [f"Record {i} of the ledger. " * 6 for i in range(6)]
+    params = SamplingParams(max_tokens=120, temperature=1.0, seed=9, guided_decoding=GuidedDecodingParams(json=SCHEMA))
+    outs = llm.generate(prompts, params)
+    assert llm.engine.scheduler.num_preemptions > 0
+    for out in outs:
+        jsonschema.validate(json.loads(out.outputs[0].text), SCHEMA)
+
+
+def test_structural_tag_forces_a_tagged_call(llm):
+    """The form tool calling uses (``tool_choice: required``): a tag around schema-valid JSON."""
+    args = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"]}
+    tag = {
+        "type": "structural_tag",
+        "format": {"type": "tag", "begin": "<tool_call>", "content": {"type": "json_schema", "json_schema": args}, "end": "</tool_call>"},
+    }  # fmt: skip
+    guide = GuidedDecodingParams(structural_tag=json.dumps(tag))
+    out = llm.generate("x", SamplingParams(max_tokens=300, temperature=0, guided_decoding=guide))[0].outputs[0]
+    match = re.fullmatch(r"<tool_call>(.*)</tool_call>", out.text, re.S)
+    assert match, out.text
+    jsonschema.validate(json.loads(match.group(1)), args)

@@ -36,6 +36,7 @@ class BenchConfig:
     seed: int = 0
     token_range: tuple[int, int] = (1000, 20000)
     api_key: str | None = None
+    extra_body: dict = field(default_factory=dict)  # merged into every request (e.g. guided_json)
 
 
 @dataclass
@@ -66,6 +67,7 @@ async def _one(client: httpx.AsyncClient, cfg: BenchConfig, model: str, prompt: 
         "ignore_eos": cfg.ignore_eos,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **cfg.extra_body,
     }
     result = RequestResult(ok=False, prompt_len=len(prompt))
     start = last = time.perf_counter()
@@ -188,6 +190,12 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--api-key", default=os.environ.get("KILN_API_KEY"))
+    parser.add_argument(
+        "--extra-body",
+        type=json.loads,
+        default={},
+        help="JSON merged into every request, e.g. '{\"guided_json\": {...}}'",
+    )
     parser.add_argument("--label", default="server", help="column name in the table")
     parser.add_argument("--result-file", default=None, help="save the results as JSON here")
 
@@ -207,6 +215,7 @@ def config_from_args(ns: argparse.Namespace) -> BenchConfig:
         ignore_eos=ns.ignore_eos,
         seed=ns.seed,
         api_key=ns.api_key,
+        extra_body=ns.extra_body,
     )
 
 
