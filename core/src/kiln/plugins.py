@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import importlib.util
 import logging
 import os
 from collections.abc import Callable
@@ -97,6 +98,19 @@ class PluginManager:
             version = _dist_version(distribution)
         self.info[name] = PluginInfo(name, distribution, version)
         self._registry = None
+
+    def load_file(self, path: str) -> str:
+        """Register the ``@kiln.hookimpl`` functions of a Python file as a plugin (``--tool-parser-plugin``)."""
+        name = f"file:{os.path.abspath(path)}"
+        if self.pm.has_plugin(name):
+            return name
+        spec = importlib.util.spec_from_file_location(f"kiln_file_plugin_{abs(hash(name))}", path)
+        if spec is None or not os.path.isfile(path):
+            raise ValueError(f"{path}: not a Python file")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        self.register(module, name=name)
+        return name
 
     def unregister(self, name: str) -> None:
         self.pm.unregister(name=name)

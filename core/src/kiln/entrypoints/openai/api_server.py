@@ -246,6 +246,33 @@ def _warm_up(llm: LLMEngine) -> None:
         llm.step()
 
 
+def resolve_parsers(args: argparse.Namespace) -> tuple[type | None, type | None]:
+    """The tool and reasoning parser classes the flags name (a ``--tool-parser-plugin`` file first)."""
+    from kiln.plugins import get_plugin_manager
+
+    plugins = get_plugin_manager()
+    if args.tool_parser_plugin:
+        plugins.load_file(args.tool_parser_plugin)
+    registry = plugins.registry
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice: needs --tool-call-parser")
+    if args.enable_reasoning and not args.reasoning_parser:
+        raise ValueError("--enable-reasoning: needs --reasoning-parser")
+    found = []
+    for flag, kind, name in (
+        ("--tool-call-parser", "tool_parsers", args.tool_call_parser),
+        ("--reasoning-parser", "reasoning_parsers", args.reasoning_parser),
+    ):
+        if name is None:
+            found.append(None)
+            continue
+        if name not in registry.items[kind]:
+            known = ", ".join(registry.names(kind)) or "none (pip install kiln-plugin-tool-parsers)"
+            raise ValueError(f"{flag}: {name!r} is not registered; registered: {known}")
+        found.append(load_ref(registry.items[kind][name]))
+    return found[0], found[1]
+
+
 def run_server(args: argparse.Namespace) -> int:
     """Load the model, then serve until SIGINT/SIGTERM (in-flight requests are drained first)."""
     import uvicorn
@@ -255,10 +282,15 @@ def run_server(args: argparse.Namespace) -> int:
     from kiln.plugins import get_plugin_manager
 
     started = time.monotonic()
+    resolve_parsers(args)  # fail on a bad parser flag before loading the model
     config = EngineConfig.create(model=args.model_tag or args.model, **engine_kwargs(args))
     llm = LLMEngine(config)
     _warm_up(llm)
+    tool_parser, reasoning_parser = resolve_parsers(args)
     options = ServerOptions(
+        tool_parser=tool_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        reasoning_parser=reasoning_parser,
         served_model_names=args.served_model_name or [llm.model_name],
         response_role=args.response_role,
         chat_template=resolve_chat_template(args.chat_template, get_plugin_manager().registry),

@@ -100,6 +100,16 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="JSON sampling defaults over the model's generation config, e.g. '{\"temperature\": 0.5}'",
     )
+    tools = parser.add_argument_group("tool calling and reasoning")
+    tools.add_argument("--enable-auto-tool-choice", action="store_true", help='parse tool calls for tool_choice "auto"')
+    tools.add_argument("--tool-call-parser", default=None, help="a registered tool parser (see `kiln plugins`)")
+    tools.add_argument(
+        "--tool-parser-plugin",
+        default=None,
+        help="a Python file whose @kiln.hookimpl register_tool_parsers adds parsers selectable by name",
+    )
+    tools.add_argument("--enable-reasoning", action="store_true", help="return reasoning_content (needs a parser)")
+    tools.add_argument("--reasoning-parser", default=None, help="a registered reasoning parser (see `kiln plugins`)")
     add_engine_args(parser)
 
 

@@ -37,6 +37,9 @@ class ServerOptions:
     disable_log_requests: bool = False
     max_log_len: int | None = None
     generation_overrides: dict[str, Any] = field(default_factory=dict)
+    tool_parser: type | None = None  # a ToolParser subclass (--tool-call-parser)
+    enable_auto_tool_choice: bool = False
+    reasoning_parser: type | None = None  # a ReasoningParser subclass (--reasoning-parser)
 
 
 @dataclass

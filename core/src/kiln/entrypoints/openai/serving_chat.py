@@ -11,6 +11,7 @@ from kiln.engine.async_engine import EngineDeadError, RequestStream
 from kiln.entrypoints.openai.chat_utils import detect_content_format, normalize_messages, render_chat
 from kiln.entrypoints.openai.protocol import APIError, ChatCompletionRequest, TokenizeRequest
 from kiln.entrypoints.openai.serving import OpenAIServing, Prompt, new_id, now, sse
+from kiln.entrypoints.openai.tool_calling import ChoiceOutput, ToolSetup, messages_for_template, tool_setup
 from kiln.outputs import PositionLogprobs
 
 
@@ -23,7 +24,7 @@ class ChatServing(OpenAIServing):
             content_format = detect_content_format(template or self.tokenizer.chat_template)
         return render_chat(
             self.tokenizer,
-            normalize_messages(req.messages, content_format),
+            messages_for_template(normalize_messages(req.messages, content_format)),
             template,
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
@@ -35,12 +36,10 @@ class ChatServing(OpenAIServing):
     async def create(self, req: ChatCompletionRequest, raw: HTTPRequest):
         self.check_model(req.model)
         self.check_unsupported(req)
-        if req.tool_choice not in (None, "none"):
-            raise APIError(
-                "tool_choice: tool calling needs --enable-auto-tool-choice and --tool-call-parser "
-                "(kiln-plugin-tool-parsers)",
-                param="tool_choice",
-            )
+        options = self.options
+        setup = tool_setup(
+            req, self.tokenizer, options.tool_parser, options.enable_auto_tool_choice, options.reasoning_parser
+        )
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError("top_logprobs: needs logprobs=true", param="top_logprobs")
         text = self.render(req)
@@ -48,30 +47,37 @@ class ChatServing(OpenAIServing):
         top = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self.sampling_params(req, len(prompt.token_ids), max_tokens, top, req.prompt_logprobs)
+        if setup.guided is not None:
+            if params.guided_decoding is not None:
+                raise APIError("tool_choice: cannot be combined with another constraint", param="tool_choice")
+            params.guided_decoding = setup.guided
         await self.compile_guide(params)
         request_id = new_id("chatcmpl", req.request_id)
         streams = self.start(request_id, [(prompt, params)], req.priority)
         echo = self.echo_text(req)
         if req.stream:
             return StreamingResponse(
-                self.stream(req, request_id, prompt, streams[0], echo), media_type="text/event-stream"
+                self.stream(req, request_id, prompt, streams[0], echo, setup), media_type="text/event-stream"
             )
         out = (await self.final_outputs(streams, raw))[0]
-        choices = [
-            {
-                "index": c.index,
-                "message": {
-                    "role": self.options.response_role,
-                    "content": echo + c.text,
-                    "reasoning_content": None,
-                    "tool_calls": [],
-                },
-                "logprobs": self.chat_logprobs(req, c.token_ids, c.logprobs),
-                "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason,
+        choices = []
+        for c in out.outputs:
+            reasoning, content, calls = ChoiceOutput(setup).whole(c.text)
+            message = {
+                "role": self.options.response_role,
+                "content": echo + (content or "") if echo or content else None,
+                "reasoning_content": reasoning,
+                "tool_calls": [call.to_openai() for call in calls],
             }
-            for c in out.outputs
-        ]
+            choices.append(
+                {
+                    "index": c.index,
+                    "message": message,
+                    "logprobs": self.chat_logprobs(req, c.token_ids, c.logprobs),
+                    "finish_reason": "tool_calls" if calls else c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+            )
         body = {
             "id": request_id,
             "object": "chat.completion",
@@ -112,9 +118,16 @@ class ChatServing(OpenAIServing):
         return {"content": content}
 
     async def stream(
-        self, req: ChatCompletionRequest, request_id: str, prompt: Prompt, stream: RequestStream, echo: str
+        self,
+        req: ChatCompletionRequest,
+        request_id: str,
+        prompt: Prompt,
+        stream: RequestStream,
+        echo: str,
+        setup: ToolSetup,
     ) -> AsyncIterator[str]:
         created, role = now(), self.options.response_role
+        readers = [ChoiceOutput(setup) for _ in range(req.n)]
         counts = [0] * req.n
         options = req.stream_options
         cached = 0
@@ -140,13 +153,26 @@ class ChatServing(OpenAIServing):
                 cached = out.num_cached_tokens
                 for c in out.outputs:
                     counts[c.index] += len(c.token_ids)
-                    if not c.text and not c.token_ids and c.finish_reason is None:
+                    reader = readers[c.index]
+                    delta = reader.delta(c.text, final=c.finish_reason is not None)
+                    if delta is None and c.finish_reason is None and not (c.token_ids and req.logprobs):
                         continue
+                    body: dict = {}
+                    if delta is not None:
+                        if delta.reasoning_content:
+                            body["reasoning_content"] = delta.reasoning_content
+                        if delta.content:
+                            body["content"] = delta.content
+                        if delta.tool_calls:
+                            body["tool_calls"] = [call.to_openai() for call in delta.tool_calls]
+                    finish = c.finish_reason
+                    if finish is not None and reader.num_calls:
+                        finish = "tool_calls"
                     choice = {
                         "index": c.index,
-                        "delta": {"content": c.text} if c.text else {},
+                        "delta": body,
                         "logprobs": self.chat_logprobs(req, c.token_ids, c.logprobs),
-                        "finish_reason": c.finish_reason,
+                        "finish_reason": finish,
                     }
                     if c.finish_reason is not None:
                         choice["stop_reason"] = c.stop_reason

@@ -1,0 +1,1 @@
+"""Tool-call parsers, reasoning parsers and tool-aware chat templates for Kiln."""
