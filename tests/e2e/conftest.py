@@ -18,6 +18,9 @@ SERVER_ARGS = [
     "--enable-prompt-tokens-details",
     "--enable-request-id-headers",
     "--disable-log-stats",
+    "--chat-template", "chatml_tools",  # by name, from kiln-plugin-tool-parsers
+    "--enable-auto-tool-choice",
+    "--tool-call-parser", "hermes",
 ]  # fmt: skip
 
 

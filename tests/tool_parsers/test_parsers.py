@@ -82,6 +82,10 @@ CASES = {
         ("Let me look.\n" + qwen3_coder(*NESTED) + "\n" + qwen3_coder(*TIME), "Let me look.\n\n", [NESTED, TIME]),
         ("<tool_call>\n<function=get_time>\n", "<tool_call>\n<function=get_time>\n", []),
     ],
+    "example_call": [  # the third-party plugin in examples/plugin_example
+        ('Checking.\nCALL get_weather {"city": "Paris", "days": 3}\nDone.', "Checking.\nDone.", [PARIS]),
+        ("CALL get_time {}\nCALL broken {", "CALL broken {", [TIME]),
+    ],
 }  # fmt: skip
 
 REASONING = {
