@@ -213,3 +213,32 @@ def test_plugin_parsers_by_name(default_model_dir, args, regex, expected):
             t.function.arguments or "" for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []
         )
         assert (content, json.loads(arguments)) == expected
+
+
+def test_reasoning_content_whole_and_streamed(default_model_dir):
+    args = [
+        "--max-model-len",
+        "1024",
+        "--served-model-name",
+        MODEL,
+        "--enable-reasoning",
+        "--reasoning-parser",
+        "deepseek_r1",
+    ]
+    with RemoteServer(args) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        kwargs = dict(
+            model=MODEL,
+            messages=[{"role": "user", "content": "2+2?"}],
+            max_tokens=40,
+            extra_body={"guided_regex": r"<think>Two and two\.</think>Four\."},  # the model "thinks"
+        )
+        message = client.chat.completions.create(**kwargs).choices[0].message
+        assert (message.reasoning_content, message.content) == ("Two and two.", "Four.")
+        reasoning = content = ""
+        for chunk in client.chat.completions.create(stream=True, **kwargs):
+            if chunk.choices:
+                delta = chunk.choices[0].delta
+                reasoning += getattr(delta, "reasoning_content", None) or ""
+                content += delta.content or ""
+        assert (reasoning, content) == ("Two and two.", "Four.")
