@@ -29,7 +29,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for device in ("cuda", "npu"):
-        marked = [item for item in items if device in item.keywords]
+        marked = [item for item in items if item.get_closest_marker(device) is not None]
         if marked and not _device_available(device):
             skip = pytest.mark.skip(reason=f"no {device} device available on this machine")
             for item in marked:

@@ -1,0 +1,60 @@
+"""``TritonAttentionBackend``: paged attention for mixed prefill/decode batches in one Triton kernel."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from kiln.attention.base import AttentionBackend, BatchLayout
+from kiln_cuda import kernels
+
+# Keys per inner-loop tile of the attention kernel.
+TILE = 32
+
+
+@dataclass(slots=True)
+class TritonMetadata:
+    layout: BatchLayout
+    token_seq: torch.Tensor  # (tokens,) int32: which request each query token belongs to
+    token_pos: torch.Tensor  # (tokens,) int32: its absolute position (its KV length - 1)
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Cache layout ``(2, blocks, block_size, kv_heads, head_dim)`` (the reference's)."""
+
+    name = "triton"
+
+    @classmethod
+    def supports(cls, *, head_dim: int, dtype: torch.dtype, block_size: int) -> bool:
+        return head_dim % 16 == 0 and block_size % 16 == 0
+
+    def build_metadata(self, layout: BatchLayout) -> TritonMetadata:
+        device = layout.slot_mapping.device
+        query_lens = torch.tensor(layout.query_lens_cpu, device=device)
+        token_seq = torch.repeat_interleave(torch.arange(layout.num_reqs, device=device), query_lens)
+        starts = layout.query_start_loc[:-1].long()
+        offset = torch.arange(layout.num_tokens, device=device) - starts[token_seq]
+        token_pos = layout.context_lens.long()[token_seq] + offset
+        return TritonMetadata(layout, token_seq.to(torch.int32), token_pos.to(torch.int32))
+
+    def forward(self, q, k, v, kv_cache, metadata: TritonMetadata, *, layer_idx, scale):
+        layout = metadata.layout
+        tokens = q.shape[0]
+        block_d = triton.next_power_of_2(self.head_dim)
+        if tokens:
+            kernels.reshape_and_cache_kernel[(tokens, self.num_kv_heads)](
+                k, v, kv_cache, layout.slot_mapping, k.stride(0), v.stride(0), kv_cache.stride(0),
+                KVN=self.num_kv_heads, D=self.head_dim, BLOCK_D=block_d,
+            )  # fmt: skip
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if tokens:
+            kernels.paged_attention_kernel[(tokens, self.num_heads)](
+                q, kv_cache, out, metadata.token_seq, metadata.token_pos, layout.block_table,
+                layout.block_table.stride(0), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+                kv_cache.stride(0), scale,
+                KVN=self.num_kv_heads, GROUP=self.num_heads // self.num_kv_heads, D=self.head_dim,
+                BLOCK_D=block_d, BS=layout.block_size, TILE=TILE,
+            )  # fmt: skip
+        return out

@@ -1,0 +1,127 @@
+"""Triton kernels written for Kiln. Arithmetic is fp32 whatever the storage dtype; results round
+where the torch reference ops (``kiln.ops``) round. They run on GPUs, and on CPU tensors under
+Triton's interpreter (``TRITON_INTERPRET=1``), which is how this project's machines test them."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def reshape_and_cache_kernel(
+    k_ptr, v_ptr, cache_ptr, slot_ptr, k_stride, v_stride, plane_stride,
+    KVN: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Grid (tokens, kv_heads): one head's K and V row into slot ``slot_ptr[t]``; slot < 0 is padding.
+    The cache is (2, blocks, block_size, kv_heads, D): slot s, head h is row ``s * KVN + h``."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = tl.load(slot_ptr + t)
+    d = tl.arange(0, BLOCK_D)
+    slots = tl.zeros([BLOCK_D], dtype=tl.int64) + slot  # per lane: the interpreter masks need a vector
+    mask = (d < D) & (slots >= 0)
+    row = tl.where(slots >= 0, slots, 0) * KVN + h
+    k = tl.load(k_ptr + t * k_stride + h * D + d, mask=mask)
+    v = tl.load(v_ptr + t * v_stride + h * D + d, mask=mask)
+    tl.store(cache_ptr + row * D + d, k, mask=mask)
+    tl.store(cache_ptr + plane_stride + row * D + d, v, mask=mask)
+
+
+@triton.jit
+def paged_attention_kernel(
+    q_ptr, cache_ptr, out_ptr, token_seq_ptr, token_pos_ptr, block_table_ptr,
+    bt_stride, q_stride_t, q_stride_h, o_stride_t, o_stride_h, plane_stride, scale,
+    KVN: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    BS: tl.constexpr, TILE: tl.constexpr,
+):  # fmt: skip
+    """Grid (tokens, heads): prefill chunks and decodes alike. Token t of request ``seq`` at
+    absolute position ``pos`` attends to cache positions 0..pos (causal within the new tokens,
+    full over the cached context), reading K/V through the block table, with online softmax."""
+    t = tl.program_id(0)
+    n = tl.program_id(1)
+    kvh = n // GROUP
+    seq = tl.load(token_seq_ptr + t)
+    pos = tl.load(token_pos_ptr + t)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    q = tl.load(q_ptr + t * q_stride_t + n * q_stride_h + d, mask=dmask, other=0.0).to(tl.float32)
+    m = tl.zeros([], dtype=tl.float32) - float("inf")
+    denom = tl.zeros([], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for start in range(0, pos + 1, TILE):
+        j = start + tl.arange(0, TILE)
+        jmask = j <= pos
+        block = tl.load(block_table_ptr + seq * bt_stride + j // BS, mask=jmask, other=0)
+        rows = (block * BS + j % BS) * KVN + kvh
+        kv_mask = jmask[:, None] & dmask[None, :]
+        k = tl.load(cache_ptr + rows[:, None] * D + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        s = tl.where(jmask, tl.sum(k * q[None, :], axis=1) * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=0))
+        p = tl.exp(s - m_new)
+        alpha = tl.exp(m - m_new)
+        v = tl.load(cache_ptr + plane_stride + rows[:, None] * D + d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
+        denom = denom * alpha + tl.sum(p, axis=0)
+        m = m_new
+    out = acc / denom
+    tl.store(out_ptr + t * o_stride_t + n * o_stride_h + d, out.to(out_ptr.dtype.element_ty), mask=dmask)
+
+
+@triton.jit
+def rms_norm_kernel(
+    x_ptr, residual_ptr, w_ptr, out_ptr, x_stride, dim, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Grid (rows,): out = w * round(x * rsqrt(mean(x^2) + eps)); with a residual, first
+    residual = round(x + residual) (stored back) and that is normalised."""
+    row = tl.program_id(0)
+    c = tl.arange(0, BLOCK)
+    mask = c < dim
+    x = tl.load(x_ptr + row * x_stride + c, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + row * dim + c, mask=mask, other=0.0).to(tl.float32)
+        x = (x + r).to(residual_ptr.dtype.element_ty)
+        tl.store(residual_ptr + row * dim + c, x, mask=mask)
+        x = x.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / dim + eps)
+    y = (x * inv).to(out_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + c, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * dim + c, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def rotary_kernel(
+    pos_ptr, x_ptr, cache_ptr, x_stride_t, x_stride_h,
+    D: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, NEOX: tl.constexpr,
+):  # fmt: skip
+    """Grid (tokens, heads), in place. NeoX pairs i with i + D/2; GPT-J pairs 2i with 2i + 1.
+    The cache row of a position is cos (D/2) then sin (D/2), fp32."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    pos = tl.load(pos_ptr + t)
+    i = tl.arange(0, BLOCK)
+    mask = i < HALF
+    cos = tl.load(cache_ptr + pos * D + i, mask=mask, other=0.0)
+    sin = tl.load(cache_ptr + pos * D + HALF + i, mask=mask, other=0.0)
+    base = x_ptr + t * x_stride_t + h * x_stride_h
+    if NEOX:
+        first, second = base + i, base + HALF + i
+    else:
+        first, second = base + 2 * i, base + 2 * i + 1
+    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(second, mask=mask, other=0.0).to(tl.float32)
+    tl.store(first, (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty), mask=mask)
+    tl.store(second, (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def silu_and_mul_kernel(x_ptr, out_ptr, d, BLOCK: tl.constexpr):
+    """Grid (rows, cdiv(d, BLOCK)): out = round(silu(gate)) * up, with x = [gate | up]."""
+    row = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = c < d
+    gate = tl.load(x_ptr + row * 2 * d + c, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * 2 * d + d + c, mask=mask, other=0.0).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * d + c, (silu * up).to(out_ptr.dtype.element_ty), mask=mask)

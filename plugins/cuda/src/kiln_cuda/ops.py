@@ -1,0 +1,72 @@
+"""The fused ops the CUDA platform puts in place of ``kiln.ops`` (same arguments and results)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import triton
+
+from kiln_cuda import kernels
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dim = x.shape[-1]
+    x2 = x.reshape(-1, dim)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    if x2.shape[0]:
+        kernels.rms_norm_kernel[(x2.shape[0],)](
+            x2, x2, weight, out, x2.stride(0), dim, eps, HAS_RESIDUAL=False, BLOCK=triton.next_power_of_2(dim)
+        )
+    return out.view(x.shape)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``residual += x`` then normalise it, in place (as vLLM's kernel): returns (x, residual)."""
+    dim = x.shape[-1]
+    rows = x.numel() // dim
+    x, residual = x.contiguous(), residual.contiguous()
+    if rows:
+        kernels.rms_norm_kernel[(rows,)](
+            x, residual, weight, x, dim, dim, eps, HAS_RESIDUAL=True, BLOCK=triton.next_power_of_2(dim)
+        )
+    return x, residual
+
+
+def rotary_embedding(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, neox: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """In place on (tokens, heads, head_dim) views whose rows may be strided."""
+    tokens, _, dim = q.shape
+    for x in (q, k):
+        if tokens and x.stride(2) == 1:
+            kernels.rotary_kernel[(tokens, x.shape[1])](
+                positions, x, cos_sin_cache, x.stride(0), x.stride(1),
+                D=dim, HALF=dim // 2, BLOCK=triton.next_power_of_2(dim // 2), NEOX=neox,
+            )  # fmt: skip
+        elif tokens:
+            raise ValueError("rotary_embedding: head_dim must be contiguous")
+    return q, k
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    d = x.shape[-1] // 2
+    x2 = x.reshape(-1, 2 * d).contiguous()
+    out = torch.empty((x2.shape[0], d), dtype=x.dtype, device=x.device)
+    block = min(1024, triton.next_power_of_2(d))
+    if x2.shape[0]:
+        kernels.silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](x2, out, d, BLOCK=block)
+    return out.view(*x.shape[:-1], d)
+
+
+def fused_ops() -> dict[str, Callable]:
+    return {
+        "rms_norm": rms_norm,
+        "fused_add_rms_norm": fused_add_rms_norm,
+        "rotary_embedding": rotary_embedding,
+        "silu_and_mul": silu_and_mul,
+    }

@@ -1,0 +1,40 @@
+"""The ``cuda`` platform: NVIDIA GPUs through Triton kernels."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from kiln.platforms.base import Platform
+
+
+class CudaPlatform(Platform):
+    name = "cuda"
+    device_type = "cuda"
+    dist_backend = "nccl"
+    supported_dtypes = (torch.float16, torch.bfloat16, torch.float32)
+    supported_block_sizes = (16, 32, 64, 128)
+    default_block_size = 16
+
+    def device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device())
+
+    def mem_get_info(self) -> tuple[int, int]:
+        return torch.cuda.mem_get_info()
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()
+
+    def dtype_for(self, model_dtype: torch.dtype | None) -> torch.dtype:
+        if model_dtype in (torch.float16, torch.bfloat16):
+            return model_dtype
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+    def attention_backend(self) -> str:
+        return "triton"
+
+    def custom_ops(self) -> dict[str, Callable]:
+        from kiln_cuda.ops import fused_ops
+
+        return fused_ops()

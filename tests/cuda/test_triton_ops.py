@@ -1,0 +1,125 @@
+"""The CUDA plugin's Triton ops against the core's torch reference ops, and the whole engine on a
+tiny model through the plugin's kernels matching the CPU plugin token for token."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+import kiln
+from kiln import ops as reference
+from kiln_cuda import ops
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3)}
+DTYPES = [torch.float32, torch.float16]  # the interpreter's bf16 arithmetic is broken
+
+
+def close(a, b, dtype):
+    torch.testing.assert_close(a.float(), b.float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(3, 64), (5, 100), (1, 576)])
+def test_rms_norm_and_fused_add(dtype, shape):
+    torch.manual_seed(0)
+    x, r, w = (torch.randn(s, device=DEVICE).to(dtype) for s in (shape, shape, shape[-1:]))
+    close(ops.rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6), dtype)
+    want_x, want_r = reference.fused_add_rms_norm(x.clone(), r.clone(), w, 1e-6)
+    got_x, got_r = ops.fused_add_rms_norm(x.clone(), r.clone(), w, 1e-6)
+    close(got_r, want_r, dtype)
+    close(got_x, want_x, dtype)
+
+
+def gptj_reference(positions, x, cache):
+    """GPT-J style: pairs (2i, 2i+1), i.e. NeoX applied to the de-interleaved head."""
+    d = x.shape[-1]
+    perm = torch.cat((torch.arange(0, d, 2), torch.arange(1, d, 2)))
+    rotated, _ = reference.rotary_embedding(positions, x[..., perm], x[..., perm][:, :1], cache)
+    out = torch.empty_like(x)
+    out[..., perm] = rotated
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 4, 64), (6, 2, 128), (8, 1, 32)])
+def test_rotary_neox_and_gptj_on_strided_views(dtype, heads, kv_heads, dim):
+    torch.manual_seed(1)
+    tokens = 7
+    positions = torch.tensor([0, 1, 5, 9, 100, 3, 511], device=DEVICE)
+    t = torch.arange(512, dtype=torch.float64)[:, None] / 10000 ** (torch.arange(0, dim, 2) / dim)
+    cache = torch.cat((t.cos(), t.sin()), dim=-1).float().to(DEVICE)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, device=DEVICE).to(dtype)
+    q, k, _ = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k = q.view(tokens, heads, dim), k.view(tokens, kv_heads, dim)
+    want_q, want_k = reference.rotary_embedding(positions, q.clone(), k.clone(), cache)
+    got_q, got_k = ops.rotary_embedding(positions, q.clone(), k.clone(), cache)
+    close(got_q, want_q, dtype)
+    close(got_k, want_k, dtype)
+    gq, _ = ops.rotary_embedding(positions, q.clone(), k.clone(), cache, neox=False)
+    close(gq, gptj_reference(positions, q.clone(), cache), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(2, 128), (3, 3000)])
+def test_silu_and_mul(dtype, shape):
+    torch.manual_seed(2)
+    x = (torch.randn(shape, device=DEVICE) * 3).to(dtype)
+    close(ops.silu_and_mul(x), reference.silu_and_mul(x), dtype)
+
+
+class TritonOnCpuPlatform:
+    """The CPU platform running the CUDA plugin's kernels (under the interpreter)."""
+
+    @staticmethod
+    def make():
+        from kiln_cpu.platform import CpuPlatform
+
+        class Platform(CpuPlatform):
+            name = "cpu_triton"
+
+            def attention_backend(self) -> str:
+                return "triton"
+
+            def custom_ops(self):
+                return ops.fused_ops()
+
+            def process_weights(self, model) -> None:
+                pass
+
+        return Platform()
+
+
+@kiln.hookimpl
+def register_platforms(register) -> None:
+    from kiln.platforms.base import PlatformSpec
+
+    register(PlatformSpec("cpu_triton", TritonOnCpuPlatform.make, is_available=lambda: True))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the interpreter path on CPU")
+def test_engine_through_triton_kernels_matches_the_cpu_plugin(tiny_model_dir, kiln_plugins, varied_prompts):
+    import kiln_cpu.plugin
+    import kiln_cuda.plugin
+    from kiln.config import EngineConfig
+    from kiln.engine.llm_engine import LLMEngine
+    from kiln.sampling_params import SamplingParams
+
+    for module, name in ((kiln_cpu.plugin, "cpu"), (kiln_cuda.plugin, "cuda"), (sys.modules[__name__], "test")):
+        kiln_plugins.register(module, name=name)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+    def greedy(device: str) -> list[list[int]]:
+        config = EngineConfig.create(model=tiny_model_dir("llama"), device=device, dtype="float32", block_size=16)
+        engine = LLMEngine(config, plugins=kiln_plugins)
+        for i, p in enumerate(varied_prompts):
+            engine.add_request(str(i), {"prompt_token_ids": p}, params)
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                done[out.request_id] = out.outputs[0].token_ids
+        return [done[str(i)] for i in range(len(varied_prompts))]
+
+    assert greedy("cpu_triton") == greedy("cpu")
