@@ -10,8 +10,11 @@ import triton
 from kiln.attention.base import AttentionBackend, BatchLayout
 from kiln_cuda import kernels
 
-# Keys per inner-loop tile of the attention kernel.
+# Keys per inner-loop tile of the attention kernels.
 TILE = 32
+# Split-KV decode: slices per sequence, used while decodes x kv heads leave the GPU idle.
+SPLITS = 8
+SPLIT_KV_MAX_WORK = 128
 
 
 @dataclass(slots=True)
@@ -49,7 +52,10 @@ class TritonAttentionBackend(AttentionBackend):
                 KVN=self.num_kv_heads, D=self.head_dim, BLOCK_D=block_d,
             )  # fmt: skip
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        if tokens:
+        all_decode = layout.num_decode_reqs == layout.num_reqs
+        if tokens and all_decode and tokens * self.num_kv_heads <= SPLIT_KV_MAX_WORK:
+            self._split_kv_decode(q, kv_cache, out, layout, scale, block_d)
+        elif tokens:
             kernels.paged_attention_kernel[(tokens, self.num_heads)](
                 q, kv_cache, out, metadata.token_seq, metadata.token_pos, layout.block_table,
                 layout.block_table.stride(0), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -58,3 +64,20 @@ class TritonAttentionBackend(AttentionBackend):
                 BLOCK_D=block_d, BS=layout.block_size, TILE=TILE,
             )  # fmt: skip
         return out
+
+    def _split_kv_decode(self, q, kv_cache, out, layout: BatchLayout, scale: float, block_d: int) -> None:
+        """Flash-decoding for small decode batches: one program per (decode, head, slice), then a reduction."""
+        tokens, heads = q.shape[0], self.num_heads
+        part_acc = torch.empty(tokens, heads, SPLITS, block_d, dtype=torch.float32, device=q.device)
+        part_max = torch.empty(tokens, heads, SPLITS, dtype=torch.float32, device=q.device)
+        part_sum = torch.empty_like(part_max)
+        kernels.paged_decode_split_kernel[(tokens, heads, SPLITS)](
+            q, kv_cache, layout.seq_lens, layout.block_table, part_acc, part_max, part_sum,
+            layout.block_table.stride(0), q.stride(0), q.stride(1), kv_cache.stride(0), scale,
+            H=heads, KVN=self.num_kv_heads, GROUP=heads // self.num_kv_heads, D=self.head_dim,
+            BLOCK_D=block_d, BS=layout.block_size, TILE=TILE, SPLITS=SPLITS,
+        )  # fmt: skip
+        kernels.reduce_splits_kernel[(tokens, heads)](
+            part_acc, part_max, part_sum, out, out.stride(0), out.stride(1),
+            H=heads, D=self.head_dim, BLOCK_D=block_d, SPLITS=SPLITS,
+        )  # fmt: skip

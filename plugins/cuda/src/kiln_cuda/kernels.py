@@ -125,3 +125,66 @@ def silu_and_mul_kernel(x_ptr, out_ptr, d, BLOCK: tl.constexpr):
     up = tl.load(x_ptr + row * 2 * d + d + c, mask=mask, other=0.0).to(tl.float32)
     silu = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + row * d + c, (silu * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def paged_decode_split_kernel(
+    q_ptr, cache_ptr, seq_lens_ptr, block_table_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
+    bt_stride, q_stride_t, q_stride_h, plane_stride, scale,
+    H: tl.constexpr, KVN: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    BS: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr,
+):  # fmt: skip
+    """Split-KV decode (flash-decoding), grid (decodes, heads, SPLITS): each program covers one
+    slice of the sequence and leaves its unnormalised output, max and sum for the reduction."""
+    r = tl.program_id(0)
+    n = tl.program_id(1)
+    split = tl.program_id(2)
+    kvh = n // GROUP
+    seq_len = tl.load(seq_lens_ptr + r)
+    chunk = tl.cdiv(seq_len, SPLITS)
+    start = split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    q = tl.load(q_ptr + r * q_stride_t + n * q_stride_h + d, mask=dmask, other=0.0).to(tl.float32)
+    m = tl.zeros([], dtype=tl.float32) - float("inf")
+    denom = tl.zeros([], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for tile in range(start, end, TILE):
+        j = tile + tl.arange(0, TILE)
+        jmask = j < end
+        block = tl.load(block_table_ptr + r * bt_stride + j // BS, mask=jmask, other=0)
+        rows = (block * BS + j % BS) * KVN + kvh
+        kv_mask = jmask[:, None] & dmask[None, :]
+        k = tl.load(cache_ptr + rows[:, None] * D + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        s = tl.where(jmask, tl.sum(k * q[None, :], axis=1) * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=0))
+        p = tl.exp(s - m_new)
+        alpha = tl.exp(m - m_new)
+        v = tl.load(cache_ptr + plane_stride + rows[:, None] * D + d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
+        denom = denom * alpha + tl.sum(p, axis=0)
+        m = m_new
+    part = (r * H + n) * SPLITS + split
+    tl.store(part_acc_ptr + part * BLOCK_D + d, acc)
+    tl.store(part_max_ptr + part, m)
+    tl.store(part_sum_ptr + part, denom)
+
+
+@triton.jit
+def reduce_splits_kernel(
+    part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr, o_stride_t, o_stride_h,
+    H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr,
+):  # fmt: skip
+    """Grid (decodes, heads): combine the slices (empty ones weigh nothing)."""
+    r = tl.program_id(0)
+    n = tl.program_id(1)
+    splits = tl.arange(0, SPLITS)
+    base = (r * H + n) * SPLITS
+    maxes = tl.load(part_max_ptr + base + splits)
+    weights = tl.exp(maxes - tl.max(maxes, axis=0))
+    total = tl.sum(weights * tl.load(part_sum_ptr + base + splits), axis=0)
+    d = tl.arange(0, BLOCK_D)
+    acc = tl.load(part_acc_ptr + (base + splits)[:, None] * BLOCK_D + d[None, :])
+    out = tl.sum(weights[:, None] * acc, axis=0) / total
+    tl.store(out_ptr + r * o_stride_t + n * o_stride_h + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
