@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 
 from kiln.benchmarks.serve import BenchConfig, format_table, run_benchmark
+from kiln.testing.schemas import CHARACTER_SCHEMA
 from kiln.testing.server import RemoteServer
 
 RESULTS = Path(__file__).parent / "results" / "guided_compare.json"
@@ -30,22 +31,6 @@ LIST_SCHEMA = {
         "items": {"type": "array", "items": {"type": "string", "maxLength": 16}, "minItems": 12, "maxItems": 12}
     },
     "required": ["items"],
-}
-CHARACTER = {
-    "title": "Character",
-    "type": "object",
-    "properties": {
-        "name": {"title": "Name", "maxLength": 10, "type": "string"},
-        "age": {"title": "Age", "type": "integer"},
-        "armor": {"$ref": "#/definitions/Armor"},
-        "weapon": {"$ref": "#/definitions/Weapon"},
-        "strength": {"title": "Strength", "type": "integer"},
-    },
-    "required": ["name", "age", "armor", "weapon", "strength"],
-    "definitions": {
-        "Armor": {"title": "Armor", "enum": ["leather", "chainmail", "plate"], "type": "string"},
-        "Weapon": {"title": "Weapon", "enum": ["sword", "axe", "mace", "spear", "bow", "crossbow"], "type": "string"},
-    },
 }
 
 
@@ -65,8 +50,8 @@ def main() -> None:
     runs = {}
     with RemoteServer(["--disable-log-requests", "--uvicorn-log-level", "warning"]) as server:
         plain = first_request_seconds(server.url, {})
-        character = first_request_seconds(server.url, {"guided_json": CHARACTER})
-        cached = first_request_seconds(server.url, {"guided_json": CHARACTER})
+        character = first_request_seconds(server.url, {"guided_json": CHARACTER_SCHEMA})
+        cached = first_request_seconds(server.url, {"guided_json": CHARACTER_SCHEMA})
         runs["unconstrained"] = asyncio.run(run_benchmark(BenchConfig(base_url=server.url, ignore_eos=True, **common)))
         guided = BenchConfig(base_url=server.url, ignore_eos=False, extra_body={"guided_json": LIST_SCHEMA}, **common)
         runs["json-schema"] = asyncio.run(run_benchmark(guided))

@@ -119,28 +119,13 @@ def register_platforms(register) -> None:
 def test_engine_on_the_ascend_path_matches_the_cpu_plugin(tiny_model_dir, kiln_plugins, varied_prompts, block_size):
     import kiln_ascend.plugin
     import kiln_cpu.plugin
-    from kiln.config import EngineConfig
-    from kiln.engine.llm_engine import LLMEngine
-    from kiln.sampling_params import SamplingParams
+    from kiln.testing.engine import greedy_tokens
 
     for module, name in ((kiln_cpu.plugin, "cpu"), (kiln_ascend.plugin, "ascend"), (sys.modules[__name__], "test")):
         kiln_plugins.register(module, name=name)
-    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-
-    def greedy(device: str, bs: int) -> list[list[int]]:
-        config = EngineConfig.create(
-            model=tiny_model_dir("llama"), device=device, dtype="float32", block_size=bs, max_num_batched_tokens=64
-        )
-        engine = LLMEngine(config, plugins=kiln_plugins)
-        for i, p in enumerate(varied_prompts):
-            engine.add_request(str(i), {"prompt_token_ids": p}, params)
-        done = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                done[out.request_id] = out.outputs[0].token_ids
-        return [done[str(i)] for i in range(len(varied_prompts))]
-
-    assert greedy("npu_emulated", block_size) == greedy("cpu", 16)
+    common = dict(model=tiny_model_dir("llama"), dtype="float32", max_num_batched_tokens=64)
+    npu_run = greedy_tokens(kiln_plugins, varied_prompts, device="npu_emulated", block_size=block_size, **common)
+    assert npu_run == greedy_tokens(kiln_plugins, varied_prompts, device="cpu", block_size=16, **common)
     used = {c.split(":")[0] for c in fake_torch_npu.calls}
     assert {"npu_incre_flash_attention", "npu_fused_infer_attention_score", "_npu_reshape_and_cache",
             "npu_add_rms_norm", "npu_rotary_mul", "npu_swiglu"} <= used  # fmt: skip

@@ -103,23 +103,10 @@ def register_platforms(register) -> None:
 def test_engine_through_triton_kernels_matches_the_cpu_plugin(tiny_model_dir, kiln_plugins, varied_prompts):
     import kiln_cpu.plugin
     import kiln_cuda.plugin
-    from kiln.config import EngineConfig
-    from kiln.engine.llm_engine import LLMEngine
-    from kiln.sampling_params import SamplingParams
+    from kiln.testing.engine import greedy_tokens
 
     for module, name in ((kiln_cpu.plugin, "cpu"), (kiln_cuda.plugin, "cuda"), (sys.modules[__name__], "test")):
         kiln_plugins.register(module, name=name)
-    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-
-    def greedy(device: str) -> list[list[int]]:
-        config = EngineConfig.create(model=tiny_model_dir("llama"), device=device, dtype="float32", block_size=16)
-        engine = LLMEngine(config, plugins=kiln_plugins)
-        for i, p in enumerate(varied_prompts):
-            engine.add_request(str(i), {"prompt_token_ids": p}, params)
-        done = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                done[out.request_id] = out.outputs[0].token_ids
-        return [done[str(i)] for i in range(len(varied_prompts))]
-
-    assert greedy("cpu_triton") == greedy("cpu")
+    common = dict(model=tiny_model_dir("llama"), dtype="float32", block_size=16)
+    triton_run = greedy_tokens(kiln_plugins, varied_prompts, device="cpu_triton", **common)
+    assert triton_run == greedy_tokens(kiln_plugins, varied_prompts, device="cpu", **common)

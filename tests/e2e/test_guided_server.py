@@ -11,24 +11,9 @@ import jsonschema
 import pytest
 from tests.e2e.conftest import MODEL
 
-pytestmark = pytest.mark.slow
+from kiln.testing.schemas import CHARACTER_SCHEMA
 
-CHARACTER = {  # seed 001's guided_json example
-    "title": "Character",
-    "type": "object",
-    "properties": {
-        "name": {"title": "Name", "maxLength": 10, "type": "string"},
-        "age": {"title": "Age", "type": "integer"},
-        "armor": {"$ref": "#/definitions/Armor"},
-        "weapon": {"$ref": "#/definitions/Weapon"},
-        "strength": {"title": "Strength", "type": "integer"},
-    },
-    "required": ["name", "age", "armor", "weapon", "strength"],
-    "definitions": {
-        "Armor": {"title": "Armor", "enum": ["leather", "chainmail", "plate"], "type": "string"},
-        "Weapon": {"title": "Weapon", "enum": ["sword", "axe", "mace", "spear", "bow", "crossbow"], "type": "string"},
-    },
-}
+pytestmark = pytest.mark.slow
 
 
 def varied_schemas(count: int = 50) -> list[dict]:
@@ -107,10 +92,14 @@ def test_character_schema_from_the_seed(client):
         "character, including their Name, Age, preferred Armor, Weapon, and Strength"
     )
     out = client.completions.create(
-        model=MODEL, prompt=prompt, max_tokens=200, temperature=0, extra_body={"guided_json": json.dumps(CHARACTER)}
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=200,
+        temperature=0,
+        extra_body={"guided_json": json.dumps(CHARACTER_SCHEMA)},
     )
     value = json.loads(out.choices[0].text)
-    jsonschema.validate(value, CHARACTER)
+    jsonschema.validate(value, CHARACTER_SCHEMA)
     assert out.choices[0].finish_reason == "stop"
 
 

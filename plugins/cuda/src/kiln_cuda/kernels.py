@@ -29,6 +29,23 @@ def reshape_and_cache_kernel(
 
 
 @triton.jit
+def _attend_tile(q, cache_ptr, table_row_ptr, plane_stride, scale, j, jmask, d, dmask, kvh, m, denom, acc,
+                 KVN: tl.constexpr, D: tl.constexpr, BS: tl.constexpr):  # fmt: skip
+    """One tile of keys ``j`` (valid where ``jmask``) folded into the online softmax (m, denom, acc)."""
+    block = tl.load(table_row_ptr + j // BS, mask=jmask, other=0)
+    rows = (block * BS + j % BS) * KVN + kvh
+    kv_mask = jmask[:, None] & dmask[None, :]
+    k = tl.load(cache_ptr + rows[:, None] * D + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+    s = tl.where(jmask, tl.sum(k * q[None, :], axis=1) * scale, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=0))
+    p = tl.exp(s - m_new)
+    alpha = tl.exp(m - m_new)
+    v = tl.load(cache_ptr + plane_stride + rows[:, None] * D + d[None, :], mask=kv_mask, other=0.0)
+    acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
+    return m_new, denom * alpha + tl.sum(p, axis=0), acc
+
+
+@triton.jit
 def paged_attention_kernel(
     q_ptr, cache_ptr, out_ptr, token_seq_ptr, token_pos_ptr, block_table_ptr,
     bt_stride, q_stride_t, q_stride_h, o_stride_t, o_stride_h, plane_stride, scale,
@@ -51,19 +68,10 @@ def paged_attention_kernel(
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     for start in range(0, pos + 1, TILE):
         j = start + tl.arange(0, TILE)
-        jmask = j <= pos
-        block = tl.load(block_table_ptr + seq * bt_stride + j // BS, mask=jmask, other=0)
-        rows = (block * BS + j % BS) * KVN + kvh
-        kv_mask = jmask[:, None] & dmask[None, :]
-        k = tl.load(cache_ptr + rows[:, None] * D + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        s = tl.where(jmask, tl.sum(k * q[None, :], axis=1) * scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=0))
-        p = tl.exp(s - m_new)
-        alpha = tl.exp(m - m_new)
-        v = tl.load(cache_ptr + plane_stride + rows[:, None] * D + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
-        denom = denom * alpha + tl.sum(p, axis=0)
-        m = m_new
+        m, denom, acc = _attend_tile(
+            q, cache_ptr, block_table_ptr + seq * bt_stride, plane_stride, scale, j, j <= pos, d, dmask, kvh,
+            m, denom, acc, KVN=KVN, D=D, BS=BS,
+        )  # fmt: skip
     out = acc / denom
     tl.store(out_ptr + t * o_stride_t + n * o_stride_h + d, out.to(out_ptr.dtype.element_ty), mask=dmask)
 
@@ -152,19 +160,10 @@ def paged_decode_split_kernel(
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     for tile in range(start, end, TILE):
         j = tile + tl.arange(0, TILE)
-        jmask = j < end
-        block = tl.load(block_table_ptr + r * bt_stride + j // BS, mask=jmask, other=0)
-        rows = (block * BS + j % BS) * KVN + kvh
-        kv_mask = jmask[:, None] & dmask[None, :]
-        k = tl.load(cache_ptr + rows[:, None] * D + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        s = tl.where(jmask, tl.sum(k * q[None, :], axis=1) * scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=0))
-        p = tl.exp(s - m_new)
-        alpha = tl.exp(m - m_new)
-        v = tl.load(cache_ptr + plane_stride + rows[:, None] * D + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
-        denom = denom * alpha + tl.sum(p, axis=0)
-        m = m_new
+        m, denom, acc = _attend_tile(
+            q, cache_ptr, block_table_ptr + r * bt_stride, plane_stride, scale, j, j < end, d, dmask, kvh,
+            m, denom, acc, KVN=KVN, D=D, BS=BS,
+        )  # fmt: skip
     part = (r * H + n) * SPLITS + split
     tl.store(part_acc_ptr + part * BLOCK_D + d, acc)
     tl.store(part_max_ptr + part, m)
