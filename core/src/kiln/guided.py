@@ -161,10 +161,6 @@ class GuidedManager:
         self.cache: dict[tuple, CompiledGuide] = {}
         self.lock = threading.Lock()
 
-    @property
-    def available(self) -> bool:
-        return bool(self.factories)
-
     def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
         """Through the loaded backend's kernel (every constrained request went through one)."""
         backend = next(iter(self.backends.values()), None)

@@ -123,10 +123,6 @@ class ToolParser(ABC):
         """The request ended: flush what was held back."""
         return self._diff(self.parse(self._text, final=True))
 
-    @property
-    def streamed_calls(self) -> list[ToolCall]:
-        return list(self._sent_calls)
-
     def _diff(self, parsed: ToolParse) -> DeltaMessage | None:
         delta = DeltaMessage()
         if len(parsed.content) > self._sent_content:

@@ -282,11 +282,10 @@ def run_server(args: argparse.Namespace) -> int:
     from kiln.plugins import get_plugin_manager
 
     started = time.monotonic()
-    resolve_parsers(args)  # fail on a bad parser flag before loading the model
+    tool_parser, reasoning_parser = resolve_parsers(args)  # a bad parser flag fails before the model loads
     config = EngineConfig.create(model=args.model_tag or args.model, **engine_kwargs(args))
     llm = LLMEngine(config)
     _warm_up(llm)
-    tool_parser, reasoning_parser = resolve_parsers(args)
     options = ServerOptions(
         tool_parser=tool_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,

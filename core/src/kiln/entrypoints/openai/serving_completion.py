@@ -27,8 +27,7 @@ class CompletionServing(OpenAIServing):
             (p, self.sampling_params(req, len(p.token_ids), req.max_tokens, req.logprobs, prompt_logprobs))
             for p in prompts
         ]
-        for _, params in items[:1]:  # every prompt shares the constraint
-            await self.compile_guide(params)
+        await self.compile_guide(items[0][1])  # every prompt shares the constraint
         request_id = new_id("cmpl", req.request_id)
         streams = self.start(request_id, items, req.priority)
         if req.stream:
