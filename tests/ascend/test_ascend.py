@@ -8,16 +8,20 @@ import sys
 
 import pytest
 import torch
-from tests.ascend import fake_torch_npu  # noqa: I001
+from tests.ascend import fake_torch_npu, fake_torchair  # noqa: I001
 
 import kiln
 from kiln import ops as reference
 
 
 @pytest.fixture(autouse=True)
-def emulated_torch_npu(monkeypatch):
+def emulated_torch_npu(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "torch_npu", fake_torch_npu)
+    monkeypatch.setitem(sys.modules, "torchair", fake_torchair)
+    monkeypatch.setenv("TORCHAIR_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("PTA_TORCHAIR_DECODE_GEAR_LIST", raising=False)
     fake_torch_npu.calls.clear()
+    fake_torchair.events.clear()
 
 
 from kiln_ascend import ops  # noqa: E402
@@ -115,17 +119,135 @@ def register_platforms(register) -> None:
     register(PlatformSpec("npu_emulated", make_cpu_npu_platform, is_available=lambda: True))
 
 
-@pytest.mark.parametrize("block_size", [64, 128])
-def test_engine_on_the_ascend_path_matches_the_cpu_plugin(tiny_model_dir, kiln_plugins, varied_prompts, block_size):
+@pytest.fixture
+def npu_plugins(kiln_plugins):
     import kiln_ascend.plugin
     import kiln_cpu.plugin
-    from kiln.testing.engine import greedy_tokens
 
     for module, name in ((kiln_cpu.plugin, "cpu"), (kiln_ascend.plugin, "ascend"), (sys.modules[__name__], "test")):
         kiln_plugins.register(module, name=name)
+    return kiln_plugins
+
+
+@pytest.mark.parametrize("block_size", [64, 128])
+def test_engine_on_the_ascend_path_matches_the_cpu_plugin(tiny_model_dir, npu_plugins, varied_prompts, block_size):
+    from kiln.testing.engine import greedy_tokens
+
+    kiln_plugins = npu_plugins
     common = dict(model=tiny_model_dir("llama"), dtype="float32", max_num_batched_tokens=64)
-    npu_run = greedy_tokens(kiln_plugins, varied_prompts, device="npu_emulated", block_size=block_size, **common)
+    npu_run = greedy_tokens(
+        kiln_plugins, varied_prompts, device="npu_emulated", block_size=block_size, enforce_eager=True, **common
+    )
     assert npu_run == greedy_tokens(kiln_plugins, varied_prompts, device="cpu", block_size=16, **common)
     used = {c.split(":")[0] for c in fake_torch_npu.calls}
     assert {"npu_incre_flash_attention", "npu_fused_infer_attention_score", "_npu_reshape_and_cache",
             "npu_add_rms_norm", "npu_rotary_mul", "npu_swiglu"} <= used  # fmt: skip
+
+
+def test_paged_attention_emulation_matches_plain_attention():
+    """The ATB decode op's emulation against attention written out by hand."""
+    torch.manual_seed(0)
+    heads, kv_heads, dim, bs = 4, 2, 16, 64
+    key_cache, value_cache = torch.randn(6, bs, kv_heads, dim), torch.randn(6, bs, kv_heads, dim)
+    table = torch.tensor([[4, 1, 0], [2, 5, 3]], dtype=torch.int32)
+    lens = torch.tensor([70, 130], dtype=torch.int32)
+    q = torch.randn(2, heads, dim)
+    out = torch.empty_like(q)
+    fake_torch_npu._npu_paged_attention(q, key_cache, value_cache, kv_heads, heads, 0.25, table, lens, out)
+    for b in range(2):
+        rows = [table[b, p // bs] * bs + p % bs for p in range(int(lens[b]))]
+        k = key_cache.flatten(0, 1)[rows].repeat_interleave(2, dim=1)
+        v = value_cache.flatten(0, 1)[rows].repeat_interleave(2, dim=1)
+        weights = torch.softmax(torch.einsum("nd,knd->nk", q[b], k) * 0.25, dim=-1)
+        torch.testing.assert_close(out[b], torch.einsum("nk,knd->nd", weights, v))
+
+
+@pytest.mark.parametrize(
+    ("graph_sizes", "env", "max_num_seqs", "gears"),
+    [
+        (None, None, 16, [2, 4, 8, 16]),
+        (None, None, 12, [2, 4, 8, 12]),
+        (None, "2,4,6,8,16,32", 8, [2, 4, 6, 8]),  # the seed's list: sizes above max_num_seqs dropped
+        (None, "1, 3", 8, [3, 8]),  # 1 is never a gear; max_num_seqs always is
+        ([4, 2], "2,4,6", 6, [2, 4, 6]),  # the flag wins over the environment
+        (None, None, 1, []),  # max_num_seqs 1: no gear, a lone decode runs eagerly
+    ],
+)
+def test_decode_gears(monkeypatch, graph_sizes, env, max_num_seqs, gears):
+    from kiln.config import EngineConfig
+    from kiln_ascend.graph import decode_gears
+
+    if env is not None:
+        monkeypatch.setenv("PTA_TORCHAIR_DECODE_GEAR_LIST", env)
+    assert decode_gears(EngineConfig.create(graph_sizes=graph_sizes, max_num_seqs=max_num_seqs)) == gears
+
+
+def test_a_bad_gear_list_names_the_variable(monkeypatch):
+    from kiln.config import EngineConfig
+    from kiln_ascend.graph import decode_gears
+
+    monkeypatch.setenv("PTA_TORCHAIR_DECODE_GEAR_LIST", "2,four")
+    with pytest.raises(ValueError, match="PTA_TORCHAIR_DECODE_GEAR_LIST='2,four'"):
+        decode_gears(EngineConfig.create())
+
+
+def test_graph_cache_is_keyed_by_model_and_parameters(tiny_model_dir, monkeypatch):
+    from kiln.config import EngineConfig
+    from kiln_ascend.graph import graph_cache_dir
+
+    model = tiny_model_dir("llama")
+    base = graph_cache_dir(EngineConfig.create(model=model, block_size=128), 4)
+    assert base == graph_cache_dir(EngineConfig.create(model=model, block_size=128), 4)
+    assert base.name == "gear_4" and base.parent.parent.name == ".torchair_cache"
+    changed = [
+        EngineConfig.create(model=model, block_size=64),
+        EngineConfig.create(model=model, block_size=128, max_model_len=64),
+        EngineConfig.create(model=tiny_model_dir("qwen2"), block_size=128),
+    ]
+    assert all(graph_cache_dir(c, 4).parent != base.parent for c in changed)
+    monkeypatch.setenv("USE_IFA_HIGH_PRECISION_MODE", "1")
+    assert graph_cache_dir(EngineConfig.create(model=model, block_size=128), 4).parent != base.parent
+
+
+@pytest.mark.parametrize("block_size", [64, 128])
+def test_graph_mode_matches_the_cpu_plugin(tiny_model_dir, npu_plugins, varied_prompts, block_size):
+    """Decode steps through per-gear torchair graphs (padded rows and all) give the CPU plugin's
+    tokens; with 5 prompts and max_num_seqs 4, steps of 4 decodes use gear 4 and the last
+    request alone pads to gear 2. A second engine loads the cached graphs."""
+    from kiln.testing.engine import greedy_tokens, make_engine, run_greedy
+
+    common = dict(model=tiny_model_dir("llama"), dtype="float32", max_num_batched_tokens=64, max_num_seqs=4)
+    engine = make_engine(npu_plugins, device="npu_emulated", block_size=block_size, **common)
+    assert engine.runner.graph_sizes == [2, 4]
+    assert [e[0] for e in fake_torchair.events] == ["compiled", "compiled"]  # at start, before any request
+    fake_torch_npu.calls.clear()
+    npu_run = run_greedy(engine, varied_prompts)
+    assert npu_run == greedy_tokens(npu_plugins, varied_prompts, device="cpu", block_size=16, **common)
+    assert engine.runner.graph_steps > 0 and "_npu_paged_attention" in fake_torch_npu.calls
+    assert all(
+        len(g.graph.find_nodes(op="call_function", target=torch.ops.npu._npu_paged_attention.default)) == 2
+        for g in fake_torchair.graphs
+    )  # fmt: skip  (one graph per gear, both layers inside)
+    make_engine(npu_plugins, device="npu_emulated", block_size=block_size, **common)
+    assert [e[0] for e in fake_torchair.events[2:]] == ["loaded", "loaded"]
+
+
+def test_enforce_eager_turns_graph_mode_off(tiny_model_dir, npu_plugins):
+    from kiln.testing.engine import make_engine
+
+    engine = make_engine(npu_plugins, model=tiny_model_dir("llama"), device="npu_emulated", enforce_eager=True)
+    assert engine.runner.graphs is None and fake_torchair.events == []
+
+
+def test_the_scheduler_never_forms_a_decode_batch_above_the_largest_gear(tiny_model_dir, npu_plugins):
+    from kiln.testing.engine import make_engine, run_greedy
+
+    engine = make_engine(
+        npu_plugins, model=tiny_model_dir("llama"), device="npu_emulated", max_num_seqs=3, graph_sizes=[2, 16]
+    )
+    assert engine.runner.graph_sizes == [2, 3]
+    sizes = []
+    execute = engine.runner.execute
+    engine.runner.execute = lambda out: sizes.append(len(out.scheduled)) or execute(out)
+    run_greedy(engine, [[7, 8, 9]] * 7, max_tokens=4)
+    assert max(sizes) == 3

@@ -31,6 +31,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             kwargs["choices"] = list(typing.get_args(literal))
         else:
             base = args[0] if typing.get_origin(ann) in (typing.Union, types.UnionType) else ann
+            if typing.get_origin(base) is list:  # --graph-sizes 2 4 8
+                kwargs["nargs"] = "+"
+                base = typing.get_args(base)[0]
             kwargs["type"] = base if base in (int, float) else str
         kwargs["help"] = f"{help_text} (default: {field.default})".strip()
         group.add_argument(flag, **kwargs)

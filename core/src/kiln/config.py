@@ -33,6 +33,9 @@ class EngineConfig(BaseModel):
     seed: int = 0
     enforce_eager: bool = False
     max_seq_len_to_capture: int = Field(8192, ge=1)
+    graph_sizes: list[int] | None = Field(
+        None, description="decode batch sizes run as graphs (CUDA graph capture sizes, torchair gears)"
+    )
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     preemption_mode: Literal["recompute"] | None = None
     load_format: Literal["auto", "safetensors", "gguf", "dummy"] = "auto"

@@ -80,6 +80,50 @@ class BatchLayout:
         return int(self.slot_mapping.shape[0])
 
 
+@dataclass(slots=True)
+class DecodeGraphInputs:
+    """The inputs of one decode step run as a graph: ``size`` decodes, padded rows included.
+
+    Shapes are fixed per size (the block table is as wide as ``max_model_len`` needs),
+    so a captured or compiled graph can be replayed with new values. Padded rows have
+    token 0 at position 0, slot -1 (no KV write), sequence length 1 and a zero block row.
+    """
+
+    input_ids: torch.Tensor  # (size,) int64
+    positions: torch.Tensor  # (size,) int64
+    block_table: torch.Tensor  # (size, max_blocks_per_req) int32
+    seq_lens: torch.Tensor  # (size,) int32: KV length after this step
+    slot_mapping: torch.Tensor  # (size,) int64
+
+    @classmethod
+    def empty(cls, size: int, max_blocks: int, device: torch.device | str) -> DecodeGraphInputs:
+        """``size`` padding rows."""
+        return cls(
+            input_ids=torch.zeros(size, dtype=torch.int64, device=device),
+            positions=torch.zeros(size, dtype=torch.int64, device=device),
+            block_table=torch.zeros(size, max_blocks, dtype=torch.int32, device=device),
+            seq_lens=torch.ones(size, dtype=torch.int32, device=device),
+            slot_mapping=torch.full((size,), -1, dtype=torch.int64, device=device),
+        )
+
+    @classmethod
+    def pad(
+        cls, input_ids: torch.Tensor, positions: torch.Tensor, layout: BatchLayout, size: int, max_blocks: int
+    ) -> DecodeGraphInputs:
+        """Pad a pure-decode step (``layout.num_reqs <= size``) to ``size`` rows."""
+        n = layout.num_reqs
+        inputs = cls.empty(size, max_blocks, input_ids.device)
+        inputs.input_ids[:n] = input_ids
+        inputs.positions[:n] = positions
+        inputs.block_table[:n, : layout.block_table.shape[1]] = layout.block_table
+        inputs.seq_lens[:n] = layout.seq_lens
+        inputs.slot_mapping[:n] = layout.slot_mapping
+        return inputs
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.input_ids, self.positions, self.block_table, self.seq_lens, self.slot_mapping
+
+
 @dataclass(frozen=True, slots=True)
 class AttentionBackendSpec:
     name: str
@@ -100,6 +144,7 @@ class AttentionBackend(ABC):
     """
 
     name: ClassVar[str]
+    supports_decode_graphs: ClassVar[bool] = False  # implements ``graph_metadata``
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
         self.num_heads = num_heads
@@ -124,6 +169,15 @@ class AttentionBackend(ABC):
     def build_metadata(self, layout: BatchLayout) -> object:
         """Backend-private metadata built once per step and passed to every layer."""
         return layout
+
+    def graph_metadata(
+        self, block_table: torch.Tensor, seq_lens: torch.Tensor, slot_mapping: torch.Tensor, block_size: int
+    ) -> object:
+        """Metadata for a pure-decode step inside a captured or compiled graph (one query token
+        per row; see ``DecodeGraphInputs``). Build it from these tensors only: host values
+        (lists, ``.item()``, ``.tolist()``) would be frozen into the graph at capture time.
+        Backends that implement it set ``supports_decode_graphs = True``."""
+        raise NotImplementedError(f"attention backend {self.name!r} has no decode-graph path")
 
     @abstractmethod
     def forward(

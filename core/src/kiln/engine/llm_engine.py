@@ -64,6 +64,7 @@ class LLMEngine:
         self.runner = ModelRunner(config, self.platform, model, backend)
         num_blocks = self._num_kv_blocks()
         self.runner.allocate_kv_cache(num_blocks)
+        self.runner.build_graphs()
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv)
         self.sampler = Sampler(config.seed)

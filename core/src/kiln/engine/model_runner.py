@@ -7,6 +7,11 @@ Per step:
   3. run the model once over all tokens;
   4. return logits only where they are needed: the last token of each request
      that samples, and every prompt position of requests asking prompt_logprobs.
+
+Graph mode (a platform ``GraphRunner``, unless ``--enforce-eager``): a step made only
+of decodes, no larger than the largest graph size and no longer than
+``--max-seq-len-to-capture``, is padded to the smallest graph size that holds it
+(``DecodeGraphInputs``) and run through the graph built for that size.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kiln.attention.base import AttentionBackend, BatchLayout
+from kiln.attention.base import AttentionBackend, BatchLayout, DecodeGraphInputs
 from kiln.config import EngineConfig
 from kiln.engine.request import Request
 from kiln.engine.scheduler import SchedulerOutput
@@ -35,6 +40,29 @@ class StepResult:
     forward_time: float
 
 
+class DecodeStep(torch.nn.Module):
+    """The model over the KV cache for one padded decode step, as graph runners capture it:
+    tensors in, hidden states out, no host values."""
+
+    def __init__(
+        self, model: torch.nn.Module, backend: AttentionBackend, kv_caches: list[torch.Tensor], block_size: int
+    ):
+        super().__init__()
+        self.model = model
+        self.backend = backend
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+
+    def forward(self, input_ids, positions, block_table, seq_lens, slot_mapping) -> torch.Tensor:
+        metadata = self.backend.graph_metadata(block_table, seq_lens, slot_mapping, self.block_size)
+        return self.model(input_ids, positions, StepContext(metadata, self.kv_caches))
+
+
+def pick_graph_size(num_reqs: int, sizes: list[int]) -> int | None:
+    """The smallest graph size (ascending ``sizes``) that holds ``num_reqs`` rows, or None."""
+    return next((s for s in sizes if s >= num_reqs), None)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, platform: Platform, model: torch.nn.Module, backend: AttentionBackend):
         self.config = config
@@ -44,6 +72,15 @@ class ModelRunner:
         self.backend = backend
         self.block_size = config.block_size
         self.kv_caches: list[torch.Tensor] = []
+        self.graphs = None if config.enforce_eager else platform.graph_runner(config)
+        if self.graphs is not None and not backend.supports_decode_graphs:
+            logger.warning("attention backend %s has no decode-graph path; running eagerly", backend.name)
+            self.graphs = None
+        self.graph_sizes = platform.graph_sizes(config) if self.graphs is not None else []
+        if not self.graph_sizes:
+            self.graphs = None
+        self.max_blocks_per_req = -(-config.max_model_len // config.block_size)
+        self.graph_steps = 0  # decode steps run as graphs, for logs and tests
 
     def kv_block_bytes(self) -> int:
         shape = self.backend.kv_cache_shape(1, self.block_size)
@@ -53,6 +90,26 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         shape = self.backend.kv_cache_shape(num_blocks, self.block_size)
         self.kv_caches = [self.platform.allocate_kv_cache(shape, self.backend.dtype) for _ in self.model.layers]
+
+    def build_graphs(self) -> None:
+        """Build a decode graph for every size, largest first (graphs can then share the largest's
+        memory), on padding-only example inputs; called once the KV cache exists."""
+        if self.graphs is None:
+            return
+        step = DecodeStep(self.model, self.backend, self.kv_caches, self.block_size)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for size in reversed(self.graph_sizes):
+                example = DecodeGraphInputs.empty(size, self.max_blocks_per_req, self.device)
+                self.graphs.build(size, step.forward, example)
+        logger.info("built decode graphs for batch sizes %s in %.1f s", self.graph_sizes, time.perf_counter() - t0)
+
+    def _graph_size(self, batch: list[tuple[Request, int]], layout: BatchLayout) -> int | None:
+        if self.graphs is None or layout.num_decode_reqs != layout.num_reqs:
+            return None
+        if layout.max_seq_len > self.config.max_seq_len_to_capture:
+            return None
+        return pick_graph_size(len(batch), self.graph_sizes)
 
     def _layout(self, batch: list[tuple[Request, int]]):
         input_ids: list[int] = []
@@ -97,8 +154,13 @@ class ModelRunner:
         rows.extend(sample_rows)
 
         t0 = time.perf_counter()
-        ctx = StepContext(self.backend.build_metadata(layout), self.kv_caches)
-        hidden = self.model(input_ids, positions, ctx)
+        size = self._graph_size(batch, layout)
+        if size is not None:
+            inputs = DecodeGraphInputs.pad(input_ids, positions, layout, size, self.max_blocks_per_req)
+            hidden = self.graphs.run(size, inputs)[: len(batch)]
+            self.graph_steps += 1
+        else:
+            hidden = self.model(input_ids, positions, StepContext(self.backend.build_metadata(layout), self.kv_caches))
         logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.int64, device=self.device)])
         self.platform.synchronize()
         forward_time = time.perf_counter() - t0

@@ -101,14 +101,37 @@ def convert_gguf(gguf_path: str) -> str:
     return str(target)
 
 
-def iter_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
+# safetensors dtype codes (the format's header spec).
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}  # fmt: skip
 
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    for file in files:
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+
+def iter_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) from every ``*.safetensors`` file in ``path``, one tensor at a time.
+
+    NOTE: ``safetensors.safe_open`` memory-maps the file; each mapped page it reads stays
+    resident (and counts in RSS) until the file is closed, so loading a one-file model
+    held the whole checkpoint *and* the model's copy at once: peak RSS was twice the
+    weights. Plain reads keep only the tensor being copied.
+    """
+    for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        with open(file, "rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(header_len))
+            header.pop("__metadata__", None)
+            base = 8 + header_len
+            for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+                if info["dtype"] not in SAFETENSORS_DTYPES:
+                    raise ValueError(f"weight {name!r} in {file}: unsupported dtype {info['dtype']}")
+                begin, end = info["data_offsets"]
+                buf = torch.empty(end - begin, dtype=torch.uint8)
+                f.seek(base + begin)
+                if f.readinto(memoryview(buf.numpy())) != end - begin:
+                    raise ValueError(f"{file} is truncated (weight {name!r})")
+                yield name, buf.view(SAFETENSORS_DTYPES[info["dtype"]]).reshape(info["shape"])
 
 
 def load_generation_defaults(path: str, setting: str | None) -> dict:

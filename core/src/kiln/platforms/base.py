@@ -8,14 +8,14 @@ A plugin registers a ``PlatformSpec`` (cheap: a probe and a lazy factory); the
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 if TYPE_CHECKING:
-    from kiln.attention.base import BatchLayout
+    from kiln.attention.base import DecodeGraphInputs
     from kiln.config import EngineConfig
 
 LazyRef = str | Callable[[], object]  # "package.module:attr", or a function that imports inside
@@ -35,14 +35,24 @@ class PlatformSpec:
     priority: int = 0
 
 
-class GraphRunner(Protocol):
-    """Captures the decode forward for fixed batch sizes (CUDA graphs, torchair/ACL graphs)."""
+class GraphRunner(ABC):
+    """Runs pure-decode steps as graphs built once per padded batch size (CUDA graphs,
+    torchair-compiled graphs...).
 
-    def capture(self, forward: Callable[[BatchLayout], torch.Tensor], batch_sizes: Sequence[int]) -> None: ...
+    ``forward(input_ids, positions, block_table, seq_lens, slot_mapping)`` is the bound
+    ``forward`` of an ``nn.Module`` (the model plus its KV cache) and returns the hidden
+    states; its arguments are the tensors of ``DecodeGraphInputs``, with the same shapes
+    at every call for one size. The engine calls ``build`` for every size, largest first,
+    before it serves, then ``run`` for each pure-decode step padded to a built size.
+    """
 
-    def can_replay(self, layout: BatchLayout) -> bool: ...
+    @abstractmethod
+    def build(self, size: int, forward: Callable[..., torch.Tensor], inputs: DecodeGraphInputs) -> None:
+        """Capture or compile ``forward`` for batches of exactly ``size`` rows; ``inputs`` is an example."""
 
-    def replay(self, layout: BatchLayout) -> torch.Tensor: ...
+    @abstractmethod
+    def run(self, size: int, inputs: DecodeGraphInputs) -> torch.Tensor:
+        """The hidden states ``(size, hidden)`` of ``forward`` on ``inputs`` through the built graph."""
 
 
 class Platform(ABC):
@@ -56,7 +66,7 @@ class Platform(ABC):
          ``allocate_kv_cache`` allocates it.
       4. ``attention_backend``: the registered backend name to use.
       5. ``custom_ops``: fused kernels overriding the core's torch reference ops.
-      6. ``graph_runner``: graph capture for decode (None: eager only).
+      6. ``graph_runner``/``graph_sizes``: decode steps as captured graphs (None: eager only).
     """
 
     name: ClassVar[str]  # "cpu" | "cuda" | "npu"
@@ -112,10 +122,15 @@ class Platform(ABC):
         matmul kernels prefer (replacing ``nn.Linear`` modules in place). Default: nothing."""
 
     def graph_runner(self, config: EngineConfig) -> GraphRunner | None:
-        """A graph runner for decode batches, or None for eager execution."""
+        """A graph runner for decode steps, or None for eager execution (the default).
+        Not called under ``--enforce-eager``."""
         return None
 
-    def capture_sizes(self, config: EngineConfig) -> list[int]:
-        """Decode batch sizes to capture, largest first (vLLM's 1, 2, 4, 8, 16, ... up to max_num_seqs)."""
-        sizes = [1, 2, 4] + list(range(8, config.max_num_seqs + 1, 8))
-        return sorted({s for s in sizes if s <= config.max_num_seqs}, reverse=True)
+    def graph_sizes(self, config: EngineConfig) -> list[int]:
+        """Decode batch sizes to build graphs for, ascending; larger batches run eagerly.
+        ``--graph-sizes`` when given, else vLLM's 1, 2, 4, 8, 16, 24... up to ``max_num_seqs``
+        (at most 512)."""
+        if config.graph_sizes:
+            return sorted({s for s in config.graph_sizes if s <= config.max_num_seqs})
+        top = min(config.max_num_seqs, 512)
+        return sorted({s for s in [1, 2, 4, *range(8, top + 1, 8), top] if s <= top})

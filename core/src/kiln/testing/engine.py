@@ -5,14 +5,19 @@ from __future__ import annotations
 from typing import Any
 
 
-def greedy_tokens(plugins, prompts: list[list[int]], max_tokens: int = 8, **engine_args: Any) -> list[list[int]]:
-    """Greedy output token ids of ``prompts`` (token-id lists), batched, on an engine built with
-    ``plugins`` (a ``PluginManager``) and ``engine_args`` (``model``, ``device``, ``dtype``...)."""
+def make_engine(plugins, **engine_args: Any):
+    """An ``LLMEngine`` built with ``plugins`` (a ``PluginManager``) and ``engine_args``
+    (``model``, ``device``, ``dtype``...)."""
     from kiln.config import EngineConfig
     from kiln.engine.llm_engine import LLMEngine
+
+    return LLMEngine(EngineConfig.create(**engine_args), plugins=plugins)
+
+
+def run_greedy(engine, prompts: list[list[int]], max_tokens: int = 8) -> list[list[int]]:
+    """Greedy output token ids of ``prompts`` (token-id lists), batched on ``engine``."""
     from kiln.sampling_params import SamplingParams
 
-    engine = LLMEngine(EngineConfig.create(**engine_args), plugins=plugins)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
@@ -21,3 +26,8 @@ def greedy_tokens(plugins, prompts: list[list[int]], max_tokens: int = 8, **engi
         for out in engine.step():
             done[out.request_id] = out.outputs[0].token_ids
     return [done[str(i)] for i in range(len(prompts))]
+
+
+def greedy_tokens(plugins, prompts: list[list[int]], max_tokens: int = 8, **engine_args: Any) -> list[list[int]]:
+    """``run_greedy`` on a fresh engine."""
+    return run_greedy(make_engine(plugins, **engine_args), prompts, max_tokens)

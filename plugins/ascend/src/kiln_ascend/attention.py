@@ -1,7 +1,10 @@
 """``AscendAttentionBackend``: torch_npu's fused attention over the paged cache.
 
 * KV writes: ``torch_npu._npu_reshape_and_cache`` (padding slots, -1, are skipped).
-* Decodes: ``npu_incre_flash_attention`` (IFA) reading K/V through ``block_table``.
+* Decodes: ``npu_incre_flash_attention`` (IFA) reading K/V through ``block_table``; in graph
+  mode (torchair) ATB's ``_npu_paged_attention``, whose sequence lengths are a tensor, so one
+  compiled graph per gear serves every step (IFA takes them as a host list, which a graph
+  compiled with static shapes would freeze).
 * Prefills and chunks: ``npu_fused_infer_attention_score`` per request on its gathered K/V, with
   the right-down causal mode (``sparse_mode=3`` and the 2048x2048 mask), which also covers
   chunked prefill and prefix-cache hits (queries attend to the whole cached context).
@@ -27,11 +30,21 @@ class AscendMetadata:
     slots: torch.Tensor  # int32, as the ATB op wants
 
 
+@dataclass(slots=True)
+class AscendGraphMetadata:
+    """A padded pure-decode step inside a torchair graph: tensors only."""
+
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor  # int32
+    slots: torch.Tensor  # int32
+
+
 class AscendAttentionBackend(AttentionBackend):
     """Cache layout ``(2, blocks, block_size, kv_heads, head_dim)``: each plane is the
     ``(nb, bs, KVN, D)`` the torch_npu ops read (viewed as ``(nb, bs, KVN*D)`` for IFA)."""
 
     name = "ascend"
+    supports_decode_graphs = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, dtype)
@@ -45,20 +58,29 @@ class AscendAttentionBackend(AttentionBackend):
     def build_metadata(self, layout: BatchLayout) -> AscendMetadata:
         return AscendMetadata(layout, layout.slot_mapping.to(torch.int32))
 
+    def graph_metadata(self, block_table, seq_lens, slot_mapping, block_size) -> AscendGraphMetadata:
+        return AscendGraphMetadata(block_table, seq_lens, slot_mapping.to(torch.int32))
+
     def causal_mask(self, device: torch.device) -> torch.Tensor:
         if self._mask is None or self._mask.device != device:
             self._mask = torch.triu(torch.ones(MASK_SIZE, MASK_SIZE, dtype=torch.bool, device=device), diagonal=1)
         return self._mask
 
-    def forward(self, q, k, v, kv_cache, metadata: AscendMetadata, *, layer_idx, scale):
+    def forward(self, q, k, v, kv_cache, metadata: AscendMetadata | AscendGraphMetadata, *, layer_idx, scale):
         import torch_npu
 
-        layout = metadata.layout
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         num_blocks, bs = key_cache.shape[:2]
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         torch_npu._npu_reshape_and_cache(k.contiguous(), v.contiguous(), key_cache, value_cache, metadata.slots)
         out = torch.empty_like(q)
+        if isinstance(metadata, AscendGraphMetadata):
+            torch_npu._npu_paged_attention(
+                q.contiguous(), key_cache, value_cache, kv_heads, heads, scale,
+                metadata.block_table, metadata.seq_lens, out,
+            )  # fmt: skip
+            return out
+        layout = metadata.layout
         nd = layout.num_decode_reqs
         if nd:
             decoded = torch_npu.npu_incre_flash_attention(

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 
 from kiln.config import EngineConfig
-from kiln.platforms.base import Platform
+from kiln.platforms.base import GraphRunner, Platform
 
 
 def check_versions() -> None:
@@ -70,3 +70,19 @@ class NpuPlatform(Platform):
         from kiln_ascend.ops import fused_ops
 
         return fused_ops()
+
+    def graph_runner(self, config: EngineConfig) -> GraphRunner | None:
+        from kiln_ascend.graph import TorchairGraphRunner
+
+        try:
+            return TorchairGraphRunner(config)
+        except ImportError as exc:
+            raise RuntimeError(
+                f"graph mode needs torchair, which ships with torch_npu ({exc}); "
+                "start with --enforce-eager to run without it"
+            ) from None
+
+    def graph_sizes(self, config: EngineConfig) -> list[int]:
+        from kiln_ascend.graph import decode_gears
+
+        return decode_gears(config)
