@@ -15,7 +15,7 @@ from typing import ClassVar
 import pytest
 import torch
 
-from kiln.attention.base import AttentionBackend, BatchLayout
+from kiln.attention.base import AttentionBackend, BatchLayout, DecodeGraphInputs
 from kiln.attention.torch_ref import TorchRefAttentionBackend
 
 
@@ -76,4 +76,32 @@ class AttentionBackendContract:
         got = backend.forward(q, k, v, cache, backend.build_metadata(layout), layer_idx=0, scale=scale)
         torch.testing.assert_close(got.float(), expected.float(), atol=self.atol, rtol=self.atol)
         # New K/V landed in the same slots.
+        torch.testing.assert_close(backend.reference_view(cache).float(), ref_cache.float(), atol=0, rtol=0)
+
+    @pytest.mark.parametrize("block_size", [16, 32, 64, 128])
+    def test_decode_graph_path(self, block_size):
+        """``graph_metadata`` on a decode step padded with empty rows gives the reference's
+        output for the real rows and writes no padding row's K/V."""
+        heads, kv_heads, head_dim = 6, 2, 64
+        if not self.backend_cls.supports_decode_graphs:
+            pytest.skip("no decode-graph path")
+        if not self.backend_cls.supports(head_dim=head_dim, dtype=self.dtype, block_size=block_size):
+            pytest.skip("unsupported shape")
+        torch.manual_seed(block_size)
+        num_blocks, size, max_blocks = 16, 5, 8
+        layout, n = random_layout(random.Random(block_size), block_size, num_blocks, BATCHES[1], self.device)
+        ref = TorchRefAttentionBackend(heads, kv_heads, head_dim, self.dtype)
+        backend = self.backend_cls(heads, kv_heads, head_dim, self.dtype)
+        ref_cache = torch.randn(ref.kv_cache_shape(num_blocks, block_size), dtype=self.dtype, device=self.device)
+        cache = torch.empty(backend.kv_cache_shape(num_blocks, block_size), dtype=self.dtype, device=self.device)
+        backend.reference_view(cache).copy_(ref_cache)
+        q = torch.randn(size, heads, head_dim, dtype=self.dtype, device=self.device)
+        k = torch.randn(size, kv_heads, head_dim, dtype=self.dtype, device=self.device)
+        v = torch.randn(size, kv_heads, head_dim, dtype=self.dtype, device=self.device)
+        expected = ref.forward(q[:n], k[:n], v[:n], ref_cache, ref.build_metadata(layout), layer_idx=0, scale=0.125)
+        ids = torch.zeros(n, dtype=torch.int64, device=self.device)
+        padded = DecodeGraphInputs.pad(ids, ids, layout, size, max_blocks)
+        metadata = backend.graph_metadata(padded.block_table, padded.seq_lens, padded.slot_mapping, block_size)
+        got = backend.forward(q, k, v, cache, metadata, layer_idx=0, scale=0.125)
+        torch.testing.assert_close(got[:n].float(), expected.float(), atol=self.atol, rtol=self.atol)
         torch.testing.assert_close(backend.reference_view(cache).float(), ref_cache.float(), atol=0, rtol=0)

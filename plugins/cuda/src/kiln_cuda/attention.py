@@ -19,15 +19,20 @@ SPLIT_KV_MAX_WORK = 128
 
 @dataclass(slots=True)
 class TritonMetadata:
-    layout: BatchLayout
+    slot_mapping: torch.Tensor  # (tokens,) int64, -1 = padding
+    block_table: torch.Tensor  # (reqs, max_blocks) int32
+    seq_lens: torch.Tensor  # (reqs,) int32
     token_seq: torch.Tensor  # (tokens,) int32: which request each query token belongs to
     token_pos: torch.Tensor  # (tokens,) int32: its absolute position (its KV length - 1)
+    block_size: int
+    all_decode: bool  # one query token per request
 
 
 class TritonAttentionBackend(AttentionBackend):
     """Cache layout ``(2, blocks, block_size, kv_heads, head_dim)`` (the reference's)."""
 
     name = "triton"
+    supports_decode_graphs = True
 
     @classmethod
     def supports(cls, *, head_dim: int, dtype: torch.dtype, block_size: int) -> bool:
@@ -40,42 +45,48 @@ class TritonAttentionBackend(AttentionBackend):
         starts = layout.query_start_loc[:-1].long()
         offset = torch.arange(layout.num_tokens, device=device) - starts[token_seq]
         token_pos = layout.context_lens.long()[token_seq] + offset
-        return TritonMetadata(layout, token_seq.to(torch.int32), token_pos.to(torch.int32))
+        return TritonMetadata(
+            layout.slot_mapping, layout.block_table, layout.seq_lens, token_seq.to(torch.int32),
+            token_pos.to(torch.int32), layout.block_size, layout.num_decode_reqs == layout.num_reqs,
+        )  # fmt: skip
+
+    def graph_metadata(self, block_table, seq_lens, slot_mapping, block_size) -> TritonMetadata:
+        # The kernels' grids depend only on the token count, fixed per graph size.
+        token_seq = torch.arange(seq_lens.shape[0], dtype=torch.int32, device=seq_lens.device)
+        return TritonMetadata(slot_mapping, block_table, seq_lens, token_seq, seq_lens - 1, block_size, True)
 
     def forward(self, q, k, v, kv_cache, metadata: TritonMetadata, *, layer_idx, scale):
-        layout = metadata.layout
         tokens = q.shape[0]
         block_d = triton.next_power_of_2(self.head_dim)
         if tokens:
             kernels.reshape_and_cache_kernel[(tokens, self.num_kv_heads)](
-                k, v, kv_cache, layout.slot_mapping, k.stride(0), v.stride(0), kv_cache.stride(0),
+                k, v, kv_cache, metadata.slot_mapping, k.stride(0), v.stride(0), kv_cache.stride(0),
                 KVN=self.num_kv_heads, D=self.head_dim, BLOCK_D=block_d,
             )  # fmt: skip
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        all_decode = layout.num_decode_reqs == layout.num_reqs
-        if tokens and all_decode and tokens * self.num_kv_heads <= SPLIT_KV_MAX_WORK:
-            self._split_kv_decode(q, kv_cache, out, layout, scale, block_d)
+        if tokens and metadata.all_decode and tokens * self.num_kv_heads <= SPLIT_KV_MAX_WORK:
+            self._split_kv_decode(q, kv_cache, out, metadata, scale, block_d)
         elif tokens:
             kernels.paged_attention_kernel[(tokens, self.num_heads)](
-                q, kv_cache, out, metadata.token_seq, metadata.token_pos, layout.block_table,
-                layout.block_table.stride(0), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+                q, kv_cache, out, metadata.token_seq, metadata.token_pos, metadata.block_table,
+                metadata.block_table.stride(0), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                 kv_cache.stride(0), scale,
                 KVN=self.num_kv_heads, GROUP=self.num_heads // self.num_kv_heads, D=self.head_dim,
-                BLOCK_D=block_d, BS=layout.block_size, TILE=TILE,
+                BLOCK_D=block_d, BS=metadata.block_size, TILE=TILE,
             )  # fmt: skip
         return out
 
-    def _split_kv_decode(self, q, kv_cache, out, layout: BatchLayout, scale: float, block_d: int) -> None:
+    def _split_kv_decode(self, q, kv_cache, out, metadata: TritonMetadata, scale: float, block_d: int) -> None:
         """Flash-decoding for small decode batches: one program per (decode, head, slice), then a reduction."""
         tokens, heads = q.shape[0], self.num_heads
         part_acc = torch.empty(tokens, heads, SPLITS, block_d, dtype=torch.float32, device=q.device)
         part_max = torch.empty(tokens, heads, SPLITS, dtype=torch.float32, device=q.device)
         part_sum = torch.empty_like(part_max)
         kernels.paged_decode_split_kernel[(tokens, heads, SPLITS)](
-            q, kv_cache, layout.seq_lens, layout.block_table, part_acc, part_max, part_sum,
-            layout.block_table.stride(0), q.stride(0), q.stride(1), kv_cache.stride(0), scale,
+            q, kv_cache, metadata.seq_lens, metadata.block_table, part_acc, part_max, part_sum,
+            metadata.block_table.stride(0), q.stride(0), q.stride(1), kv_cache.stride(0), scale,
             H=heads, KVN=self.num_kv_heads, GROUP=heads // self.num_kv_heads, D=self.head_dim,
-            BLOCK_D=block_d, BS=layout.block_size, TILE=TILE, SPLITS=SPLITS,
+            BLOCK_D=block_d, BS=metadata.block_size, TILE=TILE, SPLITS=SPLITS,
         )  # fmt: skip
         kernels.reduce_splits_kernel[(tokens, heads)](
             part_acc, part_max, part_sum, out, out.stride(0), out.stride(1),

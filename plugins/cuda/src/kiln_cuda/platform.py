@@ -6,7 +6,8 @@ from collections.abc import Callable
 
 import torch
 
-from kiln.platforms.base import Platform
+from kiln.config import EngineConfig
+from kiln.platforms.base import GraphRunner, Platform
 
 
 class CudaPlatform(Platform):
@@ -38,3 +39,8 @@ class CudaPlatform(Platform):
         from kiln_cuda.ops import fused_ops
 
         return fused_ops()
+
+    def graph_runner(self, config: EngineConfig) -> GraphRunner | None:
+        from kiln_cuda.graphs import CudaGraphRunner
+
+        return CudaGraphRunner()
