@@ -24,8 +24,8 @@ def emulated_torch_npu(monkeypatch, tmp_path):
     fake_torchair.events.clear()
 
 
-from kiln_ascend import ops  # noqa: E402
 from kiln.testing.contracts import AttentionBackendContract  # noqa: E402
+from kiln_ascend import ops  # noqa: E402
 from kiln_ascend.attention import AscendAttentionBackend  # noqa: E402  (imports no torch_npu)
 
 

@@ -3,7 +3,6 @@
 
 import pytest
 
-
 pytestmark = pytest.mark.cuda
 
 
