@@ -16,6 +16,10 @@ graphs: list[torch.fx.GraphModule] = []  # every graph handed to the back end
 events: list[tuple[str, str]] = []  # ("compiled" | "loaded", cache_dir)
 
 
+def patch_for_hcom() -> None:
+    """Real torchair makes HCCL collectives traceable; gloo's already are to dynamo here."""
+
+
 class _ExperimentalConfig:
     def __init__(self) -> None:
         self.frozen_parameter = False

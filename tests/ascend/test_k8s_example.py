@@ -16,9 +16,10 @@ def test_deployment_schedules_on_ascend_and_probes_health():
     pod = deployment["spec"]["template"]["spec"]
     container = pod["containers"][0]
     assert pod["schedulerName"] == "volcano"
-    assert container["resources"]["limits"]["huawei.com/ascend-1980"] == container["resources"]["requests"][
-        "huawei.com/ascend-1980"
-    ]
+    assert (
+        container["resources"]["limits"]["huawei.com/ascend-1980"]
+        == container["resources"]["requests"]["huawei.com/ascend-1980"]
+    )
     mounts = {m["mountPath"] for m in container["volumeMounts"]}
     assert {"/usr/local/Ascend/driver", "/usr/local/Ascend/add-ons", "/etc/hccn.conf", "/model"} <= mounts
     port = container["ports"][0]["containerPort"]

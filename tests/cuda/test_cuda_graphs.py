@@ -1,6 +1,5 @@
 """CUDA graphs for decode, on a real GPU only (skipped elsewhere, with the reason shown)."""
 
-
 import pytest
 
 pytestmark = pytest.mark.cuda
@@ -48,5 +47,3 @@ def test_long_sequences_run_eagerly(tiny_model_dir, cuda_plugins):
     )
     run_greedy(engine, [[5] * 20], max_tokens=4)
     assert engine.runner.graph_steps == 0
-
-

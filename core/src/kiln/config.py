@@ -57,13 +57,6 @@ class EngineConfig(BaseModel):
             raise ValueError("must be a power of two")
         return value
 
-    @field_validator("tensor_parallel_size")
-    @classmethod
-    def _single_device(cls, value: int) -> int:
-        if value != 1:
-            raise ValueError("values above 1 are not supported yet (single device only)")
-        return value
-
     @classmethod
     def create(cls, **kwargs: object) -> EngineConfig:
         """Build a config; a bad value raises ``ValueError`` naming the flag (``--block-size: ...``)."""

@@ -34,7 +34,12 @@ def register_attention_backends(register: Register) -> None:
 
 @hookspec
 def register_models(register: Register) -> None:
-    """Register model architectures: ``register("LlamaForCausalLM", "pkg.mod:Class")``."""
+    """Register model architectures: ``register("LlamaForCausalLM", "pkg.mod:Class")``.
+
+    The class is built as ``Class(hf_config, ops, backend, max_positions=..., tp=...)`` in the
+    target dtype and device, then given ``load_weights(iter of (name, tensor))``; ``tp``
+    (``kiln.distributed.TensorParallel``) says which shard this rank holds. See
+    ``kiln.models.llama`` for the forward and ``compute_logits`` it must provide."""
 
 
 @hookspec

@@ -9,21 +9,21 @@ from collections.abc import Sequence
 
 import torch
 
-from kiln.attention.base import AttentionBackend, AttentionBackendSpec
 from kiln.config import EngineConfig
+from kiln.distributed import TensorParallel
 from kiln.engine.detokenizer import IncrementalDetokenizer
 from kiln.engine.kv_cache import KVCacheManager
-from kiln.engine.model_runner import ModelRunner
 from kiln.engine.output_processor import LogprobFormatter, RequestGroup
 from kiln.engine.request import Request, RequestStatus
 from kiln.engine.sampler import Sampler, top_logprobs
 from kiln.engine.scheduler import Scheduler
+from kiln.engine.tp_executor import TensorParallelWorkers
+from kiln.engine.worker import build_runner
 from kiln.guided import GuidedManager, allocate_bitmask
-from kiln.models.loader import iter_weights, load_generation_defaults, resolve_model
-from kiln.ops import resolve_ops
+from kiln.models.loader import load_generation_defaults, resolve_model
 from kiln.outputs import RequestOutput
 from kiln.platforms.select import select_platform
-from kiln.plugins import PluginManager, Registry, get_plugin_manager, load_ref
+from kiln.plugins import PluginManager, get_plugin_manager
 from kiln.sampling_params import SamplingParams
 
 logger = logging.getLogger("kiln.engine")
@@ -59,12 +59,23 @@ class LLMEngine:
         )
         self.generation_defaults = load_generation_defaults(files.path, config.generation_config)
 
-        backend = self._build_backend(registry, hf_config)
-        model = self._build_model(registry, hf_config, backend)
-        self.runner = ModelRunner(config, self.platform, model, backend)
-        num_blocks = self._num_kv_blocks()
-        self.runner.allocate_kv_cache(num_blocks)
-        self.runner.build_graphs()
+        tp = TensorParallel(0, config.tensor_parallel_size)
+        self.workers = self._start_workers(tp) if tp.size > 1 else None
+        try:
+            self.runner = build_runner(config, registry, self.platform, hf_config, self.dtype, self.model_path, tp)
+            if self.workers is not None:
+                self.workers.expect("built")
+            num_blocks = self._num_kv_blocks()
+            if self.workers is not None:
+                self.workers.send(num_blocks)
+            self.runner.allocate_kv_cache(num_blocks)
+            self.runner.build_graphs()
+            if self.workers is not None:
+                self.workers.expect("ready")
+                self.runner.peers = self.workers
+        except BaseException:
+            self.shutdown()
+            raise
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv)
         self.sampler = Sampler(config.seed)
@@ -84,7 +95,7 @@ class LLMEngine:
             self.model_name,
             self.platform.name,
             self.dtype,
-            backend.name,
+            self.runner.backend.name,
             num_blocks,
             config.block_size,
         )
@@ -114,50 +125,28 @@ class LLMEngine:
             raise ValueError(f"--dtype: {dtype} is not supported on {self.platform.name}")
         return dtype
 
-    def _build_backend(self, registry: Registry, hf_config) -> AttentionBackend:
-        from kiln.models.llama import head_dim_of
-
-        head_dim = head_dim_of(hf_config)
-        backends = registry.items["attention_backends"]
-        chosen = self.config.attention_backend
-        if chosen is not None and chosen not in backends:
-            raise ValueError(f"--attention-backend: {chosen!r} is not registered; registered: {sorted(backends)}")
-        for name in (chosen or self.platform.attention_backend(), "torch_ref"):
-            spec: AttentionBackendSpec | None = backends.get(name)
-            if spec is None:
-                continue
-            cls = load_ref(spec.factory)
-            if cls.supports(head_dim=head_dim, dtype=self.dtype, block_size=self.config.block_size):
-                return cls(hf_config.num_attention_heads, hf_config.num_key_value_heads, head_dim, self.dtype)
-            logger.warning("attention backend %s does not support this model; falling back", name)
-        raise ValueError("no registered attention backend supports this model")
-
-    def _build_model(self, registry: Registry, hf_config, backend: AttentionBackend) -> torch.nn.Module:
-        archs = list(getattr(hf_config, "architectures", None) or [])
-        models = registry.items["models"]
-        arch = next((a for a in archs if a in models), None)
-        if arch is None:
-            raise ValueError(
-                f"model: architecture {archs or hf_config.model_type!r} is not supported; "
-                f"supported: {', '.join(sorted(models))}"
-            )
-        cls = load_ref(models[arch])
-        ops = resolve_ops(self.platform.custom_ops())
-        device = self.platform.device()
-        torch.manual_seed(self.config.seed)
-        # Build straight in the target dtype: no full-size fp32 copy on the way.
-        default_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
+    def _start_workers(self, tp: TensorParallel) -> TensorParallelWorkers:
+        """Spawn ranks 1..N-1 and form the collective group with them (rank 0 is this process)."""
+        self.platform.init_rank(0, tp.size)
+        resolved = self.config.model_copy(update={"device": self.platform.name})
+        workers = TensorParallelWorkers(resolved, self.model_path, self.dtype, tp.size)
         try:
-            with torch.device(device):
-                model = cls(hf_config, ops, backend, max_positions=self.config.max_model_len)
-        finally:
-            torch.set_default_dtype(default_dtype)
-        if self.config.load_format != "dummy":
-            model.load_weights(iter_weights(self.model_path))
-        model.eval()
-        self.platform.process_weights(model)
-        return model
+            workers.expect("joining")
+            torch.distributed.init_process_group(
+                self.platform.dist_backend, init_method=workers.init_method, rank=0, world_size=tp.size
+            )
+        except BaseException:
+            workers.shutdown()
+            raise
+        return workers
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any."""
+        if self.workers is not None:
+            self.workers.shutdown()
+            self.workers = None
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
     def _num_kv_blocks(self) -> int:
         cfg = self.config

@@ -58,6 +58,34 @@ class DecodeStep(torch.nn.Module):
         return self.model(input_ids, positions, StepContext(metadata, self.kv_caches))
 
 
+@dataclass(slots=True)
+class StepBatch:
+    """One step's tokens and where they go in the KV cache, as host lists (decodes first):
+    all a tensor-parallel rank needs to run the same forward as rank 0."""
+
+    input_ids: list[int]
+    positions: list[int]
+    block_rows: list[list[int]]
+    context_lens: list[int]
+    query_lens: list[int]
+
+    @classmethod
+    def of(cls, batch: list[tuple[Request, int]]) -> StepBatch:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        for req, n in batch:
+            start = req.num_computed_tokens
+            input_ids.extend(req.all_token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+        return cls(
+            input_ids,
+            positions,
+            [[b.block_id for b in req.blocks] for req, _ in batch],
+            [req.num_computed_tokens for req, _ in batch],
+            [n for _, n in batch],
+        )
+
+
 def pick_graph_size(num_reqs: int, sizes: list[int]) -> int | None:
     """The smallest graph size (ascending ``sizes``) that holds ``num_reqs`` rows, or None."""
     return next((s for s in sizes if s >= num_reqs), None)
@@ -81,6 +109,7 @@ class ModelRunner:
             self.graphs = None
         self.max_blocks_per_req = -(-config.max_model_len // config.block_size)
         self.graph_steps = 0  # decode steps run as graphs, for logs and tests
+        self.peers = None  # tensor-parallel ranks 1..N-1 (rank 0 only): has send(StepBatch)
 
     def kv_block_bytes(self) -> int:
         shape = self.backend.kv_cache_shape(1, self.block_size)
@@ -104,36 +133,30 @@ class ModelRunner:
                 self.graphs.build(size, step.forward, example)
         logger.info("built decode graphs for batch sizes %s in %.1f s", self.graph_sizes, time.perf_counter() - t0)
 
-    def _graph_size(self, batch: list[tuple[Request, int]], layout: BatchLayout) -> int | None:
+    def _graph_size(self, layout: BatchLayout) -> int | None:
         if self.graphs is None or layout.num_decode_reqs != layout.num_reqs:
             return None
         if layout.max_seq_len > self.config.max_seq_len_to_capture:
             return None
-        return pick_graph_size(len(batch), self.graph_sizes)
+        return pick_graph_size(layout.num_reqs, self.graph_sizes)
 
-    def _layout(self, batch: list[tuple[Request, int]]):
-        input_ids: list[int] = []
-        positions: list[int] = []
-        for req, n in batch:
-            start = req.num_computed_tokens
-            input_ids.extend(req.all_token_ids[start : start + n])
-            positions.extend(range(start, start + n))
-        layout = BatchLayout.build(
-            [[b.block_id for b in req.blocks] for req, _ in batch],
-            [req.num_computed_tokens for req, _ in batch],
-            [n for _, n in batch],
-            self.block_size,
-            self.device,
-        )
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        return ids, pos, layout
+    def run_batch(self, batch: StepBatch) -> torch.Tensor:
+        """The model's hidden states for every token of ``batch`` (eagerly or through a graph)."""
+        layout = BatchLayout.build(batch.block_rows, batch.context_lens, batch.query_lens, self.block_size, self.device)
+        input_ids = torch.tensor(batch.input_ids, dtype=torch.int64, device=self.device)
+        positions = torch.tensor(batch.positions, dtype=torch.int64, device=self.device)
+        size = self._graph_size(layout)
+        if size is None:
+            return self.model(input_ids, positions, StepContext(self.backend.build_metadata(layout), self.kv_caches))
+        self.graph_steps += 1
+        inputs = DecodeGraphInputs.pad(input_ids, positions, layout, size, self.max_blocks_per_req)
+        return self.graphs.run(size, inputs)[: layout.num_reqs]
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> StepResult:
         # Decodes first: backends batch them separately from prefills.
         batch = sorted(output.scheduled, key=lambda item: item[1] != 1)
-        input_ids, positions, layout = self._layout(batch)
+        step = StepBatch.of(batch)
 
         rows: list[int] = []  # flat token indices whose logits we need
         sampling_reqs: list[Request] = []
@@ -154,13 +177,9 @@ class ModelRunner:
         rows.extend(sample_rows)
 
         t0 = time.perf_counter()
-        size = self._graph_size(batch, layout)
-        if size is not None:
-            inputs = DecodeGraphInputs.pad(input_ids, positions, layout, size, self.max_blocks_per_req)
-            hidden = self.graphs.run(size, inputs)[: len(batch)]
-            self.graph_steps += 1
-        else:
-            hidden = self.model(input_ids, positions, StepContext(self.backend.build_metadata(layout), self.kv_caches))
+        if self.peers is not None:
+            self.peers.send(step)  # the other tensor-parallel ranks run the same step alongside
+        hidden = self.run_batch(step)
         logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.int64, device=self.device)])
         self.platform.synchronize()
         forward_time = time.perf_counter() - t0

@@ -1,7 +1,8 @@
 """The Llama family: Llama, Mistral, Qwen2/2.5 (qkv bias), Qwen3 (q/k norm), SmolLM2.
 
 The model sees one flattened token stream per step (see ``BatchLayout``); q/k/v
-and gate/up projections are merged into single matmuls.
+and gate/up projections are merged into single matmuls. Under tensor parallelism
+(``kiln.distributed``) each rank holds its heads and its slice of the MLP.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 from kiln.attention.base import AttentionBackend
+from kiln.distributed import TensorParallel
 from kiln.models.rope import cos_sin_cache
 
 
@@ -37,11 +39,13 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg, layer_idx: int, ops: SimpleNamespace, backend: AttentionBackend) -> None:
+    def __init__(
+        self, cfg, layer_idx: int, ops: SimpleNamespace, backend: AttentionBackend, tp: TensorParallel
+    ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        self.num_heads = tp.shard(cfg.num_attention_heads, "attention heads")
+        self.num_kv_heads = tp.shard(cfg.num_key_value_heads, "key/value heads")
         self.head_dim = head_dim_of(cfg)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -55,6 +59,7 @@ class LlamaAttention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.ops = ops
         self.backend = backend
+        self.tp = tp
 
     def forward(self, positions, x, rope_cache, ctx: StepContext):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -67,27 +72,29 @@ class LlamaAttention(nn.Module):
         o = self.backend.forward(
             q, k, v, ctx.kv_caches[self.layer_idx], ctx.attn_metadata, layer_idx=self.layer_idx, scale=self.scale
         )
-        return self.o_proj(o.reshape(-1, self.q_size))
+        return self.tp.all_reduce(self.o_proj(o.reshape(-1, self.q_size)))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg, ops: SimpleNamespace) -> None:
+    def __init__(self, cfg, ops: SimpleNamespace, tp: TensorParallel) -> None:
         super().__init__()
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (silu only)")
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        intermediate = tp.shard(cfg.intermediate_size, "intermediate size")
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, cfg.hidden_size, bias=False)
         self.ops = ops
+        self.tp = tp
 
     def forward(self, x):
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.tp.all_reduce(self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x))))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg, layer_idx, ops, backend) -> None:
+    def __init__(self, cfg, layer_idx, ops, backend, tp: TensorParallel) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_idx, ops, backend)
-        self.mlp = LlamaMLP(cfg, ops)
+        self.self_attn = LlamaAttention(cfg, layer_idx, ops, backend, tp)
+        self.mlp = LlamaMLP(cfg, ops, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.ops = ops
@@ -106,11 +113,19 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg, ops: SimpleNamespace, backend: AttentionBackend, max_positions: int) -> None:
+    def __init__(
+        self,
+        cfg,
+        ops: SimpleNamespace,
+        backend: AttentionBackend,
+        max_positions: int,
+        tp: TensorParallel = TensorParallel(),
+    ) -> None:
         super().__init__()
         self.config = cfg
+        self.tp = tp
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, ops, backend) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, ops, backend, tp) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -130,7 +145,8 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load Hugging Face-named tensors, merging q/k/v and gate/up into one matmul each."""
+        """Load Hugging Face-named tensors, merging q/k/v and gate/up into one matmul each
+        and keeping this tensor-parallel rank's slice of the split projections."""
         params = dict(self.named_parameters())
         pending: dict[str, dict[str, torch.Tensor]] = {}
         loaded: set[str] = set()
@@ -146,7 +162,10 @@ class LlamaForCausalLM(nn.Module):
             if "rotary_emb" in name or (name == "lm_head.weight" and self.tie_word_embeddings):
                 continue
             parts = name.split(".")
+            if len(parts) >= 2 and parts[-2] in ("o_proj", "down_proj") and parts[-1] == "weight":
+                tensor = self.tp.slice(tensor, 1)  # row-parallel: input columns split
             if len(parts) >= 2 and parts[-2] in merges:
+                tensor = self.tp.slice(tensor, 0)  # column-parallel: output rows split
                 target, order = merges[parts[-2]]
                 merged = ".".join(parts[:-2] + [target, parts[-1]])
                 group = pending.setdefault(merged, {})

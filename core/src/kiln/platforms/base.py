@@ -84,6 +84,10 @@ class Platform(ABC):
     def mem_get_info(self) -> tuple[int, int]:
         """(free, total) bytes of device memory, measured now."""
 
+    def init_rank(self, rank: int, world_size: int) -> None:
+        """Bind this process to its device as tensor-parallel rank ``rank`` of ``world_size``
+        (e.g. ``torch.cuda.set_device(rank)``); called before the collective group forms."""
+
     def synchronize(self) -> None:
         """Wait for queued device work (no-op where execution is synchronous)."""
 

@@ -11,7 +11,8 @@
   ``$TORCHAIR_CACHE_HOME/.torchair_cache`` (default: the working directory). The folder
   name hashes the whole engine config, the model's files and the library versions, so a
   changed parameter never loads a stale graph.
-* Prefill stays eager; ``--enforce-eager`` turns graph mode off.
+* Prefill stays eager; ``--enforce-eager`` turns graph mode off. Under tensor parallelism
+  the graphs hold the HCCL all-reduces (``torchair.patch_for_hcom``).
 """
 
 from __future__ import annotations
@@ -106,6 +107,8 @@ class TorchairGraphRunner(GraphRunner):
 
         self.torchair = torchair
         self.config = config
+        if config.tensor_parallel_size > 1:
+            torchair.patch_for_hcom()  # lets HCCL all-reduces sit inside compiled graphs
         self.compiler_config = torchair.CompilerConfig()
         # Weights keep their device addresses for the life of the engine.
         self.compiler_config.experimental_config.frozen_parameter = True

@@ -46,6 +46,9 @@ class NpuPlatform(Platform):
         # ASCEND_RT_VISIBLE_DEVICES is applied by the runtime: index 0 is the first visible NPU.
         return torch.device("npu", torch.npu.current_device())
 
+    def init_rank(self, rank: int, world_size: int) -> None:
+        torch.npu.set_device(rank)  # one NPU per rank, in ASCEND_RT_VISIBLE_DEVICES order
+
     def mem_get_info(self) -> tuple[int, int]:
         return torch.npu.mem_get_info()
 

@@ -50,6 +50,10 @@ class CpuPlatform(Platform):
     def device(self) -> torch.device:
         return torch.device("cpu")
 
+    def init_rank(self, rank: int, world_size: int) -> None:
+        # Ranks share the cores: each takes its part instead of all of them.
+        torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
+
     def mem_get_info(self) -> tuple[int, int]:
         vm = psutil.virtual_memory()
         return vm.available, vm.total

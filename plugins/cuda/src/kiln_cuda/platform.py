@@ -21,6 +21,9 @@ class CudaPlatform(Platform):
     def device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device())
 
+    def init_rank(self, rank: int, world_size: int) -> None:
+        torch.cuda.set_device(rank)  # one GPU per rank, in CUDA_VISIBLE_DEVICES order
+
     def mem_get_info(self) -> tuple[int, int]:
         return torch.cuda.mem_get_info()
 

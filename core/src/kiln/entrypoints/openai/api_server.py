@@ -339,4 +339,5 @@ def run_server(args: argparse.Namespace) -> int:
     http.start()
     engine.run_loop()
     http.join()
+    llm.shutdown()  # tensor-parallel workers, if any
     return 1 if engine.dead is not None else 0

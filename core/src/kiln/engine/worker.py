@@ -1,0 +1,140 @@
+"""Building one rank's model: attention backend, weights (its tensor-parallel shard) and
+``ModelRunner``. The engine builds rank 0 in its own process; ``worker_main`` is the entry
+point of ranks 1..N-1 (see ``kiln.engine.tp_executor``)."""
+
+from __future__ import annotations
+
+import logging
+from multiprocessing.connection import Connection
+
+import torch
+
+from kiln.attention.base import AttentionBackend, AttentionBackendSpec
+from kiln.config import EngineConfig
+from kiln.distributed import TensorParallel
+from kiln.engine.model_runner import ModelRunner
+from kiln.models.loader import iter_weights
+from kiln.ops import resolve_ops
+from kiln.platforms.base import Platform
+from kiln.plugins import Registry, load_ref
+
+logger = logging.getLogger("kiln.worker")
+
+
+def build_backend(
+    config: EngineConfig, registry: Registry, platform: Platform, hf_config, dtype: torch.dtype, tp: TensorParallel
+) -> AttentionBackend:
+    """The chosen (or the platform's) attention backend for this rank's heads, else ``torch_ref``."""
+    from kiln.models.llama import head_dim_of
+
+    head_dim = head_dim_of(hf_config)
+    heads = tp.shard(hf_config.num_attention_heads, "attention heads")
+    kv_heads = tp.shard(hf_config.num_key_value_heads, "key/value heads")
+    backends = registry.items["attention_backends"]
+    chosen = config.attention_backend
+    if chosen is not None and chosen not in backends:
+        raise ValueError(f"--attention-backend: {chosen!r} is not registered; registered: {sorted(backends)}")
+    for name in (chosen or platform.attention_backend(), "torch_ref"):
+        spec: AttentionBackendSpec | None = backends.get(name)
+        if spec is None:
+            continue
+        cls = load_ref(spec.factory)
+        if cls.supports(head_dim=head_dim, dtype=dtype, block_size=config.block_size):
+            return cls(heads, kv_heads, head_dim, dtype)
+        logger.warning("attention backend %s does not support this model; falling back", name)
+    raise ValueError("no registered attention backend supports this model")
+
+
+def build_model(
+    config: EngineConfig,
+    registry: Registry,
+    platform: Platform,
+    hf_config,
+    dtype: torch.dtype,
+    model_path: str,
+    backend: AttentionBackend,
+    tp: TensorParallel,
+) -> torch.nn.Module:
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    models = registry.items["models"]
+    arch = next((a for a in archs if a in models), None)
+    if arch is None:
+        raise ValueError(
+            f"model: architecture {archs or hf_config.model_type!r} is not supported; "
+            f"supported: {', '.join(sorted(models))}"
+        )
+    cls = load_ref(models[arch])
+    ops = resolve_ops(platform.custom_ops())
+    torch.manual_seed(config.seed)  # dummy weights: the same on every rank and every run
+    # Build straight in the target dtype: no full-size fp32 copy on the way.
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(platform.device()):
+            model = cls(hf_config, ops, backend, max_positions=config.max_model_len, tp=tp)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    if config.load_format != "dummy":
+        model.load_weights(iter_weights(model_path))
+    model.eval()
+    platform.process_weights(model)
+    return model
+
+
+def build_runner(
+    config: EngineConfig,
+    registry: Registry,
+    platform: Platform,
+    hf_config,
+    dtype: torch.dtype,
+    model_path: str,
+    tp: TensorParallel,
+) -> ModelRunner:
+    backend = build_backend(config, registry, platform, hf_config, dtype, tp)
+    model = build_model(config, registry, platform, hf_config, dtype, model_path, backend, tp)
+    return ModelRunner(config, platform, model, backend)
+
+
+def worker_main(
+    config_json: str, dtype_name: str, model_path: str, rank: int, world_size: int, init_method: str, conn: Connection
+) -> None:
+    """Tensor-parallel rank ``rank`` (>= 1): build this rank's shard and KV cache, then run every
+    ``StepBatch`` rank 0 sends until it sends None or goes away. ``config`` is rank 0's,
+    fully resolved, with ``device`` naming the platform it chose."""
+    from transformers import AutoConfig
+
+    from kiln.platforms.select import select_platform
+    from kiln.plugins import get_plugin_manager
+
+    try:
+        config = EngineConfig.model_validate_json(config_json)
+        registry = get_plugin_manager().registry
+        platform = select_platform(config.device, registry)
+        platform.init_rank(rank, world_size)
+        conn.send(("joining", None))
+        torch.distributed.init_process_group(
+            platform.dist_backend, init_method=init_method, rank=rank, world_size=world_size
+        )
+        hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=config.trust_remote_code)
+        tp = TensorParallel(rank, world_size)
+        runner = build_runner(config, registry, platform, hf_config, getattr(torch, dtype_name), model_path, tp)
+        conn.send(("built", None))
+        num_blocks = conn.recv()
+        if num_blocks is None:  # rank 0 failed to start
+            return
+        runner.allocate_kv_cache(num_blocks)
+        runner.build_graphs()
+        conn.send(("ready", None))
+    except Exception as exc:  # reported to rank 0, which fails its start with it
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        return
+    with torch.inference_mode():
+        while True:
+            try:
+                batch = conn.recv()
+            except EOFError:  # rank 0 is gone
+                break
+            if batch is None:
+                break
+            runner.run_batch(batch)
+    torch.distributed.destroy_process_group()

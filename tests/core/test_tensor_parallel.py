@@ -1,0 +1,43 @@
+"""Tensor parallelism on the CPU (gloo): two ranks, each in its own process with half the
+heads and half the MLP, give the single-process engine's tokens."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import pytest
+
+
+@pytest.fixture
+def cpu_plugins(kiln_plugins):
+    import kiln_cpu.plugin
+
+    kiln_plugins.register(kiln_cpu.plugin, name="cpu")
+    return kiln_plugins
+
+
+def run(plugins, prompts, **engine_args):
+    from kiln.testing.engine import make_engine, run_greedy
+
+    engine = make_engine(plugins, **engine_args)
+    try:
+        return run_greedy(engine, prompts), engine
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])  # qwen2: q/k/v biases are split too
+def test_two_ranks_match_one(tiny_model_dir, cpu_plugins, varied_prompts, model_type):
+    common = dict(model=tiny_model_dir(model_type), device="cpu", dtype="float32", max_num_batched_tokens=64)
+    split, engine = run(cpu_plugins, varied_prompts, tensor_parallel_size=2, **common)
+    assert engine.runner.backend.num_heads == 2  # of the model's 4
+    assert split == run(cpu_plugins, varied_prompts, **common)[0]
+    assert multiprocessing.active_children() == []  # shutdown stopped rank 1
+
+
+def test_a_size_that_does_not_divide_the_heads_fails_cleanly(tiny_model_dir, cpu_plugins):
+    from kiln.testing.engine import make_engine
+
+    with pytest.raises(ValueError, match=r"--tensor-parallel-size: 3 does not divide the model's attention heads \(4\)"):
+        make_engine(cpu_plugins, model=tiny_model_dir("llama"), device="cpu", tensor_parallel_size=3)
+    assert multiprocessing.active_children() == []
