@@ -114,6 +114,7 @@ def make_cpu_npu_platform():
         name = "npu_emulated"
         device = CpuPlatform.device
         mem_get_info = CpuPlatform.mem_get_info
+        peak_memory_of = CpuPlatform.peak_memory_of
 
         def synchronize(self) -> None:
             pass

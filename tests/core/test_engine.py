@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+import kiln
 from kiln import LLM, RequestOutputKind, SamplingParams
 
 
@@ -133,3 +134,38 @@ def test_kiln_generate_cli_prints_a_completion(default_model_dir):
         check=True,
     )
     assert "Paris" in out.stdout
+
+
+def test_kv_cache_is_sized_after_a_profiling_step(tiny_model_dir, kiln_plugins, varied_prompts):
+    """Where the platform measures a step's peak memory, the engine profiles a full-budget
+    step first (on a throwaway cache), leaves that much room, and then serves unchanged."""
+    import kiln_cpu.plugin
+    from kiln.platforms.base import PlatformSpec
+    from kiln.testing.engine import greedy_tokens, make_engine, run_greedy
+    from kiln_cpu.platform import CpuPlatform
+
+    steps = []
+
+    class ProfiledCpu(CpuPlatform):
+        name = "cpu_profiled"
+
+        def mem_get_info(self):
+            return 1 << 30, 1 << 30  # 1 GiB, all free
+
+        def peak_memory_of(self, fn):
+            steps.append(fn())
+            return (1 << 30) - (1 << 20)  # the step needs all but 1 MiB
+
+    class Plugin:
+        @kiln.hookimpl
+        def register_platforms(self, register):
+            register(PlatformSpec("cpu_profiled", ProfiledCpu, is_available=lambda: True))
+
+    kiln_plugins.register(kiln_cpu.plugin, name="cpu")
+    kiln_plugins.register(Plugin(), name="profiled")
+    common = dict(model=tiny_model_dir("llama"), dtype="float32", max_num_batched_tokens=64, max_model_len=256)
+    engine = make_engine(kiln_plugins, device="cpu_profiled", gpu_memory_utilization=1.0, max_num_seqs=4, **common)
+    assert len(steps) == 1
+    useful = 4 * -(-256 // engine.config.block_size) + 1  # the cap: max_num_seqs full-length sequences
+    assert len(engine.kv.pool.blocks) == (1 << 20) // engine.runner.kv_block_bytes() < useful  # 1 MiB of blocks
+    assert run_greedy(engine, varied_prompts) == greedy_tokens(kiln_plugins, varied_prompts, device="cpu", **common)

@@ -38,6 +38,8 @@ def test_two_ranks_match_one(tiny_model_dir, cpu_plugins, varied_prompts, model_
 def test_a_size_that_does_not_divide_the_heads_fails_cleanly(tiny_model_dir, cpu_plugins):
     from kiln.testing.engine import make_engine
 
-    with pytest.raises(ValueError, match=r"--tensor-parallel-size: 3 does not divide the model's attention heads \(4\)"):
+    with pytest.raises(
+        ValueError, match=r"--tensor-parallel-size: 3 does not divide the model's attention heads \(4\)"
+    ):
         make_engine(cpu_plugins, model=tiny_model_dir("llama"), device="cpu", tensor_parallel_size=3)
     assert multiprocessing.active_children() == []

@@ -63,10 +63,9 @@ class LLMEngine:
         self.workers = self._start_workers(tp) if tp.size > 1 else None
         try:
             self.runner = build_runner(config, registry, self.platform, hf_config, self.dtype, self.model_path, tp)
+            num_blocks = self._num_kv_blocks()  # the workers profile alongside, then report "built"
             if self.workers is not None:
                 self.workers.expect("built")
-            num_blocks = self._num_kv_blocks()
-            if self.workers is not None:
                 self.workers.send(num_blocks)
             self.runner.allocate_kv_cache(num_blocks)
             self.runner.build_graphs()
@@ -154,8 +153,10 @@ class LLMEngine:
         if cfg.num_gpu_blocks_override is not None:
             num_blocks = cfg.num_gpu_blocks_override
         else:
+            activations = self.runner.profile_peak()
+            if activations is None:  # not measurable: a generous estimate of one step's buffers
+                activations = cfg.max_num_batched_tokens * self.hf_config.intermediate_size * 4 * 8
             free, total = self.platform.mem_get_info()
-            activations = cfg.max_num_batched_tokens * self.hf_config.intermediate_size * 4 * 8
             budget = total * cfg.gpu_memory_utilization - (total - free) - activations
             useful = cfg.max_num_seqs * -(-cfg.max_model_len // bs) + 1
             num_blocks = min(int(budget // self.runner.kv_block_bytes()), useful)

@@ -120,6 +120,26 @@ class ModelRunner:
         shape = self.backend.kv_cache_shape(num_blocks, self.block_size)
         self.kv_caches = [self.platform.allocate_kv_cache(shape, self.backend.dtype) for _ in self.model.layers]
 
+    def profile_peak(self) -> int | None:
+        """Device memory a full-budget step needs beyond the weights (None: not measurable here,
+        or not needed with ``--num-gpu-blocks-override``). Every tensor-parallel rank calls it
+        at the same point, since the step's all-reduces need them all."""
+        if self.config.num_gpu_blocks_override is not None:
+            return None
+        return self.platform.peak_memory_of(self._profile_step)
+
+    def _profile_step(self) -> None:
+        """The largest step the scheduler forms, a prefill of the whole token budget, with logits
+        for ``max_num_seqs`` rows, over a throwaway KV cache just big enough for it."""
+        n = min(self.config.max_num_batched_tokens, self.config.max_model_len)
+        blocks = -(-n // self.block_size)
+        self.allocate_kv_cache(blocks + 1)  # block 0 stays the null block
+        batch = StepBatch([0] * n, list(range(n)), [list(range(1, blocks + 1))], [0], [n])
+        with torch.inference_mode():
+            hidden = self.run_batch(batch)
+            self.model.compute_logits(hidden[: min(n, self.config.max_num_seqs)])
+        self.kv_caches = []
+
     def build_graphs(self) -> None:
         """Build a decode graph for every size, largest first (graphs can then share the largest's
         memory), on padding-only example inputs; called once the KV cache exists."""

@@ -118,6 +118,7 @@ def worker_main(
         hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=config.trust_remote_code)
         tp = TensorParallel(rank, world_size)
         runner = build_runner(config, registry, platform, hf_config, getattr(torch, dtype_name), model_path, tp)
+        runner.profile_peak()  # in step with rank 0's profiling run
         conn.send(("built", None))
         num_blocks = conn.recv()
         if num_blocks is None:  # rank 0 failed to start

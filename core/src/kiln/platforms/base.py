@@ -61,8 +61,8 @@ class Platform(ABC):
     Members, in the order the engine uses them:
       1. ``update_config``: clamp or fill config values (block size, dtype...).
       2. ``device``/``dtype_for``: where tensors live and which dtype ``auto`` means.
-      3. ``mem_get_info``: sizes the paged KV cache together with
-         ``--gpu-memory-utilization`` / ``--num-gpu-blocks-override``;
+      3. ``mem_get_info`` (and ``peak_memory_of`` a profiling step): sizes the paged KV
+         cache together with ``--gpu-memory-utilization`` / ``--num-gpu-blocks-override``;
          ``allocate_kv_cache`` allocates it.
       4. ``attention_backend``: the registered backend name to use.
       5. ``custom_ops``: fused kernels overriding the core's torch reference ops.
@@ -87,6 +87,13 @@ class Platform(ABC):
     def init_rank(self, rank: int, world_size: int) -> None:
         """Bind this process to its device as tensor-parallel rank ``rank`` of ``world_size``
         (e.g. ``torch.cuda.set_device(rank)``); called before the collective group forms."""
+
+    def peak_memory_of(self, fn: Callable[[], object]) -> int | None:
+        """Run ``fn`` and return the most device memory it held at once beyond what was allocated
+        before it, in bytes; None (without running ``fn``) where the platform cannot measure
+        it. The engine runs a full-budget profiling step through it to size the KV cache,
+        and estimates the activations where it gets None."""
+        return None
 
     def synchronize(self) -> None:
         """Wait for queued device work (no-op where execution is synchronous)."""

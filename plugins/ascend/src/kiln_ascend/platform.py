@@ -52,6 +52,17 @@ class NpuPlatform(Platform):
     def mem_get_info(self) -> tuple[int, int]:
         return torch.npu.mem_get_info()
 
+    def peak_memory_of(self, fn: Callable[[], object]) -> int | None:
+        torch.npu.synchronize()
+        torch.npu.empty_cache()
+        before = torch.npu.memory_allocated()
+        torch.npu.reset_peak_memory_stats()
+        fn()
+        torch.npu.synchronize()
+        peak = torch.npu.max_memory_allocated() - before
+        torch.npu.empty_cache()  # hand the profiling step's blocks back before measuring free memory
+        return peak
+
     def synchronize(self) -> None:
         torch.npu.synchronize()
 

@@ -27,6 +27,17 @@ class CudaPlatform(Platform):
     def mem_get_info(self) -> tuple[int, int]:
         return torch.cuda.mem_get_info()
 
+    def peak_memory_of(self, fn: Callable[[], object]) -> int | None:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - before
+        torch.cuda.empty_cache()  # hand the profiling step's blocks back before measuring free memory
+        return peak
+
     def synchronize(self) -> None:
         torch.cuda.synchronize()
 
