@@ -41,7 +41,7 @@ def peak_rss_mb() -> float:
 def run_kiln(args: argparse.Namespace) -> dict:
     from kiln import LLM, SamplingParams
 
-    llm = LLM(args.model)
+    llm = LLM(args.model, max_num_seqs=args.max_num_seqs)
     tok = llm.get_tokenizer()
     prompts = make_prompts(args.num_prompts, args.input_len, len(tok), set(tok.all_special_ids))
     llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], SamplingParams(max_tokens=8, ignore_eos=True))
@@ -95,7 +95,7 @@ def worker(args: argparse.Namespace) -> None:
 
 def run_system(name: str, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, __file__, "--worker", name, "--model", args.model]
-    for flag in ("num_prompts", "input_len", "output_len", "batch_size"):
+    for flag in ("num_prompts", "input_len", "output_len", "batch_size", "max_num_seqs"):
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -111,6 +111,9 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=16, help="transformers' static batch size")
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=256, help="Kiln's concurrency cap (the engine default, 256, runs all 64)"
+    )
     parser.add_argument("--systems", default="kiln,hf-float32,hf-bfloat16")
     parser.add_argument("--repeats", type=int, default=1, help="best of N runs per system")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -164,7 +167,8 @@ def report(args: argparse.Namespace, best: dict[str, dict]) -> None:
                     "python": platform.python_version(),
                 },
                 "workload": {
-                    k: getattr(args, k) for k in ("num_prompts", "input_len", "output_len", "batch_size", "repeats")
+                    k: getattr(args, k)
+                    for k in ("num_prompts", "input_len", "output_len", "batch_size", "max_num_seqs", "repeats")
                 },
                 "results": best,
                 "summary": summary,
