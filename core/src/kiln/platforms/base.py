@@ -86,7 +86,7 @@ class Platform(ABC):
 
     def init_rank(self, rank: int, world_size: int) -> None:
         """Bind this process to its device as tensor-parallel rank ``rank`` of ``world_size``
-        (e.g. ``torch.cuda.set_device(rank)``); called before the collective group forms."""
+        (one device per rank, in visible-device order); called before the collective group forms."""
 
     def peak_memory_of(self, fn: Callable[[], object]) -> int | None:
         """Run ``fn`` and return the most device memory it held at once beyond what was allocated
