@@ -71,3 +71,8 @@ def test_dummy_weights_need_no_checkpoint(tiny_model_dir, tmp_path):
         LLM(str(folder))
     llm = LLM(str(folder), load_format="dummy", max_model_len=128)
     assert len(llm.generate("Hi")[0].outputs[0].token_ids) > 0
+
+
+def test_fp8_kv_cache_where_the_platform_has_none(tiny_model_dir):
+    with pytest.raises(ValueError, match=r"--kv-cache-dtype: fp8 is not supported on cpu; choose one of \['auto'\]"):
+        LLM(tiny_model_dir("llama"), device="cpu", kv_cache_dtype="fp8")

@@ -3,6 +3,7 @@
 decodes, fresh prefills and chunks on a cached prefix. On GPU where one is present, else under
 Triton's interpreter on CPU (fp32 and fp16: the interpreter's bf16 arithmetic is broken)."""
 
+import pytest
 import torch
 
 from kiln.testing.contracts import AttentionBackendContract
@@ -22,3 +23,30 @@ class TestTritonAttentionFloat16(AttentionBackendContract):
     dtype = torch.float16
     device = DEVICE
     atol = 2e-3
+
+
+class Fp8CacheContract(AttentionBackendContract):
+    """``--kv-cache-dtype fp8``: K/V stored in fp8 with per-tensor scales (2 and 0.5 here, so a
+    missing multiply or divide shows), attention in fp32. One head layout and block size: the
+    interpreter is slow, and the layouts are covered above."""
+
+    backend_cls = TritonAttentionBackend
+    device = DEVICE
+    atol = 2e-5
+    k_scale, v_scale = 2.0, 0.5
+
+    @pytest.mark.parametrize("batch", [1, 3])
+    def test_matches_reference(self, batch):
+        super().test_matches_reference((6, 2), 64, 16, batch)
+
+    @pytest.mark.parametrize("block_size", [16])
+    def test_decode_graph_path(self, block_size):
+        super().test_decode_graph_path(block_size)
+
+
+class TestTritonAttentionFp8E4M3(Fp8CacheContract):
+    cache_dtype = torch.float8_e4m3fn
+
+
+class TestTritonAttentionFp8E5M2(Fp8CacheContract):
+    cache_dtype = torch.float8_e5m2

@@ -145,12 +145,24 @@ class AttentionBackend(ABC):
 
     name: ClassVar[str]
     supports_decode_graphs: ClassVar[bool] = False  # implements ``graph_metadata``
+    # Cache dtypes the backend stores besides the compute dtype (``--kv-cache-dtype``): values
+    # are written as ``k / k_scale`` in that dtype and read back as ``stored * k_scale``.
+    cache_dtypes: ClassVar[tuple[torch.dtype, ...]] = ()
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        cache_dtype: torch.dtype | None = None,
+    ) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
+        self.cache_dtype = cache_dtype or dtype
+        self.k_scale = self.v_scale = 1.0  # per-tensor KV-cache scales (1.0: no calibration)
 
     @classmethod
     def supports(cls, *, head_dim: int, dtype: torch.dtype, block_size: int) -> bool:

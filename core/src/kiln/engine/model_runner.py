@@ -113,12 +113,12 @@ class ModelRunner:
 
     def kv_block_bytes(self) -> int:
         shape = self.backend.kv_cache_shape(1, self.block_size)
-        per_layer = torch.Size(shape).numel() * torch.finfo(self.backend.dtype).bits // 8
+        per_layer = torch.Size(shape).numel() * torch.finfo(self.backend.cache_dtype).bits // 8
         return per_layer * len(self.model.layers)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         shape = self.backend.kv_cache_shape(num_blocks, self.block_size)
-        self.kv_caches = [self.platform.allocate_kv_cache(shape, self.backend.dtype) for _ in self.model.layers]
+        self.kv_caches = [self.platform.allocate_kv_cache(shape, self.backend.cache_dtype) for _ in self.model.layers]
 
     def profile_peak(self) -> int | None:
         """Device memory a full-budget step needs beyond the weights (None: not measurable here,
@@ -133,12 +133,15 @@ class ModelRunner:
         for ``max_num_seqs`` rows, over a throwaway KV cache just big enough for it."""
         n = min(self.config.max_num_batched_tokens, self.config.max_model_len)
         blocks = -(-n // self.block_size)
+        kept = self.kv_caches
         self.allocate_kv_cache(blocks + 1)  # block 0 stays the null block
         batch = StepBatch([0] * n, list(range(n)), [list(range(1, blocks + 1))], [0], [n])
-        with torch.inference_mode():
-            hidden = self.run_batch(batch)
-            self.model.compute_logits(hidden[: min(n, self.config.max_num_seqs)])
-        self.kv_caches = []
+        try:
+            with torch.inference_mode():
+                hidden = self.run_batch(batch)
+                self.model.compute_logits(hidden[: min(n, self.config.max_num_seqs)])
+        finally:
+            self.kv_caches = kept
 
     def build_graphs(self) -> None:
         """Build a decode graph for every size, largest first (graphs can then share the largest's

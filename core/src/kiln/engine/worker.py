@@ -20,6 +20,8 @@ from kiln.plugins import Registry, load_ref
 
 logger = logging.getLogger("kiln.worker")
 
+KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
 
 def build_backend(
     config: EngineConfig, registry: Registry, platform: Platform, hf_config, dtype: torch.dtype, tp: TensorParallel
@@ -30,6 +32,7 @@ def build_backend(
     head_dim = head_dim_of(hf_config)
     heads = tp.shard(hf_config.num_attention_heads, "attention heads")
     kv_heads = tp.shard(hf_config.num_key_value_heads, "key/value heads")
+    cache_dtype = KV_CACHE_DTYPES.get(config.kv_cache_dtype, dtype)
     backends = registry.items["attention_backends"]
     chosen = config.attention_backend
     if chosen is not None and chosen not in backends:
@@ -39,10 +42,16 @@ def build_backend(
         if spec is None:
             continue
         cls = load_ref(spec.factory)
-        if cls.supports(head_dim=head_dim, dtype=dtype, block_size=config.block_size):
-            return cls(heads, kv_heads, head_dim, dtype)
-        logger.warning("attention backend %s does not support this model; falling back", name)
-    raise ValueError("no registered attention backend supports this model")
+        if cache_dtype != dtype and cache_dtype not in cls.cache_dtypes:
+            logger.warning("attention backend %s cannot store a %s KV cache; falling back", name, cache_dtype)
+        elif cls.supports(head_dim=head_dim, dtype=dtype, block_size=config.block_size):
+            return cls(heads, kv_heads, head_dim, dtype, cache_dtype)
+        else:
+            logger.warning("attention backend %s does not support this model; falling back", name)
+    raise ValueError(
+        f"no registered attention backend supports this model with --dtype {dtype} "
+        f"and --kv-cache-dtype {config.kv_cache_dtype}"
+    )
 
 
 def build_model(

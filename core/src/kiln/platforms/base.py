@@ -75,6 +75,7 @@ class Platform(ABC):
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.float16, torch.bfloat16)
     supported_block_sizes: ClassVar[tuple[int, ...]] = (8, 16, 32, 64, 128)
     default_block_size: ClassVar[int] = 16
+    supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto",)  # --kv-cache-dtype values
 
     @abstractmethod
     def device(self) -> torch.device:
@@ -118,6 +119,11 @@ class Platform(ABC):
                 f"--block-size: {config.block_size} is not supported on {self.name}; "
                 f"choose one of {list(self.supported_block_sizes)}"
             )
+        if config.kv_cache_dtype not in self.supported_kv_cache_dtypes:
+            raise ValueError(
+                f"--kv-cache-dtype: {config.kv_cache_dtype} is not supported on {self.name}; "
+                f"choose one of {list(self.supported_kv_cache_dtypes)}"
+            )
 
     def attention_backend(self) -> str:
         """Name of the registered attention backend this platform uses by default."""
@@ -146,3 +152,17 @@ class Platform(ABC):
             return sorted({s for s in config.graph_sizes if s <= limit})
         top = min(limit, 512)
         return sorted({s for s in [1, 2, 4, *range(8, top + 1, 8), top] if s <= top})
+
+
+def measure_peak_memory(device_module, fn: Callable[[], object]) -> int:
+    """``Platform.peak_memory_of`` for torch device modules with the caching allocator's API
+    (``memory_allocated``, ``max_memory_allocated``...), passed in by the platform."""
+    device_module.synchronize()
+    device_module.empty_cache()
+    before = device_module.memory_allocated()
+    device_module.reset_peak_memory_stats()
+    fn()
+    device_module.synchronize()
+    peak = device_module.max_memory_allocated() - before
+    device_module.empty_cache()  # hand the step's blocks back before free memory is measured
+    return peak

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 
 from kiln.config import EngineConfig
-from kiln.platforms.base import GraphRunner, Platform
+from kiln.platforms.base import GraphRunner, Platform, measure_peak_memory
 
 
 def check_versions() -> None:
@@ -53,15 +53,7 @@ class NpuPlatform(Platform):
         return torch.npu.mem_get_info()
 
     def peak_memory_of(self, fn: Callable[[], object]) -> int | None:
-        torch.npu.synchronize()
-        torch.npu.empty_cache()
-        before = torch.npu.memory_allocated()
-        torch.npu.reset_peak_memory_stats()
-        fn()
-        torch.npu.synchronize()
-        peak = torch.npu.max_memory_allocated() - before
-        torch.npu.empty_cache()  # hand the profiling step's blocks back before measuring free memory
-        return peak
+        return measure_peak_memory(torch.npu, fn)
 
     def synchronize(self) -> None:
         torch.npu.synchronize()

@@ -33,6 +33,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     name = "triton"
     supports_decode_graphs = True
+    cache_dtypes = (torch.float8_e4m3fn, torch.float8_e5m2)
 
     @classmethod
     def supports(cls, *, head_dim: int, dtype: torch.dtype, block_size: int) -> bool:
@@ -61,9 +62,10 @@ class TritonAttentionBackend(AttentionBackend):
         if tokens:
             kernels.reshape_and_cache_kernel[(tokens, self.num_kv_heads)](
                 k, v, kv_cache, metadata.slot_mapping, k.stride(0), v.stride(0), kv_cache.stride(0),
-                KVN=self.num_kv_heads, D=self.head_dim, BLOCK_D=block_d,
+                1.0 / self.k_scale, 1.0 / self.v_scale, KVN=self.num_kv_heads, D=self.head_dim, BLOCK_D=block_d,
             )  # fmt: skip
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        scale = scale * self.k_scale  # scores of stored keys; v_scale applies to the output below
         if tokens and metadata.all_decode and tokens * self.num_kv_heads <= SPLIT_KV_MAX_WORK:
             self._split_kv_decode(q, kv_cache, out, metadata, scale, block_d)
         elif tokens:
@@ -74,6 +76,8 @@ class TritonAttentionBackend(AttentionBackend):
                 KVN=self.num_kv_heads, GROUP=self.num_heads // self.num_kv_heads, D=self.head_dim,
                 BLOCK_D=block_d, BS=metadata.block_size, TILE=TILE,
             )  # fmt: skip
+        if self.v_scale != 1.0:
+            out.mul_(self.v_scale)
         return out
 
     def _split_kv_decode(self, q, kv_cache, out, metadata: TritonMetadata, scale: float, block_d: int) -> None:

@@ -10,11 +10,12 @@ import triton.language as tl
 
 @triton.jit
 def reshape_and_cache_kernel(
-    k_ptr, v_ptr, cache_ptr, slot_ptr, k_stride, v_stride, plane_stride,
+    k_ptr, v_ptr, cache_ptr, slot_ptr, k_stride, v_stride, plane_stride, inv_k_scale, inv_v_scale,
     KVN: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """Grid (tokens, kv_heads): one head's K and V row into slot ``slot_ptr[t]``; slot < 0 is padding.
-    The cache is (2, blocks, block_size, kv_heads, D): slot s, head h is row ``s * KVN + h``."""
+    The cache is (2, blocks, block_size, kv_heads, D): slot s, head h is row ``s * KVN + h``.
+    Values are stored as ``k * inv_k_scale`` in the cache's dtype (fp8 caches; 1.0 otherwise)."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slot_ptr + t)
@@ -24,8 +25,9 @@ def reshape_and_cache_kernel(
     row = tl.where(slots >= 0, slots, 0) * KVN + h
     k = tl.load(k_ptr + t * k_stride + h * D + d, mask=mask)
     v = tl.load(v_ptr + t * v_stride + h * D + d, mask=mask)
-    tl.store(cache_ptr + row * D + d, k, mask=mask)
-    tl.store(cache_ptr + plane_stride + row * D + d, v, mask=mask)
+    dtype = cache_ptr.dtype.element_ty
+    tl.store(cache_ptr + row * D + d, (k.to(tl.float32) * inv_k_scale).to(dtype), mask=mask)
+    tl.store(cache_ptr + plane_stride + row * D + d, (v.to(tl.float32) * inv_v_scale).to(dtype), mask=mask)
 
 
 @triton.jit

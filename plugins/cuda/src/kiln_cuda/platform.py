@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 
 from kiln.config import EngineConfig
-from kiln.platforms.base import GraphRunner, Platform
+from kiln.platforms.base import GraphRunner, Platform, measure_peak_memory
 
 
 class CudaPlatform(Platform):
@@ -16,6 +16,7 @@ class CudaPlatform(Platform):
     dist_backend = "nccl"
     supported_dtypes = (torch.float16, torch.bfloat16, torch.float32)
     supported_block_sizes = (16, 32, 64, 128)
+    supported_kv_cache_dtypes = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
     default_block_size = 16
 
     def device(self) -> torch.device:
@@ -28,15 +29,7 @@ class CudaPlatform(Platform):
         return torch.cuda.mem_get_info()
 
     def peak_memory_of(self, fn: Callable[[], object]) -> int | None:
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        before = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        fn()
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - before
-        torch.cuda.empty_cache()  # hand the profiling step's blocks back before measuring free memory
-        return peak
+        return measure_peak_memory(torch.cuda, fn)
 
     def synchronize(self) -> None:
         torch.cuda.synchronize()

@@ -1,6 +1,8 @@
-"""CUDA graphs for decode, on a real GPU only (skipped elsewhere, with the reason shown)."""
+"""What only a real GPU can check (skipped elsewhere, with the reason shown): CUDA graphs for
+decode, the engine on CUDA against the CPU plugin, fp8 KV caches, the profiled KV sizing."""
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.cuda
 
@@ -47,3 +49,22 @@ def test_long_sequences_run_eagerly(tiny_model_dir, cuda_plugins):
     )
     run_greedy(engine, [[5] * 20], max_tokens=4)
     assert engine.runner.graph_steps == 0
+
+
+def test_fp8_kv_cache_halves_the_block_and_serves(tiny_model_dir, cuda_plugins, varied_prompts):
+    from kiln.testing.engine import make_engine, run_greedy
+
+    common = dict(model=tiny_model_dir("llama"), device="cuda", dtype="bfloat16")
+    fp8 = make_engine(cuda_plugins, kv_cache_dtype="fp8", **common)
+    auto = make_engine(cuda_plugins, **common)
+    assert fp8.runner.kv_caches[0].dtype == torch.float8_e4m3fn
+    assert 2 * fp8.runner.kv_block_bytes() == auto.runner.kv_block_bytes()
+    assert [len(t) for t in run_greedy(fp8, varied_prompts)] == [8] * len(varied_prompts)
+
+
+def test_kv_cache_leaves_room_for_the_profiled_step(tiny_model_dir, cuda_plugins):
+    from kiln.testing.engine import make_engine
+
+    engine = make_engine(cuda_plugins, model=tiny_model_dir("llama"), device="cuda", gpu_memory_utilization=0.5)
+    peak = engine.runner.profile_peak()
+    assert peak is not None and peak > 0
