@@ -45,7 +45,8 @@ def build_backend(
         if cache_dtype != dtype and cache_dtype not in cls.cache_dtypes:
             logger.warning("attention backend %s cannot store a %s KV cache; falling back", name, cache_dtype)
         elif cls.supports(head_dim=head_dim, dtype=dtype, block_size=config.block_size):
-            return cls(heads, kv_heads, head_dim, dtype, cache_dtype)
+            # Only quantized caches pass cache_dtype: backends written before it take 4 arguments.
+            return cls(heads, kv_heads, head_dim, dtype, *([cache_dtype] if cache_dtype != dtype else []))
         else:
             logger.warning("attention backend %s does not support this model; falling back", name)
     raise ValueError(

@@ -61,7 +61,9 @@ class AttentionBackendContract:
         """The reference and the backend under test, their caches holding the same random history,
         and random q/k/v for ``num_tokens`` tokens."""
         ref = TorchRefAttentionBackend(heads, kv_heads, head_dim, self.dtype)
-        backend = self.backend_cls(heads, kv_heads, head_dim, self.dtype, self.cache_dtype)
+        backend = self.backend_cls(
+            heads, kv_heads, head_dim, self.dtype, *([self.cache_dtype] if self.cache_dtype else [])
+        )
         backend.k_scale, backend.v_scale = self.k_scale, self.v_scale
         ref_cache = torch.randn(ref.kv_cache_shape(num_blocks, block_size), device=self.device)
         ref_cache = torch.stack(

@@ -46,8 +46,8 @@ class AscendAttentionBackend(AttentionBackend):
     name = "ascend"
     supports_decode_graphs = True
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, cache_dtype=None) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, dtype, cache_dtype)
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, dtype)
         self.precision = PrecisionModes.from_env()
         self._mask: torch.Tensor | None = None
 

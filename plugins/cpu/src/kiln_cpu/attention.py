@@ -37,8 +37,8 @@ class CpuMetadata:
 class CpuAttentionBackend(AttentionBackend):
     name = "cpu"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, cache_dtype=None) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, dtype, cache_dtype)
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, dtype)
         use_native = native.supports(num_heads, num_kv_heads, head_dim, dtype)
         self.native = native.load_kernels() if use_native else None
 
