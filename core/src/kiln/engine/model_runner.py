@@ -100,13 +100,13 @@ class ModelRunner:
         self.backend = backend
         self.block_size = config.block_size
         self.kv_caches: list[torch.Tensor] = []
-        self.graphs = None if config.enforce_eager else platform.graph_runner(config)
+        # Sizes first: with none (e.g. max_num_seqs 1 on Ascend) no graph runner is built at all.
+        sizes = [] if config.enforce_eager else platform.graph_sizes(config)
+        self.graphs = platform.graph_runner(config) if sizes else None
         if self.graphs is not None and not backend.supports_decode_graphs:
             logger.warning("attention backend %s has no decode-graph path; running eagerly", backend.name)
             self.graphs = None
-        self.graph_sizes = platform.graph_sizes(config) if self.graphs is not None else []
-        if not self.graph_sizes:
-            self.graphs = None
+        self.graph_sizes = sizes if self.graphs is not None else []
         self.max_blocks_per_req = -(-config.max_model_len // config.block_size)
         self.graph_steps = 0  # decode steps run as graphs, for logs and tests
         self.peers = None  # tensor-parallel ranks 1..N-1 (rank 0 only): has send(StepBatch)

@@ -10,7 +10,6 @@ a fork.
 from __future__ import annotations
 
 import atexit
-import logging
 import multiprocessing as mp
 import socket
 
@@ -18,8 +17,6 @@ import torch
 
 from kiln.config import EngineConfig
 from kiln.engine.worker import worker_main
-
-logger = logging.getLogger("kiln.tp")
 
 
 def _free_port() -> int:

@@ -74,8 +74,13 @@ def _model_fingerprint(config: EngineConfig) -> list:
 
 
 def graph_cache_dir(config: EngineConfig, gear: int) -> Path:
-    """``.torchair_cache/<key>/gear_<n>``: the key changes with any engine parameter, the weights,
-    the precision switches or a library version."""
+    """``.torchair_cache/<key>/gear_<n>``."""
+    return graph_cache_root(config) / f"gear_{gear}"
+
+
+def graph_cache_root(config: EngineConfig) -> Path:
+    """``.torchair_cache/<key>``: the key changes with any engine parameter, the weights, the
+    precision switches or a library version."""
     import torch_npu
 
     from kiln_ascend.precision import PrecisionModes
@@ -87,8 +92,7 @@ def graph_cache_dir(config: EngineConfig, gear: int) -> Path:
         "versions": [torch.__version__, torch_npu.__version__, _package_version("kiln-plugin-ascend")],
     }
     key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
-    root = Path(os.environ.get("TORCHAIR_CACHE_HOME", os.getcwd())) / ".torchair_cache"
-    return root / key / f"gear_{gear}"
+    return Path(os.environ.get("TORCHAIR_CACHE_HOME", os.getcwd())) / ".torchair_cache" / key
 
 
 def _forward_copy(forward: Callable, gear: int) -> Callable:
@@ -113,9 +117,10 @@ class TorchairGraphRunner(GraphRunner):
         # Weights keep their device addresses for the life of the engine.
         self.compiler_config.experimental_config.frozen_parameter = True
         self.graphs: dict[int, Callable] = {}
+        self.cache_root = graph_cache_root(config)  # hashes the model's files: once, not per gear
 
     def build(self, size: int, forward: Callable[..., torch.Tensor], inputs: DecodeGraphInputs) -> None:
-        cache_dir = graph_cache_dir(self.config, size)
+        cache_dir = self.cache_root / f"gear_{size}"
         cache_dir.mkdir(parents=True, exist_ok=True)
         compiled = self.torchair.inference.cache_compile(
             _forward_copy(forward, size), config=self.compiler_config, dynamic=False, cache_dir=str(cache_dir)
