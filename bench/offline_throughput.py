@@ -8,8 +8,14 @@ down), and reports output tokens/s and its peak RSS. transformers runs in fp32
 and bf16 and the faster is the baseline; Kiln runs with ``dtype=auto``.
 
     python bench/offline_throughput.py [--repeats 3] [--systems kiln,hf-float32,hf-bfloat16]
+    python bench/offline_throughput.py --device cuda --load-format dummy --systems kiln,hf-bfloat16
 
-Prints a table and writes ``bench/results/offline_throughput.json``.
+On an accelerator both systems run there and "peak MB" is the device's peak
+allocation instead of RSS. ``--load-format dummy`` gives both random weights
+(throughput with ``ignore_eos`` does not depend on them), for a model folder
+that holds only its config and tokenizer.
+
+Prints a table and writes ``bench/results/offline_throughput[_DEVICE].json``.
 """
 
 from __future__ import annotations
@@ -34,14 +40,32 @@ def make_prompts(num: int, length: int, vocab: int, special: set[int], seed: int
     return [[rng.choice(allowed) for _ in range(length)] for _ in range(num)]
 
 
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+def peak_mb(device: str) -> float:
+    """Peak RSS on the CPU, the device's peak allocation on an accelerator."""
+    if device in ("auto", "cpu"):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    import torch
+
+    return getattr(torch, device).max_memory_allocated() / 2**20
+
+
+def synchronize(device: str) -> None:
+    if device not in ("auto", "cpu"):
+        import torch
+
+        getattr(torch, device).synchronize()
 
 
 def run_kiln(args: argparse.Namespace) -> dict:
     from kiln import LLM, SamplingParams
 
-    llm = LLM(args.model, max_num_seqs=args.max_num_seqs)
+    llm = LLM(
+        args.model,
+        max_num_seqs=args.max_num_seqs,
+        device=args.device,
+        dtype=args.kiln_dtype,
+        load_format=args.load_format,
+    )
     tok = llm.get_tokenizer()
     prompts = make_prompts(args.num_prompts, args.input_len, len(tok), set(tok.all_special_ids))
     llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], SamplingParams(max_tokens=8, ignore_eos=True))
@@ -55,11 +79,18 @@ def run_kiln(args: argparse.Namespace) -> dict:
 
 def run_hf(args: argparse.Namespace, dtype: str) -> dict:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, dtype)).eval()
-    prompts = torch.tensor(make_prompts(args.num_prompts, args.input_len, len(tok), set(tok.all_special_ids)))
+    if args.load_format == "dummy":
+        config = AutoConfig.from_pretrained(args.model)
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    else:
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, dtype))
+    device = "cpu" if args.device == "auto" else args.device
+    model = model.to(device).eval()
+    prompts = make_prompts(args.num_prompts, args.input_len, len(tok), set(tok.all_special_ids))
+    prompts = torch.tensor(prompts, device=device)
     kwargs = dict(do_sample=False, pad_token_id=tok.pad_token_id or 0)
     with torch.inference_mode():
         model.generate(prompts[:2], attention_mask=torch.ones_like(prompts[:2]), max_new_tokens=8, **kwargs)
@@ -74,6 +105,7 @@ def run_hf(args: argparse.Namespace, dtype: str) -> dict:
                 **kwargs,
             )
             assert out.shape[1] == args.input_len + args.output_len
+        synchronize(args.device)
         elapsed = time.perf_counter() - start
     return {"seconds": elapsed, "dtype": dtype}
 
@@ -87,7 +119,7 @@ def worker(args: argparse.Namespace) -> None:
     result.update(
         system=args.worker,
         output_tokens_per_s=args.num_prompts * args.output_len / result["seconds"],
-        peak_rss_mb=peak_rss_mb(),
+        peak_mb=peak_mb(args.device),
         loadavg_at_start=load,
     )
     print("RESULT " + json.dumps(result), flush=True)
@@ -95,7 +127,16 @@ def worker(args: argparse.Namespace) -> None:
 
 def run_system(name: str, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, __file__, "--worker", name, "--model", args.model]
-    for flag in ("num_prompts", "input_len", "output_len", "batch_size", "max_num_seqs"):
+    for flag in (
+        "num_prompts",
+        "input_len",
+        "output_len",
+        "batch_size",
+        "max_num_seqs",
+        "device",
+        "kiln_dtype",
+        "load_format",
+    ):
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -114,6 +155,9 @@ def main() -> None:
     parser.add_argument(
         "--max-num-seqs", type=int, default=256, help="Kiln's concurrency cap (the engine default, 256, runs all 64)"
     )
+    parser.add_argument("--device", default="auto", help="Kiln's --device; transformers runs there too")
+    parser.add_argument("--kiln-dtype", default="auto", help="Kiln's --dtype (auto: the platform's fastest)")
+    parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"], help="dummy: random weights")
     parser.add_argument("--systems", default="kiln,hf-float32,hf-bfloat16")
     parser.add_argument("--repeats", type=int, default=1, help="best of N runs per system")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -136,10 +180,10 @@ def main() -> None:
 
 
 def report(args: argparse.Namespace, best: dict[str, dict]) -> None:
-    print(f"\n{'system':<14}{'dtype':<10}{'out tok/s':>11}{'seconds':>10}{'peak RSS MB':>13}")
+    print(f"\n{'system':<14}{'dtype':<10}{'out tok/s':>11}{'seconds':>10}{'peak MB':>13}")
     for r in best.values():
         print(
-            f"{r['system']:<14}{r['dtype']:<10}{r['output_tokens_per_s']:>11.1f}{r['seconds']:>10.1f}{r['peak_rss_mb']:>13.0f}"
+            f"{r['system']:<14}{r['dtype']:<10}{r['output_tokens_per_s']:>11.1f}{r['seconds']:>10.1f}{r['peak_mb']:>13.0f}"
         )
     summary = {}
     hf = [r for name, r in best.items() if name.startswith("hf")]
@@ -149,15 +193,16 @@ def report(args: argparse.Namespace, best: dict[str, dict]) -> None:
         summary = {
             "baseline": base["system"],
             "speedup": kiln["output_tokens_per_s"] / base["output_tokens_per_s"],
-            "rss_ratio": kiln["peak_rss_mb"] / base["peak_rss_mb"],
+            "peak_ratio": kiln["peak_mb"] / base["peak_mb"],
         }
         print(
             f"\nKiln / {base['system']}: {summary['speedup']:.2f}x output tokens/s, "
-            f"peak RSS {kiln['peak_rss_mb']:.0f} vs {base['peak_rss_mb']:.0f} MB"
+            f"peak {kiln['peak_mb']:.0f} vs {base['peak_mb']:.0f} MB"
         )
         print("target: Kiln >= 2x the faster transformers run, peak RSS no higher")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(
+    results = RESULTS if args.device in ("auto", "cpu") else RESULTS.with_stem(f"{RESULTS.stem}_{args.device}")
+    results.parent.mkdir(parents=True, exist_ok=True)
+    results.write_text(
         json.dumps(
             {
                 "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -168,7 +213,17 @@ def report(args: argparse.Namespace, best: dict[str, dict]) -> None:
                 },
                 "workload": {
                     k: getattr(args, k)
-                    for k in ("num_prompts", "input_len", "output_len", "batch_size", "max_num_seqs", "repeats")
+                    for k in (
+                        "num_prompts",
+                        "input_len",
+                        "output_len",
+                        "batch_size",
+                        "max_num_seqs",
+                        "repeats",
+                        "device",
+                        "kiln_dtype",
+                        "load_format",
+                    )
                 },
                 "results": best,
                 "summary": summary,
@@ -176,7 +231,7 @@ def report(args: argparse.Namespace, best: dict[str, dict]) -> None:
             indent=2,
         )
     )
-    print(f"saved {RESULTS}")
+    print(f"saved {results}")
 
 
 if __name__ == "__main__":

@@ -68,3 +68,32 @@ def test_kv_cache_leaves_room_for_the_profiled_step(tiny_model_dir, cuda_plugins
     engine = make_engine(cuda_plugins, model=tiny_model_dir("llama"), device="cuda", gpu_memory_utilization=0.5)
     peak = engine.runner.profile_peak()
     assert peak is not None and peak > 0
+
+
+def test_sampling_runs_on_the_device(tiny_model_dir, varied_prompts):
+    """Logits are sampled where they are computed (only token ids come back to the host), and
+    every sampling parameter still applies there: a seeded request with penalties, bias and
+    top-k/p/min-p gives the same tokens alone and in a batch, and allowed_token_ids holds."""
+    from kiln import LLM, SamplingParams
+
+    llm = LLM(tiny_model_dir("llama"), device="cuda", dtype="float32")
+    sampler, devices = llm.engine.sampler, set()
+
+    def spy(logits, reqs):
+        devices.add(logits.device.type)
+        return sampler(logits, reqs)
+
+    llm.engine.sampler = spy
+    seeded = SamplingParams(
+        seed=7, temperature=0.8, top_k=50, top_p=0.9, min_p=0.01, repetition_penalty=1.2,
+        presence_penalty=0.5, frequency_penalty=0.5, logit_bias={5: 3.0}, logprobs=2, max_tokens=16,
+        ignore_eos=True,
+    )  # fmt: skip
+    (alone,) = llm.generate({"prompt_token_ids": varied_prompts[2]}, seeded)
+    others = [SamplingParams(temperature=1.0, max_tokens=m, ignore_eos=True) for m in (4, 20, 9, 12)]
+    allowed = SamplingParams(allowed_token_ids=[11, 12, 13], temperature=1.0, max_tokens=8, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in varied_prompts], [*others[:2], seeded, allowed, others[2]])
+    assert devices == {"cuda"}
+    assert outs[2].outputs[0].token_ids == alone.outputs[0].token_ids
+    assert all(len(position) >= 2 for position in alone.outputs[0].logprobs)
+    assert set(outs[3].outputs[0].token_ids) <= {11, 12, 13}

@@ -120,7 +120,10 @@ class GuidedBackend(ABC):
         """Compile ``params`` (JSON schema, regex, choice, EBNF grammar, json_object, structural tag)."""
 
     def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-        """Set disallowed logits of ``rows`` to -inf in place; backends may use a faster kernel."""
+        """Set disallowed logits of ``rows`` to -inf in place; backends may use a faster kernel.
+
+        ``logits`` (float32) sit on the engine's device; ``bitmask`` (int32, one bit per
+        token, rows in batch order) is filled on the host."""
         apply_token_bitmask(logits, bitmask, rows)
 
 
@@ -135,8 +138,9 @@ def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
     """Torch fallback: for each ``i`` in ``rows``, unpack ``bitmask[i]`` and mask ``logits[i]``."""
     vocab = logits.shape[-1]
-    index = torch.tensor(rows)
-    shifts = torch.arange(32, dtype=torch.int32)
+    bitmask = bitmask.to(logits.device)
+    index = torch.tensor(rows, device=logits.device)
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
     allowed = ((bitmask[index, :, None] >> shifts) & 1).bool().flatten(1)[:, :vocab]
     logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 

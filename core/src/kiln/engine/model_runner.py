@@ -35,7 +35,7 @@ logger = logging.getLogger("kiln.runner")
 @dataclass(slots=True)
 class StepResult:
     sampling_reqs: list[Request]  # requests that sample this step, in logits row order
-    logits: torch.Tensor  # (len(sampling_reqs), vocab) float32
+    logits: torch.Tensor  # (len(sampling_reqs), vocab) float32, on the device
     prompt_logits: dict[Request, tuple[int, torch.Tensor]]  # req -> (first position, logits rows)
     forward_time: float
 
@@ -206,6 +206,6 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.int64, device=self.device)])
         self.platform.synchronize()
         forward_time = time.perf_counter() - t0
-        logits = logits.cpu()
-        prompt_logits = {req: (first, logits[o : o + c]) for req, first, o, c in prompt_spans}
+        # Sampling stays on the device; prompt log-probs are read row by row, on the host.
+        prompt_logits = {req: (first, logits[o : o + c].cpu()) for req, first, o, c in prompt_spans}
         return StepResult(sampling_reqs, logits[sample_from:], prompt_logits, forward_time)

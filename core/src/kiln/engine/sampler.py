@@ -10,6 +10,9 @@ Pipeline, per step (rows are requests that sample this step):
   6. other rows: temperature, top_k, top_p, min_p, then one exponential race
      ``argmax(p / q)``, q ~ Exp(1), drawn from the request's own generator when it
      has a seed: the same seed gives the same tokens whatever else is batched.
+
+Everything runs where the logits are (the accelerator): only the chosen token ids
+and requested log-probs travel to the host, not a vocabulary-wide row per request.
 """
 
 from __future__ import annotations
@@ -45,7 +48,14 @@ class SamplerOutput:
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self.masks: list[LogitsMask] = []
-        self.generator = torch.Generator().manual_seed(seed)
+        self.seed = seed
+        self.generators: dict[torch.device, torch.Generator] = {}
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        """The engine-wide generator (for unseeded requests) on ``device``, seeded once."""
+        if device not in self.generators:
+            self.generators[device] = torch.Generator(device).manual_seed(self.seed)
+        return self.generators[device]
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, reqs: Sequence[Request]) -> SamplerOutput:
@@ -61,7 +71,7 @@ class Sampler:
         tokens = logits.argmax(-1)
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
         if sampled_rows:
-            idx = torch.tensor(sampled_rows)
+            idx = torch.tensor(sampled_rows, device=logits.device)
             tokens[idx] = self._sample(logits[idx], [reqs[i] for i in sampled_rows])
         token_list = tokens.tolist()
 
@@ -73,10 +83,11 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
         params = [r.sampling_params for r in reqs]
-        logits = logits / torch.tensor([p.temperature for p in params]).unsqueeze(1)
+        device = logits.device
+        logits = logits / torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
         top_k = [p.top_k for p in params]
         if any(top_k):
-            k = torch.tensor([k or logits.shape[1] for k in top_k]).clamp(max=logits.shape[1])
+            k = torch.tensor([k or logits.shape[1] for k in top_k], device=device).clamp(max=logits.shape[1])
             kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1).unsqueeze(1))
             logits.masked_fill_(logits < kth, float("-inf"))
         probs = logits.softmax(-1)
@@ -84,16 +95,17 @@ class Sampler:
         if any(p < 1.0 for p in top_p):
             sorted_p, order = probs.sort(dim=-1, descending=True)
             # Drop a token when the mass strictly before it already reaches top_p.
-            drop = (sorted_p.cumsum(-1) - sorted_p) >= torch.tensor(top_p).unsqueeze(1)
+            drop = (sorted_p.cumsum(-1) - sorted_p) >= torch.tensor(top_p, device=device).unsqueeze(1)
             probs.scatter_(1, order, sorted_p.masked_fill(drop, 0.0))
         min_p = [p.min_p for p in params]
         if any(min_p):
-            floor = probs.max(-1, keepdim=True).values * torch.tensor(min_p).unsqueeze(1)
+            floor = probs.max(-1, keepdim=True).values * torch.tensor(min_p, device=device).unsqueeze(1)
             probs.masked_fill_(probs < floor, 0.0)
-        q = torch.empty_like(probs).exponential_(generator=self.generator)
+        q = torch.empty_like(probs).exponential_(generator=self._generator(device))
         for row, req in enumerate(reqs):
             if req.generator is not None:
-                q[row].exponential_(generator=req.generator)
+                # A seeded request's generator lives on the host: its draws do not depend on the device.
+                q[row] = torch.empty(probs.shape[1], dtype=probs.dtype).exponential_(generator=req.generator)
         return (probs / q).argmax(-1)
 
 
@@ -102,8 +114,9 @@ def _apply_token_rules(logits: torch.Tensor, reqs: Sequence[Request]) -> None:
     for row, req in enumerate(reqs):
         p = req.sampling_params
         if p.logit_bias:
-            ids = torch.tensor(list(p.logit_bias.keys()))
-            logits[row].index_add_(0, ids, torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype))
+            ids = torch.tensor(list(p.logit_bias.keys()), device=logits.device)
+            bias = torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+            logits[row].index_add_(0, ids, bias)
         if p.allowed_token_ids is not None:
             keep = logits[row, p.allowed_token_ids].clone()
             logits[row].fill_(neg_inf)
@@ -133,12 +146,13 @@ def _apply_penalties(logits: torch.Tensor, reqs: Sequence[Request]) -> None:
         p, req = reqs[i].sampling_params, reqs[i]
         row = logits[i]
         if p.repetition_penalty != 1.0:
-            seen = torch.zeros(vocab, dtype=torch.bool)
-            seen[torch.tensor(req.all_token_ids)] = True
+            seen = torch.zeros(vocab, dtype=torch.bool, device=row.device)
+            seen[torch.tensor(req.all_token_ids, device=row.device)] = True
             scaled = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
             row.copy_(torch.where(seen, scaled, row))
         if req.output_token_ids and (p.presence_penalty or p.frequency_penalty):
-            counts = torch.bincount(torch.tensor(req.output_token_ids), minlength=vocab).to(row.dtype)
+            output_ids = torch.tensor(req.output_token_ids, device=row.device)
+            counts = torch.bincount(output_ids, minlength=vocab).to(row.dtype)
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
 
 
