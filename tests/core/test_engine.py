@@ -169,3 +169,14 @@ def test_kv_cache_is_sized_after_a_profiling_step(tiny_model_dir, kiln_plugins, 
     useful = 4 * -(-256 // engine.config.block_size) + 1  # the cap: max_num_seqs full-length sequences
     assert len(engine.kv.pool.blocks) == (1 << 20) // engine.runner.kv_block_bytes() < useful  # 1 MiB of blocks
     assert run_greedy(engine, varied_prompts) == greedy_tokens(kiln_plugins, varied_prompts, device="cpu", **common)
+
+
+def test_cpu_kv_footprint_follows_concurrency_not_traffic(tiny_model_dir):
+    """On the CPU the pool reuses freed blocks before touching new memory: 8 requests of 3
+    blocks each, 2 at a time, touch no more blocks than 2 requests hold at once."""
+    llm = LLM(tiny_model_dir("llama"), max_model_len=256, block_size=16, dtype="float32", max_num_seqs=2)
+    prompts = [{"prompt_token_ids": list(range(100 * i, 100 * i + 40))} for i in range(1, 9)]
+    llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
+    pool = llm.engine.kv.pool
+    touched = len(pool.blocks) - 1 - len(pool.unused)
+    assert touched == 2 * 3

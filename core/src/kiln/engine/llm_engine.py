@@ -75,7 +75,9 @@ class LLMEngine:
         except BaseException:
             self.shutdown()
             raise
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(
+            num_blocks, config.block_size, config.enable_prefix_caching, self.platform.kv_memory_on_first_write
+        )
         self.scheduler = Scheduler(config, self.kv)
         self.sampler = Sampler(config.seed)
         self.guided = GuidedManager(registry, self.tokenizer, hf_config.vocab_size, config.guided_decoding_backend)

@@ -76,6 +76,9 @@ class Platform(ABC):
     supported_block_sizes: ClassVar[tuple[int, ...]] = (8, 16, 32, 64, 128)
     default_block_size: ClassVar[int] = 16
     supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto",)  # --kv-cache-dtype values
+    # The KV cache's memory becomes resident only where first written (lazily committed host
+    # memory): the block pool then reuses freed blocks before touching never-used ones.
+    kv_memory_on_first_write: ClassVar[bool] = False
 
     @abstractmethod
     def device(self) -> torch.device:

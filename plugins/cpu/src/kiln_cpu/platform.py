@@ -39,6 +39,7 @@ class CpuPlatform(Platform):
     dist_backend = "gloo"
     supported_dtypes = (torch.float32, torch.bfloat16, torch.float16)
     default_block_size = 32
+    kv_memory_on_first_write = True  # see allocate_kv_cache
 
     def __init__(self) -> None:
         # One OpenMP thread per physical core: hyper-threads only add contention.
