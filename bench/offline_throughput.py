@@ -32,6 +32,11 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results" / "offline_throughput.json"
+# The options a worker process gets from the parent: the workload and Kiln's engine flags.
+WORKER_FLAGS = (
+    "num_prompts", "input_len", "output_len", "batch_size",
+    "max_num_seqs", "device", "kiln_dtype", "kv_cache_dtype", "load_format",
+)  # fmt: skip
 
 
 def make_prompts(num: int, length: int, vocab: int, special: set[int], seed: int = 0) -> list[list[int]]:
@@ -64,6 +69,7 @@ def run_kiln(args: argparse.Namespace) -> dict:
         max_num_seqs=args.max_num_seqs,
         device=args.device,
         dtype=args.kiln_dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         load_format=args.load_format,
     )
     tok = llm.get_tokenizer()
@@ -127,16 +133,7 @@ def worker(args: argparse.Namespace) -> None:
 
 def run_system(name: str, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, __file__, "--worker", name, "--model", args.model]
-    for flag in (
-        "num_prompts",
-        "input_len",
-        "output_len",
-        "batch_size",
-        "max_num_seqs",
-        "device",
-        "kiln_dtype",
-        "load_format",
-    ):
+    for flag in WORKER_FLAGS:
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -157,6 +154,7 @@ def main() -> None:
     )
     parser.add_argument("--device", default="auto", help="Kiln's --device; transformers runs there too")
     parser.add_argument("--kiln-dtype", default="auto", help="Kiln's --dtype (auto: the platform's fastest)")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="Kiln's --kv-cache-dtype")
     parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"], help="dummy: random weights")
     parser.add_argument("--systems", default="kiln,hf-float32,hf-bfloat16")
     parser.add_argument("--repeats", type=int, default=1, help="best of N runs per system")
@@ -211,20 +209,7 @@ def report(args: argparse.Namespace, best: dict[str, dict]) -> None:
                     "platform": platform.platform(),
                     "python": platform.python_version(),
                 },
-                "workload": {
-                    k: getattr(args, k)
-                    for k in (
-                        "num_prompts",
-                        "input_len",
-                        "output_len",
-                        "batch_size",
-                        "max_num_seqs",
-                        "repeats",
-                        "device",
-                        "kiln_dtype",
-                        "load_format",
-                    )
-                },
+                "workload": {k: getattr(args, k) for k in (*WORKER_FLAGS, "repeats")},
                 "results": best,
                 "summary": summary,
             },

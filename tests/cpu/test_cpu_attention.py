@@ -30,6 +30,33 @@ class TestCpuAttentionBfloat16(AttentionBackendContract):
     atol = 2e-2
 
 
+class TestCpuAttentionBfloat16Cache(AttentionBackendContract):
+    """``--kv-cache-dtype bfloat16`` under an fp32 model: K/V stored in bf16, attention in fp32."""
+
+    backend_cls = CpuAttentionBackend
+    cache_dtype = torch.bfloat16
+
+
+class TestCpuAttentionBfloat16CacheTorchFallback(TestCpuAttentionBfloat16Cache):
+    backend_cls = TorchOnlyBackend
+
+
+def test_bfloat16_cache_halves_the_kv_memory_and_keeps_the_first_token(tiny_model_dir, varied_prompts):
+    """The first token of each prompt comes from the prefill, which attends to the unrounded
+    K/V: it matches the fp32 cache's; later ones read the bf16 cache through the C kernel."""
+    from kiln import LLM, SamplingParams
+
+    common = dict(model=tiny_model_dir("llama"), dtype="float32", max_model_len=256)
+    half, full = LLM(kv_cache_dtype="bfloat16", **common), LLM(**common)
+    assert half.engine.runner.kv_caches[0].dtype == torch.bfloat16 and half.engine.runner.backend.native is not None
+    assert 2 * half.engine.runner.kv_block_bytes() == full.engine.runner.kv_block_bytes()
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in varied_prompts]
+    got, expected = half.generate(prompts, params), full.generate(prompts, params)
+    assert [o.outputs[0].token_ids[0] for o in got] == [o.outputs[0].token_ids[0] for o in expected]
+    assert all(len(o.outputs[0].token_ids) == 6 for o in got)
+
+
 def test_native_kernel_builds_here():
     assert native.load_kernels() is not None
 

@@ -28,8 +28,9 @@ class EngineConfig(BaseModel):
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
     num_gpu_blocks_override: int | None = Field(None, ge=1)
     kv_cache_ratio: float = Field(0.75, gt=0.0, le=1.0)
-    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = Field(
-        "auto", description="KV-cache storage dtype: auto (the model's) or fp8 (e4m3/e5m2), where the platform has it"
+    kv_cache_dtype: Literal["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"] = Field(
+        "auto",
+        description="KV-cache storage dtype: auto (the model's), bfloat16 or fp8 (e4m3/e5m2), where the platform has it",
     )
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True

@@ -6,7 +6,8 @@ through and that gathers turn straight into SDPA's (heads, len, dim) shape.
 
 * Decodes (one query token each), fp32 or bf16 cache: one call per layer into the
   C kernel of ``csrc/paged_attention.c``, which reads K/V in place through the
-  block table.
+  block table. ``--kv-cache-dtype bfloat16`` stores an fp32 model's K/V in bf16
+  (half the memory; values rounded once when written), computing in fp32.
 * Decodes otherwise (fp16, odd shapes, or no C compiler): one batched SDPA call per
   layer over blocks gathered into a padded (reqs, kv_heads, len, dim) tensor,
   with a key-padding mask. GQA needs no K/V copies: the query heads sharing a KV
@@ -36,10 +37,18 @@ class CpuMetadata:
 
 class CpuAttentionBackend(AttentionBackend):
     name = "cpu"
+    cache_dtypes = (torch.bfloat16,)
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, dtype)
-        use_native = native.supports(num_heads, num_kv_heads, head_dim, dtype)
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        cache_dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, dtype, cache_dtype)
+        use_native = native.supports(num_heads, num_kv_heads, head_dim, dtype, self.cache_dtype)
         self.native = native.load_kernels() if use_native else None
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -86,7 +95,7 @@ class CpuAttentionBackend(AttentionBackend):
                 key, value, mask = k[q_start:q_end].transpose(0, 1), v[q_start:q_end].transpose(0, 1), None
             else:
                 kv = kv_cache[:, blocks].transpose(1, 2).flatten(2, 3)[:, :, :seq_len]  # (2, heads, len, dim)
-                key, value = kv[0], kv[1]
+                key, value = kv[0].to(q.dtype), kv[1].to(q.dtype)
                 mask = torch.arange(seq_len)[None, :] <= torch.arange(context, seq_len)[:, None]
             o = F.scaled_dot_product_attention(
                 qi[None], key[None], value[None], attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
@@ -99,7 +108,7 @@ class CpuAttentionBackend(AttentionBackend):
         hkv, d = self.num_kv_heads, self.head_dim
         group = self.num_heads // hkv
         kv = kv_cache[:, metadata.decode_blocks].transpose(2, 3).flatten(3, 4)  # (2, nd, hkv, len, d)
-        key, value = kv[0], kv[1]
+        key, value = kv[0].to(q.dtype), kv[1].to(q.dtype)
         o = F.scaled_dot_product_attention(
             q.view(nd, hkv, group, d), key, value, attn_mask=metadata.decode_mask, scale=scale
         )
@@ -107,7 +116,8 @@ class CpuAttentionBackend(AttentionBackend):
 
     def _write(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layout: BatchLayout) -> None:
         slots = layout.slot_mapping
-        if self.native is not None and k.dtype == kv_cache.dtype and k.stride(1) == v.stride(1) == self.head_dim:
+        k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)  # rounded once, where the cache is narrower
+        if self.native is not None and k.stride(1) == v.stride(1) == self.head_dim:
             native.write_kv_cache(kv_cache, k, v, slots, layout.block_size)
             return
         keep = slots >= 0

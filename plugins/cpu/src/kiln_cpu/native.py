@@ -58,7 +58,7 @@ def load_kernels() -> ctypes.CDLL | None:
         os.replace(tmp, target)
     lib = ctypes.CDLL(str(target))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    for fn in (lib.paged_decode_attention_f32, lib.paged_decode_attention_bf16):
+    for fn in (lib.paged_decode_attention_f32, lib.paged_decode_attention_bf16, lib.paged_decode_attention_f32_bf16):
         fn.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float]
         fn.restype = ctypes.c_int
     f32 = ctypes.c_float
@@ -73,24 +73,29 @@ def load_kernels() -> ctypes.CDLL | None:
     return lib
 
 
-CACHE_DTYPES = (torch.float32, torch.bfloat16)
+# (query dtype, cache dtype) -> kernel name suffix
+_ATTENTION_KERNELS = {
+    (torch.float32, torch.float32): "f32",
+    (torch.bfloat16, torch.bfloat16): "bf16",
+    (torch.float32, torch.bfloat16): "f32_bf16",
+}
 
 
 def paged_decode_attention(
     out: torch.Tensor,  # (reqs, heads, dim), contiguous: written in place
     q: torch.Tensor,  # (reqs, heads, dim); rows may be strided
-    k_cache: torch.Tensor,  # (blocks, kv_heads, block_size, dim), q's dtype, contiguous
+    k_cache: torch.Tensor,  # (blocks, kv_heads, block_size, dim), q's dtype or bf16, contiguous
     v_cache: torch.Tensor,
     block_table: torch.Tensor,  # (reqs, width) int32, contiguous rows
     seq_lens: torch.Tensor,  # (reqs,) int32
     scale: float,
 ) -> None:
     """Decode attention into ``out``; computed in fp32."""
-    lib = load_kernels()
-    kernel = lib.paged_decode_attention_f32 if k_cache.dtype == torch.float32 else lib.paged_decode_attention_bf16
+    suffix = _ATTENTION_KERNELS.get((q.dtype, k_cache.dtype))
     num_reqs, num_heads, head_dim = q.shape
-    if q.stride(2) != 1 or q.stride(1) != head_dim or not out.is_contiguous() or q.dtype != k_cache.dtype:
-        raise ValueError("native decode attention needs (reqs, heads, dim) rows of the cache's dtype")
+    if q.stride(2) != 1 or q.stride(1) != head_dim or not out.is_contiguous() or suffix is None:
+        raise ValueError("native decode attention needs (reqs, heads, dim) rows of the cache's dtype, or fp32 ones")
+    kernel = getattr(load_kernels(), f"paged_decode_attention_{suffix}")
     status = kernel(
         out.data_ptr(),
         q.data_ptr(),
@@ -123,7 +128,8 @@ def write_kv_cache(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slo
     )  # fmt: skip
 
 
-def supports(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
-    """Shapes and cache dtypes the C kernel handles (others use the torch path)."""
+def supports(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """Shapes and (compute, cache) dtypes the C kernel handles (others use the torch path)."""
     group = num_heads // num_kv_heads
-    return dtype in CACHE_DTYPES and head_dim in (64, 128) and 1 <= group <= 8 and group * num_kv_heads == num_heads
+    dtypes_ok = (dtype, cache_dtype) in _ATTENTION_KERNELS
+    return dtypes_ok and head_dim in (64, 128) and 1 <= group <= 8 and group * num_kv_heads == num_heads

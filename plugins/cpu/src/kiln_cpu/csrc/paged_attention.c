@@ -1,7 +1,7 @@
 /*
  * Decode attention straight from the paged KV cache, for Kiln's CPU plugin.
- * Queries, outputs and the cache share one dtype, fp32 or bf16; all arithmetic is
- * fp32. Query rows may be strided (they are views into the fused qkv projection).
+ * Queries and outputs are fp32 or bf16, the cache their dtype or bf16 under fp32
+ * queries (``--kv-cache-dtype bfloat16``: half the memory); all arithmetic is fp32. Query rows may be strided (they are views into the fused qkv projection).
  *
  * Cache layout, per plane (K or V): (blocks, kv_heads, block_size, head_dim), so
  * one head's rows in one block are contiguous. One query token per request. K and
@@ -45,21 +45,21 @@ static inline float softmax_numerators(float *s, int64_t padded) {
 /* One (request, kv head): out[g][:] for g < G. k and v point at this head's rows in
  * block 0; `row` is the stride between blocks / block_size; scores has room for G
  * rows of `padded` floats. */
-#define DEFINE_HEAD(NAME, T, LOAD, STORE, G, D)                                                                  \
-    static void head_##NAME##_##G##_##D(T *out, const T *q, const T *k, const T *v,                            \
+#define DEFINE_HEAD(NAME, T, LOAD, STORE, KT, KLOAD, G, D)                                                       \
+    static void head_##NAME##_##G##_##D(T *out, const T *q, const KT *k, const KT *v,                          \
                                         const int32_t *table, int64_t len, int64_t row, int64_t block_size,     \
                                         float scale, float *scores, int64_t padded) {                           \
         v16 qv[G][D / 16];                                                                                       \
         for (int g = 0; g < G; g++)                                                                              \
             for (int c = 0; c < D / 16; c++) qv[g][c] = LOAD(q + g * D + 16 * c) * splat16(scale);              \
         for (int64_t t0 = 0; t0 < len; t0 += block_size) {                                                       \
-            const T *kb = k + (int64_t)table[t0 / block_size] * block_size * row;                                \
+            const KT *kb = k + (int64_t)table[t0 / block_size] * block_size * row;                               \
             const int64_t n = len - t0 < block_size ? len - t0 : block_size;                                     \
             for (int64_t j = 0; j < n; j++) {                                                                    \
                 v16 acc[G];                                                                                      \
                 for (int g = 0; g < G; g++) acc[g] = splat16(0.0f);                                              \
                 for (int c = 0; c < D / 16; c++) {                                                               \
-                    const v16 kv = LOAD(kb + j * D + 16 * c);                                                    \
+                    const v16 kv = KLOAD(kb + j * D + 16 * c);                                                   \
                     for (int g = 0; g < G; g++) acc[g] += qv[g][c] * kv;                                         \
                 }                                                                                                \
                 for (int g = 0; g < G; g++) scores[g * padded + t0 + j] = hsum16(acc[g]);                       \
@@ -74,13 +74,13 @@ static inline float softmax_numerators(float *s, int64_t padded) {
         for (int g = 0; g < G; g++)                                                                              \
             for (int c = 0; c < D / 16; c++) o[g][c] = splat16(0.0f);                                            \
         for (int64_t t0 = 0; t0 < len; t0 += block_size) {                                                       \
-            const T *vb = v + (int64_t)table[t0 / block_size] * block_size * row;                                \
+            const KT *vb = v + (int64_t)table[t0 / block_size] * block_size * row;                               \
             const int64_t n = len - t0 < block_size ? len - t0 : block_size;                                     \
             for (int64_t j = 0; j < n; j++) {                                                                    \
                 v16 w[G];                                                                                        \
                 for (int g = 0; g < G; g++) w[g] = splat16(scores[g * padded + t0 + j]);                         \
                 for (int c = 0; c < D / 16; c++) {                                                               \
-                    const v16 vv = LOAD(vb + j * D + 16 * c);                                                    \
+                    const v16 vv = KLOAD(vb + j * D + 16 * c);                                                   \
                     for (int g = 0; g < G; g++) o[g][c] += w[g] * vv;                                            \
                 }                                                                                                \
             }                                                                                                    \
@@ -89,32 +89,31 @@ static inline float softmax_numerators(float *s, int64_t padded) {
             for (int c = 0; c < D / 16; c++) STORE(out + g * D + 16 * c, o[g][c] * splat16(inv[g]));            \
     }
 
-typedef void (*head_fn_f32)(float *, const float *, const float *, const float *, const int32_t *, int64_t, int64_t,
-                            int64_t, float, float *, int64_t);
-typedef void (*head_fn_bf16)(uint16_t *, const uint16_t *, const uint16_t *, const uint16_t *, const int32_t *,
-                             int64_t, int64_t, int64_t, float, float *, int64_t);
 
-#define DEFINE_HEADS(NAME, T, LOAD, STORE, D)                                                                            \
-    DEFINE_HEAD(NAME, T, LOAD, STORE, 1, D)                                                                                \
-    DEFINE_HEAD(NAME, T, LOAD, STORE, 2, D)                                                                                \
-    DEFINE_HEAD(NAME, T, LOAD, STORE, 3, D)                                                                                \
-    DEFINE_HEAD(NAME, T, LOAD, STORE, 4, D)                                                                                \
-    DEFINE_HEAD(NAME, T, LOAD, STORE, 5, D)                                                                                \
-    DEFINE_HEAD(NAME, T, LOAD, STORE, 6, D)                                                                                \
-    DEFINE_HEAD(NAME, T, LOAD, STORE, 7, D)                                                                                \
-    DEFINE_HEAD(NAME, T, LOAD, STORE, 8, D)                                                                                \
-    static const head_fn_##NAME heads_##NAME##_##D[9] = {NULL,                  head_##NAME##_1_##D,                \
-                                                          head_##NAME##_2_##D,  head_##NAME##_3_##D,                \
-                                                          head_##NAME##_4_##D,  head_##NAME##_5_##D,                \
-                                                          head_##NAME##_6_##D,  head_##NAME##_7_##D,                \
+#define DEFINE_HEADS(NAME, T, LOAD, STORE, KT, KLOAD, D)                                                         \
+    DEFINE_HEAD(NAME, T, LOAD, STORE, KT, KLOAD, 1, D)                                                           \
+    DEFINE_HEAD(NAME, T, LOAD, STORE, KT, KLOAD, 2, D)                                                           \
+    DEFINE_HEAD(NAME, T, LOAD, STORE, KT, KLOAD, 3, D)                                                           \
+    DEFINE_HEAD(NAME, T, LOAD, STORE, KT, KLOAD, 4, D)                                                           \
+    DEFINE_HEAD(NAME, T, LOAD, STORE, KT, KLOAD, 5, D)                                                           \
+    DEFINE_HEAD(NAME, T, LOAD, STORE, KT, KLOAD, 6, D)                                                           \
+    DEFINE_HEAD(NAME, T, LOAD, STORE, KT, KLOAD, 7, D)                                                           \
+    DEFINE_HEAD(NAME, T, LOAD, STORE, KT, KLOAD, 8, D)                                                           \
+    static const head_fn_##NAME heads_##NAME##_##D[9] = {NULL,                  head_##NAME##_1_##D,             \
+                                                          head_##NAME##_2_##D,  head_##NAME##_3_##D,             \
+                                                          head_##NAME##_4_##D,  head_##NAME##_5_##D,             \
+                                                          head_##NAME##_6_##D,  head_##NAME##_7_##D,             \
                                                           head_##NAME##_8_##D};
 
 /* The entry point for cache element type T: returns 0, or -1 for shapes this kernel
  * does not handle (the caller then falls back to torch). */
-#define DEFINE_DECODE_ATTENTION(NAME, T, LOAD, STORE)                                                            \
-    DEFINE_HEADS(NAME, T, LOAD, STORE, 64)                                                                       \
-    DEFINE_HEADS(NAME, T, LOAD, STORE, 128)                                                                      \
-    int paged_decode_attention_##NAME(T *out, const T *q, int64_t q_stride, const T *k_cache, const T *v_cache,  \
+#define DEFINE_DECODE_ATTENTION(NAME, T, LOAD, STORE, KT, KLOAD)                                                 \
+    typedef void (*head_fn_##NAME)(T *, const T *, const KT *, const KT *, const int32_t *, int64_t, int64_t,    \
+                                   int64_t, float, float *, int64_t);                                            \
+    DEFINE_HEADS(NAME, T, LOAD, STORE, KT, KLOAD, 64)                                                            \
+    DEFINE_HEADS(NAME, T, LOAD, STORE, KT, KLOAD, 128)                                                           \
+    int paged_decode_attention_##NAME(T *out, const T *q, int64_t q_stride, const KT *k_cache,                   \
+                                      const KT *v_cache,                                                         \
                                       const int32_t *block_table, int64_t table_stride, const int32_t *seq_lens, \
                                       int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads,                 \
                                       int64_t head_dim, int64_t block_size, float scale) {                       \
@@ -144,5 +143,6 @@ typedef void (*head_fn_bf16)(uint16_t *, const uint16_t *, const uint16_t *, con
         return 0;                                                                                                \
     }
 
-DEFINE_DECODE_ATTENTION(f32, float, load16_f32, store16_f32)
-DEFINE_DECODE_ATTENTION(bf16, uint16_t, load16_bf16, store16_bf16)
+DEFINE_DECODE_ATTENTION(f32, float, load16_f32, store16_f32, float, load16_f32)
+DEFINE_DECODE_ATTENTION(bf16, uint16_t, load16_bf16, store16_bf16, uint16_t, load16_bf16)
+DEFINE_DECODE_ATTENTION(f32_bf16, float, load16_f32, store16_f32, uint16_t, load16_bf16)
