@@ -102,8 +102,10 @@ class CpuPlatform(Platform):
 
     def process_weights(self, model: torch.nn.Module) -> None:
         from kiln_cpu.packed_linear import pack_linears
+        from kiln_cpu.small_batch_linear import wrap_fp32_linears
 
-        pack_linears(model)
+        pack_linears(model)  # bf16 weights
+        wrap_fp32_linears(model)  # fp32 weights
 
     def custom_ops(self) -> dict[str, Callable]:
         from kiln_cpu.fused_ops import fused_ops
