@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kiln_cpu.small_batch_linear import SmallBatchLinear, wrap_fp32_linears
+from kiln_cpu.platform import replace_linears
+from kiln_cpu.small_batch_linear import SmallBatchLinear
 
 
 @pytest.mark.parametrize("rows", [1, 7, 64, 127, 128, 300])
@@ -24,6 +25,6 @@ def test_wrapping_keeps_tied_weights_and_skips_other_dtypes():
     embed = nn.Embedding(50, 16)
     model = nn.ModuleDict({"head": nn.Linear(16, 50, bias=False), "narrow": nn.Linear(16, 16).bfloat16()})
     model["head"].weight = embed.weight
-    assert wrap_fp32_linears(model) == 1
+    assert replace_linears(model, {torch.float32: SmallBatchLinear}) == 1
     assert isinstance(model["head"], SmallBatchLinear) and model["head"].weight is embed.weight
     assert type(model["narrow"]) is nn.Linear

@@ -122,8 +122,8 @@ class GuidedBackend(ABC):
     def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
         """Set disallowed logits of ``rows`` to -inf in place; backends may use a faster kernel.
 
-        ``logits`` (float32) sit on the engine's device; ``bitmask`` (int32, one bit per
-        token, rows in batch order) is filled on the host."""
+        ``logits`` (float32) and ``bitmask`` (int32, one bit per token, rows in batch
+        order; filled on the host) sit on the engine's device."""
         apply_token_bitmask(logits, bitmask, rows)
 
 
@@ -138,7 +138,6 @@ def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
     """Torch fallback: for each ``i`` in ``rows``, unpack ``bitmask[i]`` and mask ``logits[i]``."""
     vocab = logits.shape[-1]
-    bitmask = bitmask.to(logits.device)
     index = torch.tensor(rows, device=logits.device)
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
     allowed = ((bitmask[index, :, None] >> shifts) & 1).bool().flatten(1)[:, :vocab]

@@ -77,7 +77,7 @@ class BlockPool:
 
     def touch(self, blocks: list[Block]) -> None:
         """Take a reference on cache hits, reviving free ones."""
-        for block in reversed(blocks):
+        for block in blocks:
             if block.ref_cnt == 0:
                 del self.free_queue[block.block_id]
             block.ref_cnt += 1

@@ -354,7 +354,7 @@ class LLMEngine:
         bitmask = allocate_bitmask(logits.shape[0], logits.shape[-1])
         for i in rows:
             reqs[i].matcher.fill_bitmask(bitmask, i)
-        self.guided.apply_bitmask(logits, bitmask, rows)
+        self.guided.apply_bitmask(logits, bitmask.to(logits.device, non_blocking=True), rows)
 
     def _on_token(self, req: Request, token: int, now: float) -> None:
         m = req.metrics

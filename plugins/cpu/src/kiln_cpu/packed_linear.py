@@ -48,18 +48,3 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-
-
-def pack_linears(model: nn.Module) -> int:
-    """Replace every bf16 ``nn.Linear`` in ``model`` by a ``PackedLinear``; returns how many."""
-    if not prepacking_works():
-        return 0
-    targets = [
-        (parent, name, child)
-        for parent in model.modules()
-        for name, child in parent.named_children()
-        if type(child) is nn.Linear and child.weight.dtype == torch.bfloat16
-    ]
-    for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child))
-    return len(targets)

@@ -27,6 +27,20 @@ def has_amx_bf16() -> bool:
         return False
 
 
+def replace_linears(model: torch.nn.Module, wrappers: dict[torch.dtype, Callable]) -> int:
+    """Swap each plain ``nn.Linear`` whose weight dtype has a wrapper for ``wrapper(linear)``;
+    returns how many were swapped."""
+    targets = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) is torch.nn.Linear and child.weight.dtype in wrappers
+    ]
+    for parent, name, child in targets:
+        setattr(parent, name, wrappers[child.weight.dtype](child))
+    return len(targets)
+
+
 def _glibc() -> ctypes.CDLL | None:
     name = ctypes.util.find_library("c")
     libc = ctypes.CDLL(name) if name else None
@@ -101,11 +115,13 @@ class CpuPlatform(Platform):
         return "cpu"
 
     def process_weights(self, model: torch.nn.Module) -> None:
-        from kiln_cpu.packed_linear import pack_linears
-        from kiln_cpu.small_batch_linear import wrap_fp32_linears
+        from kiln_cpu.packed_linear import PackedLinear, prepacking_works
+        from kiln_cpu.small_batch_linear import SmallBatchLinear
 
-        pack_linears(model)  # bf16 weights
-        wrap_fp32_linears(model)  # fp32 weights
+        wrappers: dict[torch.dtype, Callable] = {torch.float32: SmallBatchLinear}
+        if prepacking_works():
+            wrappers[torch.bfloat16] = PackedLinear
+        replace_linears(model, wrappers)
 
     def custom_ops(self) -> dict[str, Callable]:
         from kiln_cpu.fused_ops import fused_ops

@@ -31,16 +31,3 @@ class SmallBatchLinear(nn.Module):
         if self.bias is not None:
             out = out + self.bias
         return out.contiguous()
-
-
-def wrap_fp32_linears(model: nn.Module) -> int:
-    """Replace every fp32 ``nn.Linear`` in ``model`` by a ``SmallBatchLinear``; returns how many."""
-    targets = [
-        (parent, name, child)
-        for parent in model.modules()
-        for name, child in parent.named_children()
-        if type(child) is nn.Linear and child.weight.dtype == torch.float32
-    ]
-    for parent, name, child in targets:
-        setattr(parent, name, SmallBatchLinear(child))
-    return len(targets)

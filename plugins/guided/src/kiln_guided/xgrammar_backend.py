@@ -83,5 +83,4 @@ class XGrammarBackend(GuidedBackend):
 
     def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
         # xgrammar's CPU kernel wants fp32 logits; the engine's are.
-        bitmask = bitmask.to(logits.device, non_blocking=True)
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=rows)

@@ -1,7 +1,8 @@
 /*
  * Decode attention straight from the paged KV cache, for Kiln's CPU plugin.
  * Queries and outputs are fp32 or bf16, the cache their dtype or bf16 under fp32
- * queries (``--kv-cache-dtype bfloat16``: half the memory); all arithmetic is fp32. Query rows may be strided (they are views into the fused qkv projection).
+ * queries (--kv-cache-dtype bfloat16: half the memory); all arithmetic is fp32.
+ * Query rows may be strided (they are views into the fused qkv projection).
  *
  * Cache layout, per plane (K or V): (blocks, kv_heads, block_size, head_dim), so
  * one head's rows in one block are contiguous. One query token per request. K and
