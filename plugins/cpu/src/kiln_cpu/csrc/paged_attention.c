@@ -14,8 +14,9 @@
  *   p[g][t] = exp(s[g][t] - max_t s[g][t])
  *   out[g]  = sum_t p[g][t] * V[t] / sum_t p[g][t]
  *
- * Group size G and head size D are compile-time constants (one function per
- * pair), so q and the output accumulators stay in vector registers.
+ * Head size D is a compile-time constant (one function per size), so the loops
+ * over it unroll into vector registers; K/V are read in fp32 (widened per block
+ * from a bf16 cache).
  *
  * Built at first use by kiln_cpu.native with the C compiler and OpenMP; the
  * loader resolves libgomp to the copy torch already loaded, so both share one
@@ -43,76 +44,102 @@ static inline float softmax_numerators(float *s, int64_t padded) {
     return hsum8(sum);
 }
 
-/* One (request, kv head): out[g][:] for g < G. k and v point at this head's rows in
- * block 0; `row` is the stride between blocks / block_size; scores has room for G
- * rows of `padded` floats. */
-#define DEFINE_HEAD(NAME, T, LOAD, STORE, KT, KLOAD, G, D)                                                       \
-    static void head_##NAME##_##G##_##D(T *out, const T *q, const KT *k, const KT *v,                          \
-                                        const int32_t *table, int64_t len, int64_t row, int64_t block_size,     \
-                                        float scale, float *scores, int64_t padded) {                           \
-        v16 qv[G][D / 16];                                                                                       \
-        for (int g = 0; g < G; g++)                                                                              \
-            for (int c = 0; c < D / 16; c++) qv[g][c] = LOAD(q + g * D + 16 * c) * splat16(scale);              \
+/* Lane j of the result is the sum of a[j]'s lanes: eight dot products finished at once
+ * (pairwise adds as in x86's haddps, then the two 128-bit halves). */
+static inline v8 hadd8(v8 a, v8 b) {
+    return __builtin_shufflevector(a, b, 0, 2, 8, 10, 4, 6, 12, 14) +
+           __builtin_shufflevector(a, b, 1, 3, 9, 11, 5, 7, 13, 15);
+}
+
+static inline v8 sum_each8(const v8 a[8]) {
+    const v8 lo = hadd8(hadd8(a[0], a[1]), hadd8(a[2], a[3]));  /* a0..a3: halves 0, then halves 1 */
+    const v8 hi = hadd8(hadd8(a[4], a[5]), hadd8(a[6], a[7]));
+    return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(lo, hi, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+/* n cache values as fp32: the cache itself, or a bf16 cache widened into `tmp` once per
+ * block, so the loops below (which read each block G times) do not widen it G times. */
+static inline const float *widen_f32(const float *src, float *tmp, int64_t n) {
+    (void)tmp, (void)n;
+    return src;
+}
+
+static inline const float *widen_bf16(const uint16_t *src, float *tmp, int64_t n) {
+    for (int64_t i = 0; i < n; i += 8) store8(tmp + i, load8_bf16(src + i));
+    return tmp;
+}
+
+/* One (request, kv head): out[g][:] for the G query heads of the group. k and v point at
+ * this head's rows in block 0; `row` is the stride between blocks / block_size; scores
+ * has room for G rows of `padded` floats, tmp for block_size rows of D. Head size D is a compile-time constant, so
+ * the loops over it unroll into registers; G is a loop outside them, each pass over a
+ * block re-reading K/V from L1 (a block is a few KB) rather than from memory.
+ *   QK: eight keys at a time, one accumulator per key, summed across lanes together.
+ *   PV: per head, 64 output dims at a time held in eight accumulators. */
+#define DEFINE_HEAD(NAME, T, LOAD, STORE, KT, WIDEN, D)                                                          \
+    static void head_##NAME##_##D(T *out, const T *q, const KT *k, const KT *v, const int32_t *table,            \
+                                  int64_t len, int64_t row, int64_t block_size, float scale, float *scores,      \
+                                  int64_t padded, int64_t G, float *tmp) {                                              \
+        float qf[8 * D], acc[8 * D];                                                                             \
+        for (int64_t i = 0; i < G * D; i += 8) {                                                                 \
+            store8(qf + i, LOAD(q + i) * splat(scale));                                                          \
+            store8(acc + i, splat(0.0f));                                                                        \
+        }                                                                                                        \
         for (int64_t t0 = 0; t0 < len; t0 += block_size) {                                                       \
-            const KT *kb = k + (int64_t)table[t0 / block_size] * block_size * row;                               \
             const int64_t n = len - t0 < block_size ? len - t0 : block_size;                                     \
-            for (int64_t j = 0; j < n; j++) {                                                                    \
-                v16 acc[G];                                                                                      \
-                for (int g = 0; g < G; g++) acc[g] = splat16(0.0f);                                              \
-                for (int c = 0; c < D / 16; c++) {                                                               \
-                    const v16 kv = KLOAD(kb + j * D + 16 * c);                                                   \
-                    for (int g = 0; g < G; g++) acc[g] += qv[g][c] * kv;                                         \
+            const float *kb = WIDEN(k + (int64_t)table[t0 / block_size] * block_size * row, tmp, n * D);          \
+            for (int64_t g = 0; g < G; g++) {                                                                    \
+                const float *qg = qf + g * D;                                                                    \
+                float *s = scores + g * padded + t0;                                                             \
+                int64_t j = 0;                                                                                   \
+                for (; j + 8 <= n; j += 8) {                                                                     \
+                    v8 a[8];                                                                                     \
+                    for (int i = 0; i < 8; i++) a[i] = splat(0.0f);                                              \
+                    for (int c = 0; c < D; c += 8) {                                                             \
+                        const v8 qc = load8_f32(qg + c);                                                         \
+                        for (int i = 0; i < 8; i++) a[i] += qc * load8_f32(kb + (j + i) * D + c);                 \
+                    }                                                                                            \
+                    store8(s + j, sum_each8(a));                                                                 \
                 }                                                                                                \
-                for (int g = 0; g < G; g++) scores[g * padded + t0 + j] = hsum16(acc[g]);                       \
+                for (; j < n; j++) {                                                                             \
+                    v8 a = splat(0.0f);                                                                          \
+                    for (int c = 0; c < D; c += 8) a += load8_f32(qg + c) * load8_f32(kb + j * D + c);            \
+                    s[j] = hsum8(a);                                                                             \
+                }                                                                                                \
             }                                                                                                    \
         }                                                                                                        \
-        float inv[G];                                                                                            \
-        for (int g = 0; g < G; g++) {                                                                            \
+        float inv[8];                                                                                            \
+        for (int64_t g = 0; g < G; g++) {                                                                        \
             for (int64_t t = len; t < padded; t++) scores[g * padded + t] = -INFINITY;                           \
             inv[g] = 1.0f / softmax_numerators(scores + g * padded, padded);                                    \
         }                                                                                                        \
-        v16 o[G][D / 16];                                                                                        \
-        for (int g = 0; g < G; g++)                                                                              \
-            for (int c = 0; c < D / 16; c++) o[g][c] = splat16(0.0f);                                            \
         for (int64_t t0 = 0; t0 < len; t0 += block_size) {                                                       \
-            const KT *vb = v + (int64_t)table[t0 / block_size] * block_size * row;                               \
             const int64_t n = len - t0 < block_size ? len - t0 : block_size;                                     \
-            for (int64_t j = 0; j < n; j++) {                                                                    \
-                v16 w[G];                                                                                        \
-                for (int g = 0; g < G; g++) w[g] = splat16(scores[g * padded + t0 + j]);                         \
-                for (int c = 0; c < D / 16; c++) {                                                               \
-                    const v16 vv = KLOAD(vb + j * D + 16 * c);                                                   \
-                    for (int g = 0; g < G; g++) o[g][c] += w[g] * vv;                                            \
+            const float *vb = WIDEN(v + (int64_t)table[t0 / block_size] * block_size * row, tmp, n * D);          \
+            for (int64_t g = 0; g < G; g++) {                                                                    \
+                const float *p = scores + g * padded + t0;                                                       \
+                for (int c0 = 0; c0 < D; c0 += 64) {                                                             \
+                    float *og = acc + g * D + c0;                                                                \
+                    v8 o[8];                                                                                     \
+                    for (int c = 0; c < 8; c++) o[c] = load8_f32(og + 8 * c);                                    \
+                    for (int64_t j = 0; j < n; j++) {                                                            \
+                        const v8 w = splat(p[j]);                                                                \
+                        for (int c = 0; c < 8; c++) o[c] += w * load8_f32(vb + j * D + c0 + 8 * c);               \
+                    }                                                                                            \
+                    for (int c = 0; c < 8; c++) store8(og + 8 * c, o[c]);                                        \
                 }                                                                                                \
             }                                                                                                    \
         }                                                                                                        \
-        for (int g = 0; g < G; g++)                                                                              \
-            for (int c = 0; c < D / 16; c++) STORE(out + g * D + 16 * c, o[g][c] * splat16(inv[g]));            \
+        for (int64_t g = 0; g < G; g++)                                                                          \
+            for (int c = 0; c < D; c += 8) STORE(out + g * D + c, load8_f32(acc + g * D + c) * splat(inv[g]));  \
     }
-
-
-#define DEFINE_HEADS(NAME, T, LOAD, STORE, KT, KLOAD, D)                                                         \
-    DEFINE_HEAD(NAME, T, LOAD, STORE, KT, KLOAD, 1, D)                                                           \
-    DEFINE_HEAD(NAME, T, LOAD, STORE, KT, KLOAD, 2, D)                                                           \
-    DEFINE_HEAD(NAME, T, LOAD, STORE, KT, KLOAD, 3, D)                                                           \
-    DEFINE_HEAD(NAME, T, LOAD, STORE, KT, KLOAD, 4, D)                                                           \
-    DEFINE_HEAD(NAME, T, LOAD, STORE, KT, KLOAD, 5, D)                                                           \
-    DEFINE_HEAD(NAME, T, LOAD, STORE, KT, KLOAD, 6, D)                                                           \
-    DEFINE_HEAD(NAME, T, LOAD, STORE, KT, KLOAD, 7, D)                                                           \
-    DEFINE_HEAD(NAME, T, LOAD, STORE, KT, KLOAD, 8, D)                                                           \
-    static const head_fn_##NAME heads_##NAME##_##D[9] = {NULL,                  head_##NAME##_1_##D,             \
-                                                          head_##NAME##_2_##D,  head_##NAME##_3_##D,             \
-                                                          head_##NAME##_4_##D,  head_##NAME##_5_##D,             \
-                                                          head_##NAME##_6_##D,  head_##NAME##_7_##D,             \
-                                                          head_##NAME##_8_##D};
 
 /* The entry point for cache element type T: returns 0, or -1 for shapes this kernel
  * does not handle (the caller then falls back to torch). */
-#define DEFINE_DECODE_ATTENTION(NAME, T, LOAD, STORE, KT, KLOAD)                                                 \
-    typedef void (*head_fn_##NAME)(T *, const T *, const KT *, const KT *, const int32_t *, int64_t, int64_t,    \
-                                   int64_t, float, float *, int64_t);                                            \
-    DEFINE_HEADS(NAME, T, LOAD, STORE, KT, KLOAD, 64)                                                            \
-    DEFINE_HEADS(NAME, T, LOAD, STORE, KT, KLOAD, 128)                                                           \
+#define DEFINE_DECODE_ATTENTION(NAME, T, LOAD, STORE, KT, WIDEN)                                                 \
+    DEFINE_HEAD(NAME, T, LOAD, STORE, KT, WIDEN, 64)                                                             \
+    DEFINE_HEAD(NAME, T, LOAD, STORE, KT, WIDEN, 128)                                                            \
     int paged_decode_attention_##NAME(T *out, const T *q, int64_t q_stride, const KT *k_cache,                   \
                                       const KT *v_cache,                                                         \
                                       const int32_t *block_table, int64_t table_stride, const int32_t *seq_lens, \
@@ -121,9 +148,11 @@ static inline float softmax_numerators(float *s, int64_t padded) {
         const int64_t group = num_heads / num_kv_heads;                                                          \
         if (group < 1 || group > 8 || group * num_kv_heads != num_heads) return -1;                              \
         if (head_dim != 64 && head_dim != 128) return -1;                                                        \
-        const head_fn_##NAME fn = head_dim == 64 ? heads_##NAME##_64[group] : heads_##NAME##_128[group];         \
+        void (*fn)(T *, const T *, const KT *, const KT *, const int32_t *, int64_t, int64_t, int64_t, float,     \
+                   float *, int64_t, int64_t, float *) = head_dim == 64 ? head_##NAME##_64 : head_##NAME##_128;             \
         const int64_t row = num_kv_heads * head_dim;                                                             \
         _Pragma("omp parallel") {                                                                                \
+            float *tmp = (float *)malloc(block_size * head_dim * sizeof(float));                                 \
             float *scores = NULL;                                                                                \
             int64_t capacity = 0;                                                                                \
             _Pragma("omp for collapse(2) schedule(dynamic, 4)") for (int64_t r = 0; r < num_reqs; r++) {         \
@@ -134,16 +163,17 @@ static inline float softmax_numerators(float *s, int64_t padded) {
                         capacity = padded * group;                                                               \
                         scores = (float *)malloc(capacity * sizeof(float));                                      \
                     }                                                                                            \
-                    const int64_t first = (r * num_heads + h * group) * head_dim;                                \
-                    fn(out + first, q + r * q_stride + h * group * head_dim, k_cache + h * block_size * head_dim, v_cache + h * block_size * head_dim,                   \
-                       block_table + r * table_stride, len, row, block_size, scale, scores, padded);             \
+                    const int64_t first = (r * num_heads + h * group) * head_dim, kv = h * block_size * head_dim; \
+                    fn(out + first, q + r * q_stride + h * group * head_dim, k_cache + kv, v_cache + kv,         \
+                       block_table + r * table_stride, len, row, block_size, scale, scores, padded, group, tmp); \
                 }                                                                                                \
             }                                                                                                    \
             free(scores);                                                                                        \
+            free(tmp);                                                                                           \
         }                                                                                                        \
         return 0;                                                                                                \
     }
 
-DEFINE_DECODE_ATTENTION(f32, float, load16_f32, store16_f32, float, load16_f32)
-DEFINE_DECODE_ATTENTION(bf16, uint16_t, load16_bf16, store16_bf16, uint16_t, load16_bf16)
-DEFINE_DECODE_ATTENTION(f32_bf16, float, load16_f32, store16_f32, uint16_t, load16_bf16)
+DEFINE_DECODE_ATTENTION(f32, float, load8_f32, store8, float, widen_f32)
+DEFINE_DECODE_ATTENTION(bf16, uint16_t, load8_bf16, store8_bf16, uint16_t, widen_bf16)
+DEFINE_DECODE_ATTENTION(f32_bf16, float, load8_f32, store8, uint16_t, widen_bf16)

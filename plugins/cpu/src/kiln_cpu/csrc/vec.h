@@ -89,42 +89,4 @@ static inline void store8_bf16(uint16_t *p, v8 v) {
 
 static inline v8 round8_f32(v8 v) { return v; }
 
-/* Sixteen floats, for the attention kernel's dot products (one AVX-512 register). */
-typedef float v16 __attribute__((vector_size(64)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-
-static inline v16 splat16(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
-
-static inline v16 load16_f32(const float *p) {
-    v16 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline v16 load16_bf16(const uint16_t *p) {
-    u16x16 h;
-    memcpy(&h, p, sizeof h);
-    const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
-    v16 v;
-    memcpy(&v, &w, sizeof v);
-    return v;
-}
-
-static inline void store16_f32(float *p, v16 v) { memcpy(p, &v, sizeof v); }
-
-static inline void store16_bf16(uint16_t *p, v16 v) {
-    u32x16 u;
-    memcpy(&u, &v, sizeof u);
-    const u16x16 h = __builtin_convertvector((u + 0x7fffu + ((u >> 16) & 1u)) >> 16, u16x16);
-    memcpy(p, &h, sizeof h);
-}
-
-static inline float hsum16(v16 a) {
-    v8 lo, hi;
-    memcpy(&lo, &a, sizeof lo);
-    memcpy(&hi, (const char *)&a + sizeof lo, sizeof hi);
-    return hsum8(lo + hi);
-}
-
 #endif
