@@ -44,20 +44,6 @@ static inline float softmax_numerators(float *s, int64_t padded) {
     return hsum8(sum);
 }
 
-/* Lane j of the result is the sum of a[j]'s lanes: eight dot products finished at once
- * (pairwise adds as in x86's haddps, then the two 128-bit halves). */
-static inline v8 hadd8(v8 a, v8 b) {
-    return __builtin_shufflevector(a, b, 0, 2, 8, 10, 4, 6, 12, 14) +
-           __builtin_shufflevector(a, b, 1, 3, 9, 11, 5, 7, 13, 15);
-}
-
-static inline v8 sum_each8(const v8 a[8]) {
-    const v8 lo = hadd8(hadd8(a[0], a[1]), hadd8(a[2], a[3]));  /* a0..a3: halves 0, then halves 1 */
-    const v8 hi = hadd8(hadd8(a[4], a[5]), hadd8(a[6], a[7]));
-    return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 8, 9, 10, 11) +
-           __builtin_shufflevector(lo, hi, 4, 5, 6, 7, 12, 13, 14, 15);
-}
-
 /* n cache values as fp32: the cache itself, or a bf16 cache widened into `tmp` once per
  * block, so the loops below (which read each block G times) do not widen it G times. */
 static inline const float *widen_f32(const float *src, float *tmp, int64_t n) {
