@@ -26,7 +26,7 @@ class SmallBatchLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
-        shapes_ok = self.in_features % 8 == 0 and self.out_features % 4 == 0
+        shapes_ok = self.in_features % 8 == 0 and self.out_features % 4 == 0 and self.weight.is_contiguous()
         self.kernel = native.load_kernels().small_linear_f32 if shapes_ok and native.load_kernels() else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
