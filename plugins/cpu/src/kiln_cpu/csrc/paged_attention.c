@@ -58,15 +58,15 @@ static inline const float *widen_bf16(const uint16_t *src, float *tmp, int64_t n
 
 /* One (request, kv head): out[g][:] for the G query heads of the group. k and v point at
  * this head's rows in block 0; `row` is the stride between blocks / block_size; scores
- * has room for G rows of `padded` floats, tmp for block_size rows of D. Head size D is a compile-time constant, so
- * the loops over it unroll into registers; G is a loop outside them, each pass over a
- * block re-reading K/V from L1 (a block is a few KB) rather than from memory.
+ * has room for G rows of `padded` floats, tmp for block_size rows of D. G is a loop
+ * outside the unrolled ones over D: each pass over a block re-reads it from L1 (a
+ * block is a few KB), not from memory.
  *   QK: eight keys at a time, one accumulator per key, summed across lanes together.
  *   PV: per head, 64 output dims at a time held in eight accumulators. */
 #define DEFINE_HEAD(NAME, T, LOAD, STORE, KT, WIDEN, D)                                                          \
     static void head_##NAME##_##D(T *out, const T *q, const KT *k, const KT *v, const int32_t *table,            \
                                   int64_t len, int64_t row, int64_t block_size, float scale, float *scores,      \
-                                  int64_t padded, int64_t G, float *tmp) {                                              \
+                                  int64_t padded, int64_t G, float *tmp) {                                       \
         float qf[8 * D], acc[8 * D];                                                                             \
         for (int64_t i = 0; i < G * D; i += 8) {                                                                 \
             store8(qf + i, LOAD(q + i) * splat(scale));                                                          \
