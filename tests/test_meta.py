@@ -80,3 +80,17 @@ def test_every_plugin_entry_point_loads_and_registers(pyproject):
     for name, module in eps.items():
         pm.register(__import__(module, fromlist=["_"]), name=name)
         assert any(pm.registry.plugins[name].registered.values()), f"{name} registers nothing"
+
+
+@pytest.mark.parametrize("dist", sorted(p.parent for p in ROOT.glob("plugins/*/pyproject.toml")) + [ROOT / "core"])
+def test_every_data_file_is_packaged(dist):
+    """Files a package reads at run time (C sources and headers, templates) are in its
+    package-data: an installed wheel (not an editable checkout) holds only those."""
+    globs = tomllib.loads((dist / "pyproject.toml").read_text()).get("tool", {}).get("setuptools", {})
+    globs = globs.get("package-data", {})
+    for package in (dist / "src").iterdir():
+        if not (package / "__init__.py").exists():
+            continue
+        data = [f for f in package.rglob("*") if f.is_file() and f.suffix not in (".py", ".pyc")]
+        packaged = {f for pattern in globs.get(package.name, []) for f in package.glob(pattern)}
+        assert not [str(f.relative_to(dist)) for f in data if f not in packaged]
