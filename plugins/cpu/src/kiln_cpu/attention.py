@@ -39,17 +39,10 @@ class CpuAttentionBackend(AttentionBackend):
     name = "cpu"
     cache_dtypes = (torch.bfloat16,)
 
-    def __init__(
-        self,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        cache_dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, dtype, cache_dtype)
-        use_native = native.supports(num_heads, num_kv_heads, head_dim, dtype, self.cache_dtype)
-        self.native = native.load_kernels() if use_native else None
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        shape = (self.num_heads, self.num_kv_heads, self.head_dim)
+        self.native = native.load_kernels() if native.supports(*shape, self.dtype, self.cache_dtype) else None
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (2, num_blocks, self.num_kv_heads, block_size, self.head_dim)

@@ -27,7 +27,8 @@ class SmallBatchLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
         shapes_ok = self.in_features % 8 == 0 and self.out_features % 4 == 0 and self.weight.is_contiguous()
-        self.kernel = native.load_kernels().small_linear_f32 if shapes_ok and native.load_kernels() else None
+        lib = native.load_kernels() if shapes_ok else None
+        self.kernel = lib.small_linear_f32 if lib is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is None or x.dim() != 2 or x.shape[0] >= _MAX_ROWS or x.stride(1) != 1:
