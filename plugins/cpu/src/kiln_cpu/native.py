@@ -72,6 +72,10 @@ def load_kernels() -> ctypes.CDLL | None:
             getattr(lib, f"{op}_{dt}").restype = None
     lib.small_linear_f32.argtypes = [ptr, ptr, i64, i64, ptr, ptr, i64, i64]
     lib.small_linear_f32.restype = None
+    lib.small_linear_packed.argtypes = [ptr, ptr, i64, i64, ctypes.c_int, ptr, ptr, ptr, ptr, i64, i64]
+    lib.small_linear_packed.restype = ctypes.c_int
+    lib.unpack_rows.argtypes = [ptr, ptr, i64, ctypes.c_int, ptr, ptr, ptr, i64]
+    lib.unpack_rows.restype = None
     return lib
 
 

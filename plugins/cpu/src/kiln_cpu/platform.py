@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import logging
 import os
 from collections.abc import Callable
 
@@ -12,6 +13,8 @@ import psutil
 import torch
 
 from kiln.platforms.base import Platform
+
+logger = logging.getLogger("kiln.cpu")
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 MADV_HUGEPAGE = 14
@@ -115,9 +118,13 @@ class CpuPlatform(Platform):
         return "cpu"
 
     def process_weights(self, model: torch.nn.Module) -> None:
+        from kiln_cpu.gguf_weights import use_gguf_weights
         from kiln_cpu.packed_linear import PackedLinear, prepacking_works
         from kiln_cpu.small_batch_linear import SmallBatchLinear
 
+        # GGUF models: weights back in their 4/8-bit blocks, the fp32 copies freed.
+        if swapped := use_gguf_weights(model):
+            logger.info("%d weights kept in their GGUF blocks, their fp32 copies freed", swapped)
         wrappers: dict[torch.dtype, Callable] = {torch.float32: SmallBatchLinear}
         if prepacking_works():
             wrappers[torch.bfloat16] = PackedLinear
