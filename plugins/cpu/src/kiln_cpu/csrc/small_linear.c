@@ -62,19 +62,23 @@ void small_linear_f32(float *out, const float *x, int64_t rows, int64_t x_stride
     }
 }
 
-static void widen_q4(float *out, const float *scale, const float *min, const uint8_t *q, int64_t K) {
+static void widen_q4(float *restrict out, const float *scale, const float *min, const uint8_t *restrict q,
+                     int64_t K) {
     for (int64_t b = 0; b < K / 32; b++, out += 32, q += 16) {
-        const float d = scale[b], m = min[b];
-        for (int j = 0; j < 16; j++) {
-            out[j] = (float)(q[j] & 15) * d + m;
-            out[j + 16] = (float)(q[j] >> 4) * d + m;
+        const v8 d = splat(scale[b]), m = splat(min[b]);
+        for (int h = 0; h < 16; h += 8) {
+            const i8 packed = load8_u8(q + h);
+            store8(out + h, __builtin_convertvector(packed & 15, v8) * d + m);
+            store8(out + h + 16, __builtin_convertvector(packed >> 4, v8) * d + m);
         }
     }
 }
 
-static void widen_q8(float *out, const float *scale, const int8_t *q, int64_t K) {
-    for (int64_t b = 0; b < K / 32; b++, out += 32, q += 32)
-        for (int j = 0; j < 32; j++) out[j] = (float)q[j] * scale[b];
+static void widen_q8(float *restrict out, const float *scale, const int8_t *restrict q, int64_t K) {
+    for (int64_t b = 0; b < K / 32; b++, out += 32, q += 32) {
+        const v8 d = splat(scale[b]);
+        for (int h = 0; h < 32; h += 8) store8(out + h, __builtin_convertvector(load8_s8(q + h), v8) * d);
+    }
 }
 
 /* Row `row` of a packed weight (fmt 4: q4, 8: q8) as K floats. */

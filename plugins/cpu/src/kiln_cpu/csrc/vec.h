@@ -33,6 +33,19 @@ static inline v8 load8_bf16(const uint16_t *p) {
 
 static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
 
+/* Eight bytes widened to int32 lanes (unsigned / signed). GCC lowers the generic
+ * __builtin_convertvector of 8-bit lanes to one byte at a time, so x86 uses vpmovzx/sx. */
+#if defined(__AVX2__)
+#include <immintrin.h>
+static inline i8 load8_u8(const uint8_t *p) {
+    return (i8)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+}
+static inline i8 load8_s8(const int8_t *p) { return (i8)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+#else
+static inline i8 load8_u8(const uint8_t *p) { return (i8){p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]}; }
+static inline i8 load8_s8(const int8_t *p) { return (i8){p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]}; }
+#endif
+
 static inline float hsum8(v8 a) { return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7])); }
 
 static inline v8 vmax(v8 a, v8 b) {
