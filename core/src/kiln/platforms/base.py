@@ -139,7 +139,8 @@ class Platform(ABC):
 
     def process_weights(self, model: torch.nn.Module) -> None:
         """Called once after the weights are loaded: repack them into the layout the device's
-        matmul kernels prefer (replacing ``nn.Linear`` modules in place). Default: nothing."""
+        matmul kernels prefer (replacing ``nn.Linear`` or ``nn.Embedding`` modules in place,
+        e.g. with ones over a compressed copy of the weight). Default: nothing."""
 
     def graph_runner(self, config: EngineConfig) -> GraphRunner | None:
         """A graph runner for decode steps, or None for eager execution (the default).
