@@ -24,7 +24,7 @@ import torch
 logger = logging.getLogger("kiln.cpu")
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "paged_attention.c", CSRC / "fused_ops.c", CSRC / "small_linear.c"]
+SOURCES = [CSRC / "paged_attention.c", CSRC / "fused_ops.c", CSRC / "small_linear.c", CSRC / "gguf_linear.c"]
 FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c11", f"-I{CSRC}"]
 
 
@@ -72,10 +72,13 @@ def load_kernels() -> ctypes.CDLL | None:
             getattr(lib, f"{op}_{dt}").restype = None
     lib.small_linear_f32.argtypes = [ptr, ptr, i64, i64, ptr, ptr, i64, i64]
     lib.small_linear_f32.restype = None
-    lib.small_linear_packed.argtypes = [ptr, ptr, i64, i64, ctypes.c_int, ptr, ptr, ptr, ptr, i64, i64]
-    lib.small_linear_packed.restype = ctypes.c_int
-    lib.unpack_rows.argtypes = [ptr, ptr, i64, ctypes.c_int, ptr, ptr, ptr, i64]
-    lib.unpack_rows.restype = None
+    fmt = ctypes.c_int
+    lib.gguf_linear.argtypes = [ptr, ptr, i64, i64, fmt, ptr, ptr, ptr, ptr, i64, i64]
+    lib.gguf_linear.restype = ctypes.c_int
+    lib.gguf_unpack.argtypes = [ptr, fmt, ptr, ptr, ptr, i64, i64]
+    lib.gguf_unpack.restype = ctypes.c_int
+    lib.gguf_gather_rows.argtypes = [ptr, ptr, i64, fmt, ptr, ptr, ptr, i64]
+    lib.gguf_gather_rows.restype = None
     return lib
 
 

@@ -18,7 +18,7 @@ from torch import nn
 from kiln_cpu import native
 
 # Fewer rows than this take the kernel (measured crossover: about 128).
-MAX_ROWS = 128
+_MAX_ROWS = 128
 
 
 class SmallBatchLinear(nn.Module):
@@ -31,7 +31,7 @@ class SmallBatchLinear(nn.Module):
         self.kernel = lib.small_linear_f32 if lib is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel is None or x.dim() != 2 or x.shape[0] >= MAX_ROWS or x.stride(1) != 1:
+        if self.kernel is None or x.dim() != 2 or x.shape[0] >= _MAX_ROWS or x.stride(1) != 1:
             return F.linear(x, self.weight, self.bias)
         out = torch.empty(x.shape[0], self.out_features)
         bias = None if self.bias is None else self.bias.data_ptr()
