@@ -24,7 +24,7 @@ import torch
 logger = logging.getLogger("kiln.cpu")
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "paged_attention.c", CSRC / "fused_ops.c", CSRC / "small_linear.c", CSRC / "gguf_linear.c"]
+SOURCES = [CSRC / "paged_attention.c", CSRC / "fused_ops.c", CSRC / "tiled_linear.c"]
 FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c11", f"-I{CSRC}"]
 
 
@@ -70,15 +70,13 @@ def load_kernels() -> ctypes.CDLL | None:
         getattr(lib, f"write_kv_{dt}").argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64]
         for op in ("rms_norm", "add_rms_norm", "rotary", "silu_and_mul", "write_kv"):
             getattr(lib, f"{op}_{dt}").restype = None
-    lib.small_linear_f32.argtypes = [ptr, ptr, i64, i64, ptr, ptr, i64, i64]
-    lib.small_linear_f32.restype = None
     fmt = ctypes.c_int
-    lib.gguf_linear.argtypes = [ptr, ptr, i64, i64, fmt, ptr, ptr, ptr, ptr, i64, i64]
-    lib.gguf_linear.restype = ctypes.c_int
-    lib.gguf_unpack.argtypes = [ptr, fmt, ptr, ptr, ptr, i64, i64]
-    lib.gguf_unpack.restype = ctypes.c_int
-    lib.gguf_gather_rows.argtypes = [ptr, ptr, i64, fmt, ptr, ptr, ptr, i64]
-    lib.gguf_gather_rows.restype = None
+    lib.tiled_linear.argtypes = [ptr, ptr, i64, i64, fmt, ptr, ptr, ptr, ptr, i64, i64]
+    lib.tiled_linear.restype = ctypes.c_int
+    lib.tiled_unpack.argtypes = [ptr, fmt, ptr, ptr, ptr, i64, i64]
+    lib.tiled_unpack.restype = ctypes.c_int
+    lib.tiled_gather_rows.argtypes = [ptr, ptr, i64, fmt, ptr, ptr, ptr, i64]
+    lib.tiled_gather_rows.restype = None
     return lib
 
 

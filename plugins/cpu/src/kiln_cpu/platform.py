@@ -118,17 +118,16 @@ class CpuPlatform(Platform):
         return "cpu"
 
     def process_weights(self, model: torch.nn.Module) -> None:
-        from kiln_cpu.gguf_weights import use_gguf_weights
         from kiln_cpu.packed_linear import PackedLinear, prepacking_works
-        from kiln_cpu.small_batch_linear import SmallBatchLinear
+        from kiln_cpu.tiled_weights import use_tiled_weights
 
-        # GGUF models: weights back in their 4/8-bit blocks, the fp32 copies freed.
-        if swapped := use_gguf_weights(model):
-            logger.info("%d weights kept in their GGUF blocks, their fp32 copies freed", swapped)
-        wrappers: dict[torch.dtype, Callable] = {torch.float32: SmallBatchLinear}
+        # fp32: tiled for the C matmul kernel; GGUF models' weights back in their
+        # 4/8-bit blocks. The fp32 originals are freed.
+        swapped, gguf = use_tiled_weights(model)
+        if swapped:
+            logger.info("%d weights tiled for the CPU matmul kernel, %d of them in GGUF blocks", swapped, gguf)
         if prepacking_works():
-            wrappers[torch.bfloat16] = PackedLinear
-        replace_linears(model, wrappers)
+            replace_linears(model, {torch.bfloat16: PackedLinear})
 
     def custom_ops(self) -> dict[str, Callable]:
         from kiln_cpu.fused_ops import fused_ops

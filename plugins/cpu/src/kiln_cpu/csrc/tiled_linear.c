@@ -1,19 +1,19 @@
 /*
- * y = x W^T + b with W in GGUF-style blocks (see kiln_cpu/gguf_weights.py), for
- * Kiln's CPU plugin, at any number of rows of x. Each thread widens a tile of 16
- * output features to fp32 (K x 16 floats, in L1/L2) and passes every 6 rows of x
- * over it; the results are those of the fp32 weight, summed over K in order.
+ * y = x W^T + b in fp32 for Kiln's CPU plugin, with W laid out in tiles of 16
+ * output features (see kiln_cpu/tiled_weights.py): fp32, or GGUF-style blocks.
  *
- * Layout: output features in tiles of 16; within a tile the 16 features' values
- * of one input position c lie together, so widening 8 bytes gives the fp32 vector
- * W[n..n+8, c] and one row of x times it is a broadcast and an FMA (the
- * outer-product scheme of BLAS micro-kernels: no cross-lane sums, and 12
- * accumulators for 16 features x 6 rows hide the FMA latency).
- *   q4: q (N/16, K, 8) uint8: byte j holds feature j (low nibble) and j + 8 (high);
- *       value = nibble * scale + min.
- *   q8: q (N/16, K, 16) int8; value = q * scale.
+ * Within a tile the 16 features' values of one input position c lie together, so
+ * W[n..n+8, c] is one vector and a row of x times it is a broadcast and an FMA:
+ * the outer-product scheme of BLAS micro-kernels, with no cross-lane sums, and
+ * 12 accumulators (16 features x 6 rows) to hide the FMA latency. Each output is
+ * summed over K in order. Block formats are first widened to fp32, a tile at a
+ * time (K x 16 floats, in L1/L2), and every 6 rows of x pass over it.
+ *   fmt 32: q (N/16, K, 16) fp32.
+ *   fmt 4:  q (N/16, K, 8) uint8: byte j holds feature j (low nibble) and j + 8
+ *           (high); value = nibble * scale + min (GGUF's Q4_1).
+ *   fmt 8:  q (N/16, K, 16) int8; value = q * scale (GGUF's Q8_0).
  *   scale, min: (N/16, K/32, 16) fp32, one per 32 input positions per feature.
- * Needs K % 32 == 0 and N % 16 == 0 (the caller checks).
+ * Needs N % 16 == 0, and K % 32 == 0 for the block formats (the caller checks).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -23,7 +23,7 @@
 #define TILE 16
 #define ROWS 6
 
-/* Tile t of W as fp32, (K, 16): tile[c * 16 + j] = W[16 t + j, c]. */
+/* Tile t of a block-format W as fp32, (K, 16): tile[c * 16 + j] = W[16 t + j, c]. */
 static void widen_tile(float *tile, int fmt, const float *scale, const float *min, const void *q, int64_t t,
                        int64_t K) {
     const int64_t nb = K / 32;
@@ -52,6 +52,14 @@ static void widen_tile(float *tile, int fmt, const float *scale, const float *mi
     }
 }
 
+/* Tile t as fp32 (K, 16): in place for fmt 32, else widened into buf. */
+static const float *tile_of(float *buf, int fmt, const float *scale, const float *min, const void *q, int64_t t,
+                            int64_t K) {
+    if (fmt == 32) return (const float *)q + t * K * TILE;
+    widen_tile(buf, fmt, scale, min, q, t, K);
+    return buf;
+}
+
 /* out[r, n..n+16] for up to ROWS rows from r; missing rows repeat row r and are not stored. */
 static void rows_times_tile(float *out, const float *x, int64_t rows, int64_t x_stride, int64_t r,
                             const float *tile, const float *bias, int64_t n, int64_t K, int64_t N) {
@@ -74,56 +82,58 @@ static void rows_times_tile(float *out, const float *x, int64_t rows, int64_t x_
 }
 
 /* Returns nonzero when out of memory for the per-thread tile buffers. */
-int gguf_linear(float *out, const float *x, int64_t rows, int64_t x_stride, int fmt, const float *scale,
-                const float *min, const void *q, const float *bias, int64_t K, int64_t N) {
+int tiled_linear(float *out, const float *x, int64_t rows, int64_t x_stride, int fmt, const float *scale,
+                 const float *min, const void *q, const float *bias, int64_t K, int64_t N) {
     int failed = 0;
     _Pragma("omp parallel") {
-        float *tile = malloc(K * TILE * sizeof(float));
-        if (tile == NULL) failed = 1;
+        float *buf = fmt == 32 ? NULL : malloc(K * TILE * sizeof(float));
+        if (fmt != 32 && buf == NULL) failed = 1;
         _Pragma("omp for schedule(static)") for (int64_t t = 0; t < N / TILE; t++) {
-            if (tile == NULL) continue;
-            widen_tile(tile, fmt, scale, min, q, t, K);
+            if (fmt != 32 && buf == NULL) continue;
+            const float *tile = tile_of(buf, fmt, scale, min, q, t, K);
             for (int64_t r = 0; r < rows; r += ROWS)
                 rows_times_tile(out, x, rows, x_stride, r, tile, bias, t * TILE, K, N);
         }
-        free(tile);
+        free(buf);
     }
     return failed;
 }
 
 /* The whole of W as fp32 (N, K) rows; nonzero when out of memory. */
-int gguf_unpack(float *out, int fmt, const float *scale, const float *min, const void *q, int64_t K, int64_t N) {
+int tiled_unpack(float *out, int fmt, const float *scale, const float *min, const void *q, int64_t K, int64_t N) {
     int failed = 0;
     _Pragma("omp parallel") {
-        float *tile = malloc(K * TILE * sizeof(float));
-        if (tile == NULL) failed = 1;
+        float *buf = fmt == 32 ? NULL : malloc(K * TILE * sizeof(float));
+        if (fmt != 32 && buf == NULL) failed = 1;
         _Pragma("omp for schedule(static)") for (int64_t t = 0; t < N / TILE; t++) {
-            if (tile == NULL) continue;
-            widen_tile(tile, fmt, scale, min, q, t, K);
+            if (fmt != 32 && buf == NULL) continue;
+            const float *tile = tile_of(buf, fmt, scale, min, q, t, K);
             for (int j = 0; j < TILE; j++)
                 for (int64_t c = 0; c < K; c++) out[(t * TILE + j) * K + c] = tile[c * TILE + j];
         }
-        free(tile);
+        free(buf);
     }
     return failed;
 }
 
 /* Rows row_ids[0..n) of W as fp32 (embedding lookups). */
-void gguf_gather_rows(float *out, const int64_t *row_ids, int64_t n, int fmt, const float *scale,
-                      const float *min, const void *q, int64_t K) {
+void tiled_gather_rows(float *out, const int64_t *row_ids, int64_t n, int fmt, const float *scale,
+                       const float *min, const void *q, int64_t K) {
     const int64_t nb = K / 32;
     _Pragma("omp parallel for schedule(static)") for (int64_t i = 0; i < n; i++) {
         const int64_t t = row_ids[i] / TILE, j = row_ids[i] % TILE;
-        const float *d = scale + t * nb * TILE + j;
-        for (int64_t c = 0; c < K; c++) {
-            float v;
-            if (fmt == 4) {
+        float *row = out + i * K;
+        if (fmt == 32) {
+            for (int64_t c = 0; c < K; c++) row[c] = ((const float *)q)[(t * K + c) * TILE + j];
+        } else if (fmt == 4) {
+            const float *d = scale + t * nb * TILE + j, *m = min + t * nb * TILE + j;
+            for (int64_t c = 0; c < K; c++) {
                 const uint8_t byte = ((const uint8_t *)q)[(t * K + c) * 8 + j % 8];
-                v = (float)(j < 8 ? byte & 15 : byte >> 4) * d[c / 32 * TILE] + min[t * nb * TILE + j + c / 32 * TILE];
-            } else {
-                v = (float)((const int8_t *)q)[(t * K + c) * TILE + j] * d[c / 32 * TILE];
+                row[c] = (float)(j < 8 ? byte & 15 : byte >> 4) * d[c / 32 * TILE] + m[c / 32 * TILE];
             }
-            out[i * K + c] = v;
+        } else {
+            const float *d = scale + t * nb * TILE + j;
+            for (int64_t c = 0; c < K; c++) row[c] = (float)((const int8_t *)q)[(t * K + c) * TILE + j] * d[c / 32 * TILE];
         }
     }
 }

@@ -1,5 +1,6 @@
-"""GGUF weights on the CPU: the 4/8-bit blocks recovered from fp32 widen back to every
-value bit for bit, and the modules over them compute what the fp32 modules did."""
+"""Tiled weights on the CPU: fp32 tiles and GGUF blocks (recovered from fp32, widening
+back to every value bit for bit), and the modules over them compute what the fp32
+modules did."""
 
 import numpy as np
 import pytest
@@ -9,38 +10,43 @@ from gguf import GGMLQuantizationType, dequantize, quantize
 from torch import nn
 
 from kiln_cpu import native
-from kiln_cpu.gguf_weights import GgufEmbedding, GgufLinear, find_gguf_form, use_gguf_weights
+from kiln_cpu.platform import replace_linears
+from kiln_cpu.tiled_weights import TiledEmbedding, TiledLinear, find_gguf_form, tiled_form, use_tiled_weights
 
 pytestmark = pytest.mark.skipif(native.load_kernels() is None, reason="no C compiler for the CPU kernels")
 
-FORMATS = {GGMLQuantizationType.Q4_1: 4, GGMLQuantizationType.Q8_0: 8}
+FORMATS = {GGMLQuantizationType.Q4_1: 4, GGMLQuantizationType.Q8_0: 8, None: 32}
 
 
 def gguf_weight(rows: int, cols: int, kind: GGMLQuantizationType, seed: int = 0) -> torch.Tensor:
     """An fp32 weight as a GGUF loader gives it: quantized by gguf-py, then widened."""
     x = np.random.default_rng(seed).standard_normal((rows, cols), dtype=np.float32)
     x[0, :32] = 0.5  # a constant block: scale 0
+    if kind is None:  # a plain fp32 weight
+        return torch.from_numpy(x)
     return torch.from_numpy(dequantize(quantize(x, kind), kind).astype(np.float32))
 
 
 @pytest.mark.parametrize("kind", FORMATS)
-def test_blocks_are_recovered_exactly(kind):
+def test_tiles_hold_every_value(kind):
     w = gguf_weight(1104, 96, kind)  # more rows than one recovery chunk
-    form = find_gguf_form(w)
+    form = tiled_form(w)
     assert form is not None and form.fmt == FORMATS[kind] and form.shape == (1104, 96)
     assert torch.equal(form.unpack(), w)
     rows = torch.tensor([1103, 0, 7, 7, 8, 15, 16])
     assert torch.equal(form.unpack(rows), w[rows])
-    assert form.q.nbytes + form.scale.nbytes < w.nbytes / 3
+    if kind is not None:
+        assert form.q.nbytes + form.scale.nbytes < w.nbytes / 3
 
 
-def test_other_weights_are_left_alone():
+def test_weights_that_are_not_gguf_blocks():
     assert find_gguf_form(torch.randn(64, 64)) is None
     assert find_gguf_form(gguf_weight(8, 64, GGMLQuantizationType.Q8_0).bfloat16()) is None
-    w8 = gguf_weight(8, 64, GGMLQuantizationType.Q8_0)
-    assert find_gguf_form(w8[:, :32]) is None  # not contiguous
-    assert find_gguf_form(w8.reshape(32, 16)) is None  # rows shorter than a block
-    assert find_gguf_form(w8[:4]) is None  # fewer rows than a tile of features
+    w8 = gguf_weight(16, 64, GGMLQuantizationType.Q8_0)
+    assert tiled_form(w8[:, :32]) is None  # not contiguous
+    assert find_gguf_form(w8.reshape(64, 16)) is None  # rows shorter than a block...
+    assert tiled_form(w8.reshape(64, 16)).fmt == 32  # ...but fp32 tiles need no blocks
+    assert tiled_form(w8[:8]) is None  # fewer rows than a tile of features
     w = gguf_weight(2048, 64, GGMLQuantizationType.Q4_1)
     w[1500, 3] += 1e-3  # one value off, in the second chunk: the whole weight stays fp32
     assert find_gguf_form(w) is None
@@ -54,7 +60,8 @@ def test_linear_matches_the_fp32_linear(kind, rows, bias):
     fp32 = nn.Linear(96, 208, bias=bias)
     with torch.no_grad():
         fp32.weight.copy_(gguf_weight(208, 96, kind, seed=rows))
-    packed = GgufLinear(find_gguf_form(fp32.weight), fp32.bias)
+    packed = TiledLinear(tiled_form(fp32.weight), fp32.bias)
+    assert packed.weight.fmt == FORMATS[kind]
     x = torch.randn(rows, 96)
     got = packed(x)
     assert got.shape == (rows, 208) and got.is_contiguous()
@@ -63,7 +70,7 @@ def test_linear_matches_the_fp32_linear(kind, rows, bias):
     torch.testing.assert_close(packed(strided), F.linear(strided, fp32.weight, fp32.bias), rtol=1e-5, atol=1e-5)
 
 
-def test_model_swap_shares_tied_weights_and_frees_nothing_it_needs():
+def test_model_swap_shares_tied_weights():
     model = nn.ModuleDict(
         {
             "embed": nn.Embedding(64, 32),
@@ -78,10 +85,11 @@ def test_model_swap_shares_tied_weights_and_frees_nothing_it_needs():
         model["proj"].weight.copy_(gguf_weight(32, 32, GGMLQuantizationType.Q4_1))
     model["head"].weight = model["embed"].weight
     embed_w, proj = model["embed"].weight.detach().clone(), model["proj"]
-    assert use_gguf_weights(model) == 3
-    assert isinstance(model["embed"], GgufEmbedding) and isinstance(model["head"], GgufLinear)
+    assert use_tiled_weights(model) == (4, 3)
+    assert isinstance(model["embed"], TiledEmbedding) and isinstance(model["head"], TiledLinear)
     assert model["head"].weight is model["embed"].weight  # recovered once, shared
-    assert type(model["random"]) is nn.Linear and type(model["narrow"]) is nn.Linear
+    assert model["head"].weight.fmt == 8 and model["proj"].weight.fmt == 4 and model["random"].weight.fmt == 32
+    assert type(model["narrow"]) is nn.Linear
     ids = torch.tensor([[3, 63], [0, 3]])
     assert torch.equal(model["embed"](ids), F.embedding(ids, embed_w))
     x = torch.randn(4, 32)
@@ -92,8 +100,24 @@ def test_default_model_runs_on_its_gguf_blocks(default_model_dir):
     from kiln import LLM
 
     model = LLM(default_model_dir, dtype="float32").engine.runner.model
-    assert isinstance(model.embed_tokens, GgufEmbedding) and model.lm_head.weight is model.embed_tokens.weight
+    assert isinstance(model.embed_tokens, TiledEmbedding) and model.lm_head.weight is model.embed_tokens.weight
+    assert model.lm_head.weight.fmt == 8  # Q8_0 in the file
     layer = model.layers[0]
-    kinds = {type(m) for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj)}
-    assert kinds == {GgufLinear}
+    linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    assert {(type(m), m.weight.fmt) for m in linears} == {(TiledLinear, 4)}  # Q4_1
     assert not any(type(m) in (nn.Linear, nn.Embedding) for m in model.modules())
+
+
+def test_replace_linears_keeps_tied_weights_and_skips_other_dtypes():
+    embed = nn.Embedding(48, 16)
+    model = nn.ModuleDict({"head": nn.Linear(16, 48, bias=False), "narrow": nn.Linear(16, 16).bfloat16()})
+    model["head"].weight = embed.weight
+    seen = []
+
+    def wrap(linear):
+        seen.append(linear.weight)
+        return TiledLinear(tiled_form(linear.weight), linear.bias)
+
+    assert replace_linears(model, {torch.float32: wrap}) == 1
+    assert seen == [embed.weight] and isinstance(model["head"], TiledLinear)
+    assert type(model["narrow"]) is nn.Linear
