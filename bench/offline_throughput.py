@@ -43,9 +43,11 @@ WORKER_FLAGS = (
 
 # Kiln runs besides "kiln" and the engine flags each sets (over the command line's).
 KILN_PRESETS = {
-    # transformers' concurrency (its batch of 16): on this project's 2-core CPU as fast as all
-    # 64 at once (decode steps are compute-bound from ~16 rows on) in 60% of the memory.
+    # Lower concurrency, fp32 K/V (outputs exact). On this project's 2-core CPU a decode
+    # step is compute-bound from ~16 rows on, so these run about as fast as all 64 at once
+    # in 60-65% of the memory. 16 is transformers' batch.
     "kiln-16seqs": {"max_num_seqs": 16},
+    "kiln-24seqs": {"max_num_seqs": 24},
 }
 DEFAULT_SYSTEMS = ",".join(["kiln", *KILN_PRESETS, "hf-float32", "hf-bfloat16"])
 
