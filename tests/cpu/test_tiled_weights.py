@@ -2,6 +2,8 @@
 back to every value bit for bit), and the modules over them compute what the fp32
 modules did."""
 
+import weakref
+
 import numpy as np
 import pytest
 import torch
@@ -70,7 +72,7 @@ def test_linear_matches_the_fp32_linear(kind, rows, bias):
     torch.testing.assert_close(packed(strided), F.linear(strided, fp32.weight, fp32.bias), rtol=1e-5, atol=1e-5)
 
 
-def test_model_swap_shares_tied_weights():
+def test_model_swap_shares_tied_weights_and_frees_the_originals():
     model = nn.ModuleDict(
         {
             "embed": nn.Embedding(64, 32),
@@ -85,7 +87,9 @@ def test_model_swap_shares_tied_weights():
         model["proj"].weight.copy_(gguf_weight(32, 32, GGMLQuantizationType.Q4_1))
     model["head"].weight = model["embed"].weight
     embed_w, proj = model["embed"].weight.detach().clone(), model["proj"]
+    originals = [weakref.ref(model[name].weight) for name in ("embed", "random")]
     assert use_tiled_weights(model) == (4, 3)
+    assert all(ref() is None for ref in originals)  # the fp32 copies are freed
     assert isinstance(model["embed"], TiledEmbedding) and isinstance(model["head"], TiledLinear)
     assert model["head"].weight is model["embed"].weight  # recovered once, shared
     assert model["head"].weight.fmt == 8 and model["proj"].weight.fmt == 4 and model["random"].weight.fmt == 32

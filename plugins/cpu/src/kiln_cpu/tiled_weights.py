@@ -19,6 +19,7 @@ widens blocks a tile at a time in L1.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -166,25 +167,32 @@ class TiledEmbedding(nn.Module):
 
 def use_tiled_weights(model: nn.Module) -> tuple[int, int]:
     """Swap every fp32 ``nn.Linear``/``nn.Embedding`` whose weight can be tiled for its tiled
-    module (a tied weight is converted once and shared; the fp32 original is then free);
-    returns how many were swapped and how many of them hold GGUF blocks."""
-    forms: dict[int, TiledWeight | None] = {}
+    module (a tied weight is converted once and shared); returns how many were swapped and
+    how many of them hold GGUF blocks. Each original weight is freed as soon as no module
+    holds it, so the model never needs twice its weights' memory."""
+    # NOTE: keyed by id() with a weak reference to check it is still that tensor: holding the
+    # tensors themselves would keep every fp32 original alive until the end.
+    forms: dict[int, tuple[weakref.ref, TiledWeight | None]] = {}
+    slots = [
+        (parent, name)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) in (nn.Linear, nn.Embedding)
+    ]
     swapped = gguf = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) not in (nn.Linear, nn.Embedding):
-                continue
-            key = id(child.weight)
-            if key not in forms:
-                forms[key] = tiled_form(child.weight)
-            form = forms[key]
-            if form is None:
-                continue
-            if type(child) is nn.Embedding:
-                setattr(parent, name, TiledEmbedding(form))
-            else:
-                bias = None if child.bias is None else child.bias.detach()
-                setattr(parent, name, TiledLinear(form, bias))
-            swapped += 1
-            gguf += form.fmt != 32
+    for parent, name in slots:
+        child = getattr(parent, name)
+        seen = forms.get(id(child.weight))
+        if seen is None or seen[0]() is not child.weight:
+            seen = forms[id(child.weight)] = (weakref.ref(child.weight), tiled_form(child.weight))
+        form = seen[1]
+        if form is None:
+            continue
+        if type(child) is nn.Embedding:
+            setattr(parent, name, TiledEmbedding(form))
+        else:
+            bias = None if child.bias is None else child.bias.detach()
+            setattr(parent, name, TiledLinear(form, bias))
+        swapped += 1
+        gguf += form.fmt != 32
     return swapped, gguf
