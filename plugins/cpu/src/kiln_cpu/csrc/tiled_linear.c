@@ -81,39 +81,58 @@ static void rows_times_tile(float *out, const float *x, int64_t rows, int64_t x_
     }
 }
 
-/* Returns nonzero when out of memory for the per-thread tile buffers. */
-int tiled_linear(float *out, const float *x, int64_t rows, int64_t x_stride, int fmt, const float *scale,
-                 const float *min, const void *q, const float *bias, int64_t K, int64_t N) {
+typedef void tile_fn(const float *tile, int64_t t, void *ctx);
+
+/* Calls fn on every tile of W as fp32, tiles split over the threads; returns nonzero
+ * when out of memory for the per-thread widening buffers. */
+static int for_each_tile(int fmt, const float *scale, const float *min, const void *q, int64_t K, int64_t N,
+                         tile_fn *fn, void *ctx) {
     int failed = 0;
     _Pragma("omp parallel") {
         float *buf = fmt == 32 ? NULL : malloc(K * TILE * sizeof(float));
         if (fmt != 32 && buf == NULL) failed = 1;
         _Pragma("omp for schedule(static)") for (int64_t t = 0; t < N / TILE; t++) {
-            if (fmt != 32 && buf == NULL) continue;
-            const float *tile = tile_of(buf, fmt, scale, min, q, t, K);
-            for (int64_t r = 0; r < rows; r += ROWS)
-                rows_times_tile(out, x, rows, x_stride, r, tile, bias, t * TILE, K, N);
+            if (fmt == 32 || buf != NULL) fn(tile_of(buf, fmt, scale, min, q, t, K), t, ctx);
         }
         free(buf);
     }
     return failed;
 }
 
+struct linear_args {
+    float *out;
+    const float *x, *bias;
+    int64_t rows, x_stride, K, N;
+};
+
+static void linear_tile(const float *tile, int64_t t, void *ctx) {
+    const struct linear_args *a = ctx;
+    for (int64_t r = 0; r < a->rows; r += ROWS)
+        rows_times_tile(a->out, a->x, a->rows, a->x_stride, r, tile, a->bias, t * TILE, a->K, a->N);
+}
+
+/* out = x W^T + bias; nonzero when out of memory. */
+int tiled_linear(float *out, const float *x, int64_t rows, int64_t x_stride, int fmt, const float *scale,
+                 const float *min, const void *q, const float *bias, int64_t K, int64_t N) {
+    struct linear_args args = {out, x, bias, rows, x_stride, K, N};
+    return for_each_tile(fmt, scale, min, q, K, N, linear_tile, &args);
+}
+
+struct unpack_args {
+    float *out;
+    int64_t K;
+};
+
+static void unpack_tile(const float *tile, int64_t t, void *ctx) {
+    const struct unpack_args *a = ctx;
+    for (int j = 0; j < TILE; j++)
+        for (int64_t c = 0; c < a->K; c++) a->out[(t * TILE + j) * a->K + c] = tile[c * TILE + j];
+}
+
 /* The whole of W as fp32 (N, K) rows; nonzero when out of memory. */
 int tiled_unpack(float *out, int fmt, const float *scale, const float *min, const void *q, int64_t K, int64_t N) {
-    int failed = 0;
-    _Pragma("omp parallel") {
-        float *buf = fmt == 32 ? NULL : malloc(K * TILE * sizeof(float));
-        if (fmt != 32 && buf == NULL) failed = 1;
-        _Pragma("omp for schedule(static)") for (int64_t t = 0; t < N / TILE; t++) {
-            if (fmt != 32 && buf == NULL) continue;
-            const float *tile = tile_of(buf, fmt, scale, min, q, t, K);
-            for (int j = 0; j < TILE; j++)
-                for (int64_t c = 0; c < K; c++) out[(t * TILE + j) * K + c] = tile[c * TILE + j];
-        }
-        free(buf);
-    }
-    return failed;
+    struct unpack_args args = {out, K};
+    return for_each_tile(fmt, scale, min, q, K, N, unpack_tile, &args);
 }
 
 /* Rows row_ids[0..n) of W as fp32 (embedding lookups). */
@@ -124,7 +143,8 @@ void tiled_gather_rows(float *out, const int64_t *row_ids, int64_t n, int fmt, c
         const int64_t t = row_ids[i] / TILE, j = row_ids[i] % TILE;
         float *row = out + i * K;
         if (fmt == 32) {
-            for (int64_t c = 0; c < K; c++) row[c] = ((const float *)q)[(t * K + c) * TILE + j];
+            const float *v = (const float *)q + t * K * TILE + j;
+            for (int64_t c = 0; c < K; c++) row[c] = v[c * TILE];
         } else if (fmt == 4) {
             const float *d = scale + t * nb * TILE + j, *m = min + t * nb * TILE + j;
             for (int64_t c = 0; c < K; c++) {
@@ -133,7 +153,8 @@ void tiled_gather_rows(float *out, const int64_t *row_ids, int64_t n, int fmt, c
             }
         } else {
             const float *d = scale + t * nb * TILE + j;
-            for (int64_t c = 0; c < K; c++) row[c] = (float)((const int8_t *)q)[(t * K + c) * TILE + j] * d[c / 32 * TILE];
+            const int8_t *v = (const int8_t *)q + t * K * TILE + j;
+            for (int64_t c = 0; c < K; c++) row[c] = (float)v[c * TILE] * d[c / 32 * TILE];
         }
     }
 }
