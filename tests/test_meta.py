@@ -86,8 +86,8 @@ def test_every_plugin_entry_point_loads_and_registers(pyproject):
 def test_every_data_file_is_packaged(dist):
     """Files a package reads at run time (C sources and headers, templates) are in its
     package-data: an installed wheel (not an editable checkout) holds only those."""
-    globs = tomllib.loads((dist / "pyproject.toml").read_text()).get("tool", {}).get("setuptools", {})
-    globs = globs.get("package-data", {})
+    config = tomllib.loads((dist / "pyproject.toml").read_text())
+    globs = config.get("tool", {}).get("setuptools", {}).get("package-data", {})
     for package in (dist / "src").iterdir():
         if not (package / "__init__.py").exists():
             continue

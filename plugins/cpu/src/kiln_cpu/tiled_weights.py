@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from kiln_cpu import native
+from kiln_cpu.platform import child_slots
 
 BLOCK = 32  # values per scale
 TILE = 16  # output features the kernel computes together
@@ -169,18 +170,12 @@ def use_tiled_weights(model: nn.Module) -> tuple[int, int]:
     """Swap every fp32 ``nn.Linear``/``nn.Embedding`` whose weight can be tiled for its tiled
     module (a tied weight is converted once and shared); returns how many were swapped and
     how many of them hold GGUF blocks. Each original weight is freed as soon as no module
-    holds it, so the model never needs twice its weights' memory."""
+    holds it."""
     # NOTE: keyed by id() with a weak reference to check it is still that tensor: holding the
     # tensors themselves would keep every fp32 original alive until the end.
     forms: dict[int, tuple[weakref.ref, TiledWeight | None]] = {}
-    slots = [
-        (parent, name)
-        for parent in model.modules()
-        for name, child in parent.named_children()
-        if type(child) in (nn.Linear, nn.Embedding)
-    ]
     swapped = gguf = 0
-    for parent, name in slots:
+    for parent, name in child_slots(model, (nn.Linear, nn.Embedding)):
         child = getattr(parent, name)
         seen = forms.get(id(child.weight))
         if seen is None or seen[0]() is not child.weight:
