@@ -228,12 +228,12 @@ def test_graph_mode_matches_the_cpu_plugin(tiny_model_dir, npu_plugins, varied_p
 
     common = dict(model=tiny_model_dir("llama"), dtype="float32", max_num_batched_tokens=64, max_num_seqs=4)
     engine = make_engine(npu_plugins, device="npu_emulated", block_size=block_size, **common)
-    assert engine.runner.graph_sizes == [2, 4]
+    assert engine.executor.runner.graph_sizes == [2, 4]
     assert [e[0] for e in fake_torchair.events] == ["compiled", "compiled"]  # at start, before any request
     fake_torch_npu.calls.clear()
     npu_run = run_greedy(engine, varied_prompts)
     assert npu_run == greedy_tokens(npu_plugins, varied_prompts, device="cpu", block_size=16, **common)
-    assert engine.runner.graph_steps > 0 and "_npu_paged_attention" in fake_torch_npu.calls
+    assert engine.executor.runner.graph_steps > 0 and "_npu_paged_attention" in fake_torch_npu.calls
     assert all(
         len(g.graph.find_nodes(op="call_function", target=torch.ops.npu._npu_paged_attention.default)) == 2
         for g in fake_torchair.graphs
@@ -246,7 +246,7 @@ def test_enforce_eager_turns_graph_mode_off(tiny_model_dir, npu_plugins):
     from kiln.testing.engine import make_engine
 
     engine = make_engine(npu_plugins, model=tiny_model_dir("llama"), device="npu_emulated", enforce_eager=True)
-    assert engine.runner.graphs is None and fake_torchair.events == []
+    assert engine.executor.runner.graphs is None and fake_torchair.events == []
 
 
 def test_the_scheduler_never_forms_a_decode_batch_above_the_largest_gear(tiny_model_dir, npu_plugins):
@@ -255,10 +255,10 @@ def test_the_scheduler_never_forms_a_decode_batch_above_the_largest_gear(tiny_mo
     engine = make_engine(
         npu_plugins, model=tiny_model_dir("llama"), device="npu_emulated", max_num_seqs=3, graph_sizes=[2, 16]
     )
-    assert engine.runner.graph_sizes == [2, 3]
+    assert engine.executor.runner.graph_sizes == [2, 3]
     sizes = []
-    execute = engine.runner.execute
-    engine.runner.execute = lambda out: sizes.append(len(out.scheduled)) or execute(out)
+    execute = engine.executor.runner.execute
+    engine.executor.runner.execute = lambda out: sizes.append(len(out.scheduled)) or execute(out)
     run_greedy(engine, [[7, 8, 9]] * 7, max_tokens=4)
     assert max(sizes) == 3
 
@@ -274,7 +274,7 @@ def run_tracking(engine, prompts, max_tokens=8):
     while engine.has_unfinished_requests():
         for out in engine.step():
             tokens[out.request_id], cached[out.request_id] = out.outputs[0].token_ids, out.num_cached_tokens
-        preempted = max(preempted, max((r.num_preemptions for r in engine.scheduler.running), default=0))
+        preempted = max(preempted, max((r.num_preemptions for r in engine.core.scheduler.running), default=0))
     order = [str(i) for i in range(len(prompts))]
     return [tokens[i] for i in order], preempted, [cached[i] for i in order]
 
@@ -311,5 +311,5 @@ def test_default_model_on_the_ascend_path(default_model_dir, npu_plugins):
     common = dict(model=default_model_dir, dtype="float32", max_num_seqs=4, **TIGHT)
     engine = make_engine(npu_plugins, device="npu_emulated", **common)
     tokens, preempted, cached = run_tracking(engine, prompts)
-    assert preempted > 0 and cached[-1] >= 64 and engine.runner.graph_steps > 0
+    assert preempted > 0 and cached[-1] >= 64 and engine.executor.runner.graph_steps > 0
     assert tokens == run_tracking(make_engine(npu_plugins, device="cpu", **common), prompts)[0]

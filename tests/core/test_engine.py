@@ -44,7 +44,7 @@ def test_n_sequences_share_the_prompt_blocks(tiny_model_dir):
     engine = llm.engine
     engine.add_request("x", {"prompt_token_ids": list(range(600, 650))}, SamplingParams(n=3, max_tokens=4))
     engine.step()
-    children = engine.groups["x"].children
+    children = [engine.core.scheduler.requests[f"{i}_x"] for i in range(3)]
     assert len(children) == 3
     first_blocks = [[b.block_id for b in c.blocks[:3]] for c in children]
     assert first_blocks[0] == first_blocks[1] == first_blocks[2]
@@ -77,7 +77,7 @@ def test_abort_mid_generation_frees_everything(llm):
     while llm.engine.has_unfinished_requests():
         finished += [o for o in llm.engine.step() if o.finished]
     assert [o.request_id for o in finished] == ["b"] and len(finished[0].outputs[0].token_ids) == 6
-    assert llm.engine.kv.usage == 0.0 and not llm.engine.scheduler.has_unfinished()
+    assert llm.engine.kv.usage == 0.0 and not llm.engine.core.scheduler.has_unfinished()
 
 
 def test_prompt_logprobs_survive_chunked_prefill(tiny_model_dir):
@@ -167,7 +167,7 @@ def test_kv_cache_is_sized_after_a_profiling_step(tiny_model_dir, kiln_plugins, 
     engine = make_engine(kiln_plugins, device="cpu_profiled", gpu_memory_utilization=1.0, max_num_seqs=4, **common)
     assert len(steps) == 1
     useful = 4 * -(-256 // engine.config.block_size) + 1  # the cap: max_num_seqs full-length sequences
-    assert len(engine.kv.pool.blocks) == (1 << 20) // engine.runner.kv_block_bytes() < useful  # 1 MiB of blocks
+    assert len(engine.kv.pool.blocks) == (1 << 20) // engine.executor.runner.kv_block_bytes() < useful  # 1 MiB of blocks
     assert run_greedy(engine, varied_prompts) == greedy_tokens(kiln_plugins, varied_prompts, device="cpu", **common)
 
 

@@ -8,7 +8,7 @@ import torch
 
 from kiln.attention.base import BatchLayout, DecodeGraphInputs
 from kiln.config import EngineConfig
-from kiln.engine.model_runner import pick_graph_size
+from kiln.worker.model_runner import pick_graph_size
 from kiln.platforms.base import Platform
 
 

@@ -48,7 +48,7 @@ def test_forced_preemption_really_preempts(tiny_model_dir, varied_prompts):
     preempted = 0
     while llm.engine.has_unfinished_requests():
         llm.engine.step()
-        preempted = max(preempted, max((r.num_preemptions for r in llm.engine.scheduler.running), default=0))
+        preempted = max(preempted, max((r.num_preemptions for r in llm.engine.core.scheduler.running), default=0))
     assert preempted > 0
     assert llm.engine.kv.usage == 0.0
 

@@ -44,7 +44,7 @@ def prompt(tok) -> list[int]:
 
 @pytest.fixture(scope="module")
 def eos(llm) -> int:
-    (eos,) = llm.engine.eos_token_ids
+    (eos,) = llm.engine.model_info.eos_token_ids
     return eos
 
 

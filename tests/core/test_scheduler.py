@@ -5,7 +5,7 @@ from __future__ import annotations
 from kiln.config import EngineConfig
 from kiln.engine.kv_cache import KVCacheManager
 from kiln.engine.request import Request, RequestStatus
-from kiln.engine.scheduler import Scheduler
+from kiln.engine.scheduler import SampledToken, Scheduler
 from kiln.sampling_params import SamplingParams
 
 
@@ -30,8 +30,8 @@ def make_req(n, rid, arrival=0.0, priority=0, max_tokens=8) -> Request:
 
 def run_step(s: Scheduler, token=7):
     out = s.schedule()
-    sampled = {r: token for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens}
-    s.update_from_output(out, sampled)
+    sampled = {r: SampledToken(token) for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens}
+    s.update_from_output(out, sampled, {})
     return out
 
 
@@ -107,12 +107,12 @@ def test_abort_anywhere_frees_blocks():
     s.add_request(a)
     s.add_request(b)
     run_step(s)
-    s.finish(b, RequestStatus.FINISHED_ABORTED)  # mid-prefill
-    s.finish(a, RequestStatus.FINISHED_ABORTED)  # decoding
+    s.finish_requests([b.request_id], RequestStatus.FINISHED_ABORTED)  # mid-prefill
+    s.finish_requests([a.request_id], RequestStatus.FINISHED_ABORTED)  # decoding
     assert not s.has_unfinished() and s.kv.usage == 0.0
     c = make_req(5, "c")
     s.add_request(c)
-    s.finish(c, RequestStatus.FINISHED_ABORTED)  # still waiting
+    s.finish_requests([c.request_id], RequestStatus.FINISHED_ABORTED)  # still waiting
     assert not s.has_unfinished()
 
 

@@ -98,9 +98,8 @@ def test_engine_death_fails_requests_and_health(engine, monkeypatch):
         with pytest.raises(EngineDeadError):
             async_engine.add_request("x", {"prompt_token_ids": [1, 2]}, SamplingParams())
     monkeypatch.undo()
-    engine.groups.clear()
-    engine.scheduler.running.clear()
-    engine.scheduler.waiting.clear()
+    for request_id in list(engine.output_processor.groups):
+        engine.abort_request(request_id)
 
 
 def test_config_file_is_overridden_by_command_line(tmp_path):

@@ -30,7 +30,7 @@ def run(plugins, prompts, **engine_args):
 def test_two_ranks_match_one(tiny_model_dir, cpu_plugins, varied_prompts, model_type):
     common = dict(model=tiny_model_dir(model_type), device="cpu", dtype="float32", max_num_batched_tokens=64)
     split, engine = run(cpu_plugins, varied_prompts, tensor_parallel_size=2, **common)
-    assert engine.runner.backend.num_heads == 2  # of the model's 4
+    assert engine.executor.runner.backend.num_heads == 2  # of the model's 4
     assert split == run(cpu_plugins, varied_prompts, **common)[0]
     assert multiprocessing.active_children() == []  # shutdown stopped rank 1
 

@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType, dequantize, quantize
 from torch import nn
 
 from kiln_cpu import native
-from kiln_cpu.platform import replace_linears
+from kiln_cpu.module_swap import replace_linears
 from kiln_cpu.tiled_weights import TiledEmbedding, TiledLinear, find_gguf_form, tiled_form, use_tiled_weights
 
 pytestmark = pytest.mark.skipif(native.load_kernels() is None, reason="no C compiler for the CPU kernels")
@@ -103,7 +103,7 @@ def test_model_swap_shares_tied_weights_and_frees_the_originals():
 def test_default_model_runs_on_its_gguf_blocks(default_model_dir):
     from kiln import LLM
 
-    model = LLM(default_model_dir, dtype="float32").engine.runner.model
+    model = LLM(default_model_dir, dtype="float32").engine.executor.runner.model
     assert isinstance(model.embed_tokens, TiledEmbedding) and model.lm_head.weight is model.embed_tokens.weight
     assert model.lm_head.weight.fmt == 8  # Q8_0 in the file
     layer = model.layers[0]

@@ -25,9 +25,9 @@ def test_graph_replay_matches_eager(tiny_model_dir, cuda_plugins, varied_prompts
 
     common = dict(model=tiny_model_dir("llama"), device="cuda", dtype=dtype, max_num_seqs=8)
     engine = make_engine(cuda_plugins, **common)
-    assert engine.runner.graph_sizes == [1, 2, 4, 8]
+    assert engine.executor.runner.graph_sizes == [1, 2, 4, 8]
     graphed = run_greedy(engine, varied_prompts, max_tokens=16)
-    assert engine.runner.graph_steps > 0
+    assert engine.executor.runner.graph_steps > 0
     assert graphed == greedy_tokens(cuda_plugins, varied_prompts, max_tokens=16, enforce_eager=True, **common)
 
 
@@ -48,7 +48,7 @@ def test_long_sequences_run_eagerly(tiny_model_dir, cuda_plugins):
         cuda_plugins, model=tiny_model_dir("llama"), device="cuda", max_num_seqs=4, max_seq_len_to_capture=8
     )
     run_greedy(engine, [[5] * 20], max_tokens=4)
-    assert engine.runner.graph_steps == 0
+    assert engine.executor.runner.graph_steps == 0
 
 
 def test_fp8_kv_cache_halves_the_block_and_serves(tiny_model_dir, cuda_plugins, varied_prompts):
@@ -66,7 +66,7 @@ def test_kv_cache_leaves_room_for_the_profiled_step(tiny_model_dir, cuda_plugins
     from kiln.testing.engine import make_engine
 
     engine = make_engine(cuda_plugins, model=tiny_model_dir("llama"), device="cuda", gpu_memory_utilization=0.5)
-    peak = engine.runner.profile_peak()
+    peak = engine.executor.runner.profile_peak()
     assert peak is not None and peak > 0
 
 
@@ -77,13 +77,13 @@ def test_sampling_runs_on_the_device(tiny_model_dir, varied_prompts):
     from kiln import LLM, SamplingParams
 
     llm = LLM(tiny_model_dir("llama"), device="cuda", dtype="float32")
-    sampler, devices = llm.engine.sampler, set()
+    sampler, devices = llm.engine.executor.sampler, set()
 
-    def spy(logits, reqs):
+    def spy(logits, reqs, bitmask=None):
         devices.add(logits.device.type)
-        return sampler(logits, reqs)
+        return sampler(logits, reqs, bitmask)
 
-    llm.engine.sampler = spy
+    llm.engine.executor.sampler = spy
     seeded = SamplingParams(
         seed=7, temperature=0.8, top_k=50, top_p=0.9, min_p=0.01, repetition_penalty=1.2,
         presence_penalty=0.5, frequency_penalty=0.5, logit_bias={5: 3.0}, logprobs=2, max_tokens=16,

@@ -76,7 +76,7 @@ def test_regex_choice_and_grammar(llm):
 
 
 def test_compiles_once_per_constraint(llm):
-    manager = llm.engine.guided
+    manager = llm.engine.input_processor.guided
     backend = manager.backend("xgrammar")
     calls = []
     original = backend.compile
@@ -138,7 +138,7 @@ def test_constraints_survive_preemption_and_chunked_prefill(tiny_model_dir):
     prompts = [f"Record {i} of the ledger. " * 6 for i in range(6)]
     params = SamplingParams(max_tokens=120, temperature=1.0, seed=9, guided_decoding=GuidedDecodingParams(json=SCHEMA))
     outs = llm.generate(prompts, params)
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.core.scheduler.num_preemptions > 0
     for out in outs:
         jsonschema.validate(json.loads(out.outputs[0].text), SCHEMA)
 

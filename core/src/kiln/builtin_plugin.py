@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kiln.attention.base import AttentionBackendSpec
 from kiln.hookspecs import hookimpl
+from kiln.registry import AttentionBackendSpec
 
 LLAMA = "kiln.models.llama:LlamaForCausalLM"
 

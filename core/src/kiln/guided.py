@@ -1,218 +1,27 @@
-"""Guided (structured) decoding: the constraint a request carries and the backend interface.
+"""Old import path, kept for plugins written before ``kiln.interfaces``: the guided-decoding
+interface now lives in ``kiln.interfaces.guided``, the engine's manager in
+``kiln.engine.guided_manager``."""
 
-A ``GuidedBackend`` (registered by a plugin under a name, e.g. ``xgrammar``)
-compiles a request's constraint once into a ``CompiledGuide``; each sequence
-gets its own ``GuideMatcher`` from it. Every step the engine asks each
-constrained sequence's matcher to fill one row of a token bitmask (int32,
-``ceil(vocab / 32)`` words per row, bit 1 = allowed, xgrammar's layout), applies
-the mask to the logits before temperature / top-k / top-p, and feeds the sampled
-token back with ``accept``. A matcher that reports ``is_terminated`` ends its
-sequence with finish_reason ``"stop"``.
-"""
+from kiln.engine.guided_manager import GuidedManager
+from kiln.interfaces.guided import (
+    KINDS,
+    CompiledGuide,
+    GuidedBackend,
+    GuidedDecodingParams,
+    GuideMatcher,
+    UnsupportedConstraint,
+    allocate_bitmask,
+    apply_token_bitmask,
+)
 
-from __future__ import annotations
-
-import json
-import threading
-from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import Any
-
-import torch
-
-KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
-
-
-@dataclass(frozen=True, slots=True)
-class GuidedDecodingParams:
-    """One constraint (exactly one of the first six fields), as vLLM's ``GuidedDecodingParams``.
-
-    ``json`` is a JSON schema (a dict or its text); ``grammar`` is EBNF as xgrammar
-    reads it; ``structural_tag`` is xgrammar's structural-tag JSON (tool calling uses
-    it); ``backend`` names a registered ``GuidedBackend`` (with ``:no-fallback`` to
-    refuse falling back); ``whitespace_pattern`` is a regex for the whitespace
-    allowed between JSON tokens.
-    """
-
-    json: str | dict | None = None
-    regex: str | None = None
-    choice: tuple[str, ...] | None = None
-    grammar: str | None = None
-    json_object: bool | None = None
-    structural_tag: str | None = None
-    backend: str | None = None
-    whitespace_pattern: str | None = None
-
-    def __post_init__(self) -> None:
-        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
-        if len(given) != 1:
-            raise ValueError(f"guided decoding: give exactly one of {', '.join(KINDS)} (got {given or 'none'})")
-        if self.choice is not None:
-            if not self.choice or not all(isinstance(c, str) for c in self.choice):
-                raise ValueError("guided_choice: must be a non-empty list of strings")
-            object.__setattr__(self, "choice", tuple(self.choice))
-        if isinstance(self.json, str):
-            try:
-                object.__setattr__(self, "json", json.loads(self.json))
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"guided_json: not valid JSON: {exc}") from None
-        if self.json is not None and not isinstance(self.json, (dict, bool)):
-            raise ValueError("guided_json: a JSON schema must be an object")
-
-    @property
-    def kind(self) -> str:
-        return next(k for k in KINDS if getattr(self, k) not in (None, False))
-
-    def cache_key(self) -> tuple:
-        """Hashable identity of the constraint (the backend choice aside)."""
-        spec = getattr(self, self.kind)
-        if isinstance(spec, dict):
-            spec = json.dumps(spec, sort_keys=True)
-        return self.kind, spec, self.whitespace_pattern
-
-
-class GuideMatcher(ABC):
-    """The constraint's state for one sequence."""
-
-    @abstractmethod
-    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the allowed next tokens into ``bitmask[row]`` (int32 words, bit 1 = allowed)."""
-
-    @abstractmethod
-    def accept(self, token_id: int) -> bool:
-        """Advance by a sampled token; False if the constraint does not allow it."""
-
-    @abstractmethod
-    def is_terminated(self) -> bool:
-        """True once the constraint is complete (the sequence should stop)."""
-
-    def rollback(self, num_tokens: int) -> None:
-        """Undo the last ``num_tokens`` accepted tokens (speculative decoding); optional."""
-        raise NotImplementedError
-
-
-class CompiledGuide(ABC):
-    """A compiled constraint, shared by every sequence that uses it (and cached)."""
-
-    @abstractmethod
-    def matcher(self) -> GuideMatcher:
-        """A fresh matcher at the start of the constraint."""
-
-
-class GuidedBackend(ABC):
-    """A guided-decoding backend, registered through ``register_guided_backends``.
-
-    Built once per engine with the tokenizer and the model's logits width (which
-    may exceed ``len(tokenizer)``). ``compile`` must raise ``ValueError`` with the
-    compiler's message for an invalid constraint (the server returns it as a 400)
-    and ``UnsupportedConstraint`` for a valid one it cannot handle (the engine then
-    tries the fallback backend). It may be called from several threads.
-    """
-
-    name: str = ""
-
-    def __init__(self, tokenizer, vocab_size: int) -> None:
-        self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
-
-    @abstractmethod
-    def compile(self, params: GuidedDecodingParams) -> CompiledGuide:
-        """Compile ``params`` (JSON schema, regex, choice, EBNF grammar, json_object, structural tag)."""
-
-    def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-        """Set disallowed logits of ``rows`` to -inf in place; backends may use a faster kernel.
-
-        ``logits`` (float32) and ``bitmask`` (int32, one bit per token, rows in batch
-        order; filled on the host) sit on the engine's device."""
-        apply_token_bitmask(logits, bitmask, rows)
-
-
-class UnsupportedConstraint(ValueError):
-    """A valid constraint this backend cannot compile (another backend may)."""
-
-
-def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
-    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
-
-
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-    """Torch fallback: for each ``i`` in ``rows``, unpack ``bitmask[i]`` and mask ``logits[i]``."""
-    vocab = logits.shape[-1]
-    index = torch.tensor(rows, device=logits.device)
-    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-    allowed = ((bitmask[index, :, None] >> shifts) & 1).bool().flatten(1)[:, :vocab]
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
-
-
-class GuidedManager:
-    """The engine's side: backends by name, the compile cache, and fallback.
-
-    ``default`` is the backend for requests that name none (``--guided-decoding-backend``,
-    optionally ``name:no-fallback``); ``fallback`` is tried when the chosen backend
-    raises ``UnsupportedConstraint``.
-    """
-
-    def __init__(self, registry, tokenizer, vocab_size: int, default: str = "xgrammar", fallback: str | None = None):
-        from kiln.plugins import load_ref
-
-        self._load_ref = load_ref
-        self.factories: dict[str, Any] = dict(registry.items["guided_backends"])
-        self.tokenizer, self.vocab_size = tokenizer, vocab_size
-        self.default, self.default_fallback = _split_backend(default)
-        self.fallback = fallback
-        self.backends: dict[str, GuidedBackend] = {}
-        self.cache: dict[tuple, CompiledGuide] = {}
-        self.lock = threading.Lock()
-
-    def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-        """Through the loaded backend's kernel (every constrained request went through one)."""
-        backend = next(iter(self.backends.values()), None)
-        (backend.apply_bitmask if backend else apply_token_bitmask)(logits, bitmask, rows)
-
-    def backend(self, name: str) -> GuidedBackend:
-        with self.lock:
-            if name not in self.backends:
-                if name not in self.factories:
-                    known = ", ".join(sorted(self.factories)) or "none (pip install kiln-plugin-guided)"
-                    raise ValueError(f"guided_decoding_backend: {name!r} is not installed; installed: {known}")
-                cls = self._load_ref(self.factories[name])
-                self.backends[name] = cls(self.tokenizer, self.vocab_size)
-            return self.backends[name]
-
-    def compile(self, params: GuidedDecodingParams) -> CompiledGuide:
-        """Compile (or fetch from the cache); ``ValueError`` says what is wrong with the constraint."""
-        if not self.factories:
-            raise ValueError(
-                f"guided decoding ({params.kind}) needs a guided-decoding backend and none is installed "
-                "(pip install kiln-plugin-guided)"
-            )
-        name, allow_fallback = (
-            _split_backend(params.backend) if params.backend else (self.default, self.default_fallback)
-        )
-        candidates = [name]
-        fallback = self.fallback or next((n for n in sorted(self.factories) if n != name), None)
-        if allow_fallback and fallback and fallback != name:
-            candidates.append(fallback)
-        errors = []
-        for backend_name in candidates:
-            key = (backend_name, *params.cache_key())
-            with self.lock:
-                hit = self.cache.get(key)
-            if hit is not None:
-                return hit
-            try:
-                compiled = self.backend(backend_name).compile(params)
-            except UnsupportedConstraint as exc:
-                errors.append(f"{backend_name}: {exc}")
-                continue
-            with self.lock:
-                self.cache[key] = compiled
-            return compiled
-        raise ValueError(f"guided decoding: no backend can take this {params.kind} constraint: {'; '.join(errors)}")
-
-
-def _split_backend(value: str) -> tuple[str, bool]:
-    name, _, option = value.partition(":")
-    if option not in ("", "no-fallback"):
-        raise ValueError(f"guided_decoding_backend: unknown option {option!r} (only 'no-fallback')")
-    return name, option != "no-fallback"
+__all__ = [
+    "KINDS",
+    "CompiledGuide",
+    "GuidedBackend",
+    "GuidedDecodingParams",
+    "GuideMatcher",
+    "GuidedManager",
+    "UnsupportedConstraint",
+    "allocate_bitmask",
+    "apply_token_bitmask",
+]

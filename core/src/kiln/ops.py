@@ -1,64 +1,13 @@
-"""Reference implementations of the ops a platform may replace with fused kernels.
+"""Old import path, kept for plugins written before ``kiln.interfaces``: the reference ops
+now live in ``kiln.interfaces.model``."""
 
-``Ops`` is resolved once when the model is built: each name maps to the
-platform's override from ``Platform.custom_ops()`` or to the torch code here.
-"""
+from kiln.interfaces.model import (
+    REFERENCE_OPS,
+    fused_add_rms_norm,
+    resolve_ops,
+    rms_norm,
+    rotary_embedding,
+    silu_and_mul,
+)
 
-from __future__ import annotations
-
-from collections.abc import Callable
-from types import SimpleNamespace
-
-import torch
-import torch.nn.functional as F
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
-
-
-def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``residual += x`` then normalise it; returns (normed, new residual)."""
-    residual = x + residual
-    return rms_norm(residual, weight, eps), residual
-
-
-def rotary_embedding(
-    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Neox-style (rotate-half) rotary on (tokens, heads, head_dim) q and k.
-
-    ``cos_sin_cache`` is (max_positions, head_dim): cos in the first half, sin in the second.
-    """
-    cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
-
-    def rotate(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
-
-    return rotate(q), rotate(k)
-
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-REFERENCE_OPS: dict[str, Callable] = {
-    "rms_norm": rms_norm,
-    "fused_add_rms_norm": fused_add_rms_norm,
-    "rotary_embedding": rotary_embedding,
-    "silu_and_mul": silu_and_mul,
-}
-
-
-def resolve_ops(overrides: dict[str, Callable]) -> SimpleNamespace:
-    unknown = set(overrides) - set(REFERENCE_OPS)
-    if unknown:
-        raise ValueError(f"platform overrides unknown ops: {sorted(unknown)}")
-    return SimpleNamespace(**{**REFERENCE_OPS, **overrides})
+__all__ = ["REFERENCE_OPS", "fused_add_rms_norm", "resolve_ops", "rms_norm", "rotary_embedding", "silu_and_mul"]

@@ -1,12 +1,15 @@
-"""Plugin loading and the registry of everything plugins provide.
+"""Plugin loading: entry points and files in, a ``kiln.registry.Registry`` out.
 
 Plugins are modules with ``@kiln.hookimpl`` functions, found through the ``kiln``
 entry-point group (or registered directly, e.g. by tests). Each registration
-hook is called once, per plugin, with a ``register`` callback bound to that
-plugin, so ``kiln plugins`` can say who registered what.
+hook is called once through pluggy's hook caller with a ``register`` callback;
+the callback tells plugins apart by the hook implementation that called it, so
+``kiln plugins`` can say who registered what, and ``tryfirst``/``trylast``,
+wrappers and ``KILN_TRACE_PLUGINS`` work as pluggy documents them.
 
 ``KILN_LOAD_PLUGINS`` (comma-separated entry-point names; empty = none) limits
 which installed plugins load; ``KILN_TRACE_PLUGINS=1`` logs every hook call.
+This module imports no torch: only ``kiln.registry`` and ``kiln.hookspecs``.
 """
 
 from __future__ import annotations
@@ -16,63 +19,23 @@ import importlib.metadata
 import importlib.util
 import logging
 import os
+import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from types import CodeType, TracebackType
 from typing import Any
 
 import pluggy
 
 from kiln import hookspecs
-from kiln.platforms.base import LazyRef
+from kiln.registry import KINDS, LazyRef, PluginInfo, Registry, load_ref
+
+__all__ = ["ENTRY_POINT_GROUP", "PLATFORM_PLUGINS", "LazyRef", "PluginManager", "get_plugin_manager", "load_ref"]
 
 logger = logging.getLogger("kiln.plugins")
 
 ENTRY_POINT_GROUP = "kiln"
 # Which distribution brings which platform, for "install X" messages.
 PLATFORM_PLUGINS = {"cpu": "kiln-plugin-cpu", "cuda": "kiln-plugin-cuda", "npu": "kiln-plugin-ascend"}
-KINDS = (
-    "platforms",
-    "attention_backends",
-    "models",
-    "guided_backends",
-    "tool_parsers",
-    "reasoning_parsers",
-    "chat_templates",
-)
-
-
-def load_ref(ref: LazyRef) -> Any:
-    """Resolve a lazy reference: ``"pkg.mod:attr"`` is imported, a function is called."""
-    if isinstance(ref, str):
-        module, _, attr = ref.partition(":")
-        obj = importlib.import_module(module)
-        for part in attr.split(".") if attr else ():
-            obj = getattr(obj, part)
-        return obj
-    return ref()
-
-
-@dataclass(slots=True)
-class PluginInfo:
-    name: str
-    distribution: str | None = None
-    version: str | None = None
-    registered: dict[str, list[str]] = field(default_factory=dict)
-
-
-@dataclass(slots=True)
-class Registry:
-    """name -> spec or lazy factory, per kind, with who registered each."""
-
-    items: dict[str, dict[str, Any]] = field(default_factory=lambda: {k: {} for k in KINDS})
-    plugins: dict[str, PluginInfo] = field(default_factory=dict)
-    errors: dict[str, str] = field(default_factory=dict)  # plugin name -> why it failed to load
-
-    def get(self, kind: str, name: str) -> Any:
-        return self.items[kind][name]
-
-    def names(self, kind: str) -> list[str]:
-        return sorted(self.items[kind])
 
 
 class PluginManager:
@@ -93,6 +56,9 @@ class PluginManager:
         self._registry: Registry | None = None
 
     def register(self, plugin: object, name: str, distribution: str | None = None, version: str | None = None) -> None:
+        """Register a module or object holding ``@kiln.hookimpl`` functions under ``name``."""
+        if type(plugin).__hash__ is None:  # e.g. a SimpleNamespace: pluggy's subset_hook_caller hashes plugins
+            plugin = _HashablePlugin(plugin)
         self.pm.register(plugin, name=name)
         if version is None and distribution is not None:
             version = _dist_version(distribution)
@@ -144,18 +110,36 @@ class PluginManager:
         reg = Registry(errors=dict(self.errors))
         for info in self.info.values():
             info.registered.clear()
-        for kind in KINDS:
-            hook = getattr(self.pm.hook, f"register_{kind}")
-            # Registration order: built-ins first, so an installed plugin may override them.
-            for impl in hook.get_hookimpls():
-                info = self.info[impl.plugin_name]
-                try:
-                    impl.function(register=_registrar(reg, kind, info))
-                except Exception as exc:
-                    reg.errors[impl.plugin_name] = f"register_{kind}: {type(exc).__name__}: {exc}"
-                    logger.warning("plugin %r failed in register_%s: %s", impl.plugin_name, kind, exc)
         reg.plugins = dict(self.info)
+        for kind in KINDS:
+            self._call_registration_hook(reg, kind)
         return reg
+
+    def _call_registration_hook(self, reg: Registry, kind: str) -> None:
+        """Call ``register_<kind>`` through pluggy; a plugin that raises is reported and the
+        hook is called again without it (its partial registrations are discarded)."""
+        name = f"register_{kind}"
+        excluded: list[object] = []
+        while True:
+            caller = self.pm.subset_hook_caller(name, excluded) if excluded else getattr(self.pm.hook, name)
+            impls = {impl.function.__code__: impl.plugin_name for impl in caller.get_hookimpls()}
+            attempt = Registry(plugins=reg.plugins)
+            try:
+                caller(register=_registrar(attempt, kind, impls))
+            except Exception as exc:
+                culprit = _raising_plugin(exc.__traceback__, impls)
+                if culprit is None:
+                    raise
+                reg.errors[culprit] = f"{name}: {type(exc).__name__}: {exc}"
+                logger.warning("plugin %r failed in %s: %s", culprit, name, exc)
+                excluded.append(self.pm.get_plugin(culprit))
+                for info in reg.plugins.values():
+                    info.registered.pop(kind, None)
+                continue
+            for (k, entry), owner in attempt.owners.items():
+                reg.table(k)[entry] = attempt.table(k)[entry]
+                reg.owners[(k, entry)] = owner
+            return
 
     def update_engine_config(self, config: Any) -> None:
         self.pm.hook.update_engine_config(config=config)
@@ -164,16 +148,43 @@ class PluginManager:
         self.pm.hook.register_commands(cli=cli)
 
 
-def _registrar(reg: Registry, kind: str, info: PluginInfo) -> Callable[..., None]:
+class _HashablePlugin:
+    """The attributes of an unhashable plugin object, in a hashable one."""
+
+    def __init__(self, plugin: object) -> None:
+        self.__dict__.update(vars(plugin))
+
+
+def _registrar(reg: Registry, kind: str, impls: dict[CodeType, str]) -> Callable[..., None]:
+    """The ``register`` callback for one call of ``register_<kind>``: ``register(spec)`` (a spec
+    carrying its name) or ``register(name, factory)``, attributed to the calling plugin."""
+
     def register(name_or_spec: Any, factory: Any = None) -> None:
-        if factory is None:  # a spec object carrying its own name
+        if factory is None:
             name, value = name_or_spec.name, name_or_spec
         else:
             name, value = name_or_spec, factory
-        reg.items[kind][name] = value
-        info.registered.setdefault(kind, []).append(name)
+        reg.add(kind, name, value, _calling_plugin(impls))
 
     return register
+
+
+def _calling_plugin(impls: dict[CodeType, str]) -> str:
+    """The plugin whose hook implementation is the innermost caller on the stack."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code in impls:
+            return impls[frame.f_code]
+        frame = frame.f_back
+    return "unknown"
+
+
+def _raising_plugin(tb: TracebackType | None, impls: dict[CodeType, str]) -> str | None:
+    culprit = None
+    while tb is not None:
+        culprit = impls.get(tb.tb_frame.f_code, culprit)
+        tb = tb.tb_next
+    return culprit
 
 
 def _dist_version(distribution: str) -> str | None:

@@ -1,5 +1,2 @@
-"""Attention over the paged KV cache: the backend interface and the torch reference."""
-
-from kiln.attention.base import AttentionBackend, AttentionBackendSpec, BatchLayout
-
-__all__ = ["AttentionBackend", "AttentionBackendSpec", "BatchLayout"]
+"""The torch reference attention backend (``kiln.attention.torch_ref``). The interface
+plugins implement is ``kiln.interfaces.attention``; ``kiln.attention.base`` is its old path."""

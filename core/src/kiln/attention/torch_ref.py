@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kiln.attention.base import AttentionBackend, BatchLayout, gather_kv, write_kv_cache
+from kiln.interfaces.attention import AttentionBackend, BatchLayout, gather_kv, write_kv_cache
 
 
 class TorchRefAttentionBackend(AttentionBackend):

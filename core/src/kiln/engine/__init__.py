@@ -1,1 +1,3 @@
-"""The engine: requests flow Scheduler -> KVCacheManager -> ModelRunner -> Sampler -> Detokenizer."""
+"""The torch-free side of the engine: a request goes InputProcessor -> EngineCore
+(Scheduler, KVCacheManager; the tensor side in ``kiln.worker``) -> OutputProcessor.
+``LLMEngine`` builds and drives them."""

@@ -1,7 +1,7 @@
 """``AsyncEngine``: the engine loop on its own thread, fed from and read by asyncio.
 
 The HTTP front end tokenizes and validates on the event loop
-(``LLMEngine.prepare_request``), so bad input fails before it is queued; the
+(``LLMEngine.process_request``), so bad input fails before it is queued; the
 engine loop alone steps the model (one process, one compute thread pool: two
 OpenMP pools on the same cores slow each other badly) and posts each step's
 outputs back to the event loop. The event loop only ever waits on queues, never
@@ -63,6 +63,8 @@ class RequestStream:
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, log_stats_interval: float | None = 10.0, own_thread: bool = True) -> None:
         self.engine = engine
+        self.model_info = engine.model_info  # what the front end may know of the model
+        self.input_processor = engine.input_processor
         self.own_thread = own_thread  # False: the caller runs ``run_loop()`` on a thread it chose
         self.log_stats_interval = log_stats_interval
         self.dead: BaseException | None = None
@@ -103,6 +105,10 @@ class AsyncEngine:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    def get_stats(self) -> dict:
+        """The engine's counters and gauges (read from another thread: plain numbers only)."""
+        return self.engine.get_stats()
+
     @property
     def is_healthy(self) -> bool:
         return self.dead is None and self._looping
@@ -120,10 +126,10 @@ class AsyncEngine:
             raise EngineDeadError(f"the engine is not running: {self.dead!r}" if self.dead else "the engine is stopped")
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already running")
-        group = self.engine.prepare_request(request_id, prompt, params, arrival_time, priority)
+        processed = self.engine.process_request(request_id, prompt, params, arrival_time, priority)
         stream = RequestStream(self, request_id)
         self._streams[request_id] = stream
-        self._commands.put(("add", group))
+        self._commands.put(("add", processed))
         self._wake.set()
         return stream
 
@@ -180,7 +186,7 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if command == "add":
-                self.engine.add_prepared(arg)
+                self.engine.add_processed(arg)
             else:
                 self.engine.abort_request(arg)
 
@@ -191,7 +197,7 @@ class AsyncEngine:
         then, prompt_then, gen_then = self._last_log
         if now - then < self.log_stats_interval:
             return
-        stats = self.engine.get_stats()
+        stats = self.get_stats()
         elapsed = now - then
         logger.info(
             "throughput: prompt %.1f tokens/s, generation %.1f tokens/s | running %d, waiting %d reqs | "

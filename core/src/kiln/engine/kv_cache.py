@@ -21,8 +21,24 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from kiln.engine.request import Request
+
+class CachedSequence(Protocol):
+    """What the KV manager reads and writes of a request (``kiln.engine.request.Request``)."""
+
+    all_token_ids: list[int]
+    num_computed_tokens: int
+    blocks: list[Block]
+    block_hashes: list[int]
+    cache_salt: object
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def reads_prefix_cache(self) -> bool: ...
+
 
 _ROOT_HASH = hash("kiln-prefix-cache-v1")
 
@@ -106,14 +122,14 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.num_blocks = num_blocks
-        self.prefix_queries = 0  # prompt tokens looked up
+        self.prefix_queries = 0  # prompt tokens of admitted requests looked up in the cache
         self.prefix_hits = 0  # of which found cached
 
-    def _caches(self, req: Request) -> bool:
+    def _caches(self, req: CachedSequence) -> bool:
         # Without prefix caching, sequences fanned out from one prompt (n > 1) still share.
         return self.enable_prefix_caching or req.cache_salt is not None
 
-    def _hash_full_blocks(self, req: Request, upto_tokens: int) -> list[int]:
+    def _hash_full_blocks(self, req: CachedSequence, upto_tokens: int) -> list[int]:
         """Extend ``req.block_hashes`` to cover every full block within ``upto_tokens``."""
         bs = self.block_size
         hashes = req.block_hashes
@@ -123,13 +139,13 @@ class KVCacheManager:
             hashes.append(parent)
         return hashes
 
-    def get_computed_blocks(self, req: Request) -> tuple[list[Block], int]:
+    def get_computed_blocks(self, req: CachedSequence) -> tuple[list[Block], int]:
         """Cached blocks for the longest known prefix, and how many tokens they hold.
 
         At most ``num_tokens - 1`` tokens: the last one must be computed to get logits.
         """
-        if not self._caches(req) or req.sampling_params.prompt_logprobs is not None:
-            return [], 0  # prompt logprobs need every prompt position computed
+        if not self._caches(req) or not req.reads_prefix_cache:
+            return [], 0
         bs = self.block_size
         hashes = self._hash_full_blocks(req, req.num_tokens - 1)
         hits: list[Block] = []
@@ -138,11 +154,16 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.prefix_queries += req.num_tokens
-        self.prefix_hits += len(hits) * bs
         return hits, len(hits) * bs
 
-    def can_fit(self, req: Request, num_new_tokens: int, computed: list[Block] = ()) -> int | None:
+    def record_admission(self, req: CachedSequence, num_hit: int) -> None:
+        """Count an admitted request's lookup in the prefix-cache stats (a lookup that did not
+        lead to admission is not counted: under load it would be repeated every step)."""
+        if self._caches(req) and req.reads_prefix_cache:
+            self.prefix_queries += req.num_tokens
+            self.prefix_hits += num_hit
+
+    def can_fit(self, req: CachedSequence, num_new_tokens: int, computed: list[Block] = ()) -> int | None:
         """Free blocks left after such an allocation, or None if it does not fit."""
         total = req.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
         need = -(-total // self.block_size) - len(req.blocks) - len(computed)
@@ -150,7 +171,7 @@ class KVCacheManager:
         left = self.pool.num_free - revived - max(need, 0)
         return left if left >= 0 else None
 
-    def allocate_slots(self, req: Request, num_new_tokens: int, computed: list[Block] = ()) -> bool:
+    def allocate_slots(self, req: CachedSequence, num_new_tokens: int, computed: list[Block] = ()) -> bool:
         """Give ``req`` blocks for ``num_new_tokens`` more tokens (after ``computed`` hits).
 
         Returns False, changing nothing, if the free blocks do not suffice: the
@@ -168,7 +189,7 @@ class KVCacheManager:
             self._cache_full_blocks(req, total)
         return True
 
-    def _cache_full_blocks(self, req: Request, num_tokens: int) -> None:
+    def _cache_full_blocks(self, req: CachedSequence, num_tokens: int) -> None:
         # Tokens are known at scheduling time, so blocks are published as soon as they
         # are allocated: a request scheduled later in the same step may hit them, which
         # is safe because backends write a step's K/V before reading any.
@@ -179,7 +200,7 @@ class KVCacheManager:
             if block.block_hash is None:
                 self.pool.cache(block, hashes[i], tuple(req.all_token_ids[i * bs : (i + 1) * bs]))
 
-    def free(self, req: Request) -> None:
+    def free(self, req: CachedSequence) -> None:
         self.pool.free(req.blocks)
         req.blocks = []
 

@@ -1,8 +1,14 @@
-"""From finished steps to ``RequestOutput``: grouping fanned-out sequences, text, logprobs.
+"""From the core's token-level outputs to ``RequestOutput``: text, stop strings, logprobs, metrics.
+
+Each sequence has a ``SequenceState`` here (its detokenizer, tokens, formatted
+logprobs, finish reason), apart from the core's ``Request``. A stop string found
+in the text finishes the sequence here and goes back to the core as an abort
+(``OutputResult.reqs_to_abort``); every other finish comes from the core.
 
 A user request with ``n``/``best_of`` > 1 becomes ``best_of`` child sequences
-(``{i}_{request_id}``). The group reports them together; with ``best_of > n`` it
-waits for all of them and keeps the ``n`` with the highest cumulative logprob.
+(``{i}_{request_id}``). Its ``RequestGroup`` reports them together; with
+``best_of > n`` it waits for all of them and keeps the ``n`` with the highest
+cumulative logprob.
 """
 
 from __future__ import annotations
@@ -12,10 +18,32 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from kiln.engine.detokenizer import IncrementalDetokenizer
-from kiln.engine.request import Request
-from kiln.engine.sampler import TopLogprobs
-from kiln.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from kiln.engine.request import EngineCoreOutput, TopLogprobs
+from kiln.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
 from kiln.sampling_params import RequestOutputKind, SamplingParams
+
+
+@dataclass(slots=True)
+class SequenceState:
+    """One sequence as the output side sees it."""
+
+    request_id: str
+    detokenizer: IncrementalDetokenizer
+    metrics: RequestMetrics
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[PositionLogprobs | None] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    num_cached_tokens: int = 0
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    sent_text: int = 0  # DELTA mode: what was already sent
+    sent_tokens: int = 0
+    sent_logprobs: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass(slots=True)
@@ -24,20 +52,17 @@ class RequestGroup:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
-    children: list[Request]
-    detokenizers: list[IncrementalDetokenizer]
-    sent_text: list[int] = field(default_factory=list)  # DELTA mode: chars already sent
-    sent_tokens: list[int] = field(default_factory=list)
-    sent_logprobs: list[int] = field(default_factory=list)
+    sequences: list[SequenceState]
     sent_prompt_logprobs: bool = False
 
     def __post_init__(self) -> None:
-        k = len(self.children)
-        self.sent_text, self.sent_tokens, self.sent_logprobs = [0] * k, [0] * k, [0] * k
+        if self.params.prompt_logprobs is not None:
+            for seq in self.sequences:
+                seq.prompt_logprobs = [None]  # nothing predicts the first prompt token
 
     @property
     def finished(self) -> bool:
-        return all(c.is_finished for c in self.children)
+        return all(s.finished for s in self.sequences)
 
     def make_output(self) -> RequestOutput | None:
         finished = self.finished
@@ -45,18 +70,16 @@ class RequestGroup:
         if (kind is RequestOutputKind.FINAL_ONLY or self.params.best_of > self.params.n) and not finished:
             return None
         delta = kind is RequestOutputKind.DELTA
-        chosen = list(range(len(self.children)))
+        chosen = list(self.sequences)
         if self.params.best_of > self.params.n:
-            chosen.sort(key=lambda i: self.children[i].cumulative_logprob, reverse=True)
+            chosen.sort(key=lambda s: s.cumulative_logprob, reverse=True)
             chosen = chosen[: self.params.n]
-        outputs = [self._completion(index, i, delta) for index, i in enumerate(chosen)]
-        first = self.children[0]
+        outputs = [self._completion(index, seq, delta) for index, seq in enumerate(chosen)]
+        first = self.sequences[0]
         prompt_logprobs = None
         if self.params.prompt_logprobs is not None and not (delta and self.sent_prompt_logprobs):
             prompt_logprobs = first.prompt_logprobs
             self.sent_prompt_logprobs = True
-        metrics = first.metrics
-        metrics.model_execute_time = time.time() - metrics.arrival_time
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
@@ -64,28 +87,27 @@ class RequestGroup:
             outputs=outputs,
             finished=finished,
             prompt_logprobs=prompt_logprobs,
-            num_cached_tokens=first.num_cached_tokens or 0,
-            metrics=metrics,
+            num_cached_tokens=first.num_cached_tokens,
+            metrics=first.metrics,
         )
 
-    def _completion(self, index: int, i: int, delta: bool) -> CompletionOutput:
-        req, detok = self.children[i], self.detokenizers[i]
-        finished = req.is_finished
-        text = detok.visible_text(finished)
-        tokens, logprobs = req.output_token_ids, req.logprobs if self.params.logprobs is not None else None
+    def _completion(self, index: int, seq: SequenceState, delta: bool) -> CompletionOutput:
+        text = seq.detokenizer.visible_text(seq.finished)
+        want_logprobs = self.params.logprobs is not None
+        tokens, logprobs = seq.token_ids, seq.logprobs if want_logprobs else None
         if delta:
-            text, self.sent_text[i] = text[self.sent_text[i] :], len(text)
-            tokens, self.sent_tokens[i] = tokens[self.sent_tokens[i] :], len(tokens)
+            text, seq.sent_text = text[seq.sent_text :], len(text)
+            tokens, seq.sent_tokens = tokens[seq.sent_tokens :], len(tokens)
             if logprobs is not None:
-                logprobs, self.sent_logprobs[i] = logprobs[self.sent_logprobs[i] :], len(logprobs)
+                logprobs, seq.sent_logprobs = logprobs[seq.sent_logprobs :], len(logprobs)
         return CompletionOutput(
             index=index,
             text=text,
             token_ids=list(tokens),
-            cumulative_logprob=req.cumulative_logprob if self.params.logprobs is not None else None,
+            cumulative_logprob=seq.cumulative_logprob if want_logprobs else None,
             logprobs=list(logprobs) if logprobs is not None else None,
-            finish_reason=req.status.value if finished else None,
-            stop_reason=req.stop_reason,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
         )
 
 
@@ -100,3 +122,81 @@ class LogprobFormatter:
         for rank, (tid, value) in enumerate(zip(lp.top_ids, lp.top_logprobs), start=1):
             out.setdefault(tid, Logprob(value, rank, self.decode(tid)))
         return out
+
+
+@dataclass(slots=True)
+class OutputResult:
+    request_outputs: list[RequestOutput]
+    reqs_to_abort: list[str]  # sequences a stop string finished while the core still runs them
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.formatter = LogprobFormatter(tokenizer)
+        self.groups: dict[str, RequestGroup] = {}
+        self.sequences: dict[str, tuple[RequestGroup, SequenceState]] = {}
+
+    def add(self, group: RequestGroup) -> None:
+        self.groups[group.request_id] = group
+        for seq in group.sequences:
+            self.sequences[seq.request_id] = (group, seq)
+
+    def abort(self, request_id: str) -> list[str]:
+        """Forget a user request; returns its sequences' ids (for the core to abort)."""
+        group = self.groups.pop(request_id, None)
+        ids = [seq.request_id for seq in group.sequences] if group else []
+        for rid in ids:
+            del self.sequences[rid]
+        return ids
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups)
+
+    def process(self, outputs: list[EngineCoreOutput]) -> OutputResult:
+        now = time.time()
+        touched: dict[str, RequestGroup] = {}
+        to_abort: list[str] = []
+        for out in outputs:
+            entry = self.sequences.get(out.request_id)
+            if entry is None:
+                continue  # aborted while the step ran
+            group, seq = entry
+            seq.num_cached_tokens = out.num_cached_tokens
+            if out.new_prompt_logprobs:
+                seq.prompt_logprobs.extend(self.formatter.position(lp) for lp in out.new_prompt_logprobs)
+            if out.new_token_ids:
+                if self._update(group.params, seq, out, now):
+                    to_abort.append(seq.request_id)
+                touched[group.request_id] = group
+        request_outputs = []
+        for group in touched.values():
+            output = group.make_output()
+            if output is not None:
+                request_outputs.append(output)
+            if group.finished:
+                self.abort(group.request_id)
+        return OutputResult(request_outputs, to_abort)
+
+    def _update(self, params: SamplingParams, seq: SequenceState, out: EngineCoreOutput, now: float) -> bool:
+        """Take a step's tokens; True when a stop string ended a sequence the core still runs."""
+        m = seq.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now - m.arrival_time
+        m.last_token_time = now
+        seq.token_ids.extend(out.new_token_ids)
+        for lp in out.new_logprobs or ():
+            seq.cumulative_logprob += lp.logprob
+            if params.logprobs is not None:
+                seq.logprobs.append(self.formatter.position(lp))
+        if out.finish_reason == "stop" and not params.include_stop_str_in_output:
+            stop = None  # EOS or a stop_token_id ended it: like vLLM, its text is not part of the output
+        else:
+            # vLLM looks for stop strings only once min_tokens are out.
+            stop = seq.detokenizer.update(out.new_token_ids, check_stop=len(seq.token_ids) > params.min_tokens)
+        if stop is not None:
+            seq.finish_reason, seq.stop_reason = "stop", stop
+        elif out.finish_reason is not None:
+            seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
+        if seq.finished:
+            m.finished_time = now
+        return stop is not None and out.finish_reason is None

@@ -1,4 +1,8 @@
-"""A request's state as the scheduler and engine see it."""
+"""A request's state as the engine core sees it, and what the core emits for it each step.
+
+No tensors here: the scheduler, the KV manager and the input/output processors
+share these types without importing torch (a meta-test holds them to it).
+"""
 
 from __future__ import annotations
 
@@ -6,17 +10,17 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kiln.outputs import PositionLogprobs, RequestMetrics
+from kiln.outputs import RequestMetrics
 
 if TYPE_CHECKING:
-    import torch
-
     from kiln.engine.kv_cache import Block
-    from kiln.guided import GuideMatcher
+    from kiln.interfaces.guided import GuideMatcher
     from kiln.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
+    """Where a request is. Only ``kiln.engine.scheduler`` sets a ``FINISHED_*`` status."""
+
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
@@ -35,7 +39,9 @@ class Request:
 
     The scheduling invariant: ``num_computed_tokens`` advances towards
     ``num_tokens`` (prompt + outputs so far); a request samples when a step
-    brings it level.
+    brings it level. ``metrics`` is shared with the output processor's view of the
+    same sequence: the core writes the scheduling and forward times, the output
+    processor the token times.
     """
 
     request_id: str
@@ -44,22 +50,18 @@ class Request:
     eos_token_ids: frozenset[int]
     arrival_time: float
     priority: int = 0
-    parent_id: str | None = None  # the user's request id when this is one of best_of sequences
     cache_salt: object = None  # requests fanned out from one prompt share this, so share blocks
-    generator: torch.Generator | None = None
+    seed: int | None = None  # the sampler keeps a generator seeded with it, for this request only
     matcher: GuideMatcher | None = None  # guided decoding: this sequence's constraint state
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int | None = None  # prefix-cache hit on first scheduling
     status: RequestStatus = RequestStatus.WAITING
-    stop_reason: int | str | None = None
     blocks: list[Block] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
     num_preemptions: int = 0
-    cumulative_logprob: float = 0.0
-    logprobs: list[PositionLogprobs] = field(default_factory=list)
-    prompt_logprobs: list[PositionLogprobs | None] = field(default_factory=list)
+    num_prompt_logprobs: int = 0  # prompt positions whose logprobs were emitted (recompute skips them)
     metrics: RequestMetrics | None = None
 
     def __post_init__(self) -> None:
@@ -86,3 +88,39 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.finished
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """Prompt logprobs need every prompt position computed, so such requests take no hits."""
+        return self.sampling_params.prompt_logprobs is None
+
+
+@dataclass(slots=True)
+class TopLogprobs:
+    """One position: the chosen token's logprob and 1-based rank, then the top-k (ids, logprobs)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    """What one step produced for one request: token ids and logprob ids, no text.
+
+    ``new_logprobs`` has one entry per new token when the request asked for logprobs
+    (or ranks its ``best_of`` sequences by them); ``new_prompt_logprobs`` covers the
+    prompt positions computed this step. ``finish_reason`` is ``"stop"``, ``"length"``
+    or ``"abort"`` once the core has finished the request; ``stop_reason`` is then the
+    stop token id that ended it, if any.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TopLogprobs] | None = None
+    new_prompt_logprobs: list[TopLogprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+    num_cached_tokens: int = 0

@@ -14,16 +14,27 @@ request's ``num_computed_tokens`` moves towards its ``num_tokens``:
 
 Admission keeps ``1 - kv_cache_ratio`` of the blocks free for the decodes of
 running requests (seed 000's ``kv_cache_ratio``), which makes preemption rarer.
+
+Where a request finishes: here, and only here. ``update_from_output`` ends a
+request on EOS, a stop token id, ``max_tokens``, ``max_model_len`` or a complete
+guided-decoding constraint; ``finish_requests`` ends it on an abort from outside
+(the client went away, or the output processor found a stop string).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from kiln.config import EngineConfig
-from kiln.engine.kv_cache import KVCacheManager
-from kiln.engine.request import Request, RequestStatus
+from kiln.engine.request import EngineCoreOutput, Request, RequestStatus, TopLogprobs
+
+if TYPE_CHECKING:
+    from kiln.config import EngineConfig
+    from kiln.engine.kv_cache import KVCacheManager
+
+logger = logging.getLogger("kiln.engine")
 
 
 @dataclass(slots=True)
@@ -35,6 +46,19 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Prompt tokens computed this step (recomputation after preemption included)."""
+        return sum(min(n, max(0, req.num_prompt_tokens - req.num_computed_tokens)) for req, n in self.scheduled)
+
+
+@dataclass(slots=True)
+class SampledToken:
+    """A token the sampler chose, with its logprobs when the request wants them."""
+
+    token_id: int
+    logprobs: TopLogprobs | None = None
 
 
 class Scheduler:
@@ -48,12 +72,14 @@ class Scheduler:
         self.priority = config.scheduling_policy == "priority"
         self.reserve = int((1.0 - config.kv_cache_ratio) * (kv.num_blocks - 1))
         self.num_preemptions = 0
+        self.requests: dict[str, Request] = {}  # unfinished, by id
 
     def _key(self, req: Request) -> tuple:
         return (req.priority, req.arrival_time) if self.priority else (req.arrival_time,)
 
     def add_request(self, req: Request) -> None:
         self.waiting.append(req)
+        self.requests[req.request_id] = req
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -92,6 +118,7 @@ class Scheduler:
                 break
             self.kv.allocate_slots(req, n, computed)
             self.waiting.remove(req)
+            self.kv.record_admission(req, num_hit)
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens is None:
                 req.num_cached_tokens = num_hit
@@ -113,42 +140,70 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.insert(0, req)
 
-    def update_from_output(self, output: SchedulerOutput, sampled: dict[Request, int]) -> list[Request]:
-        """Advance computed tokens, append sampled tokens, and finish requests that hit a stop."""
-        finished = []
+    def update_from_output(
+        self,
+        output: SchedulerOutput,
+        sampled: dict[Request, SampledToken],
+        prompt_logprobs: dict[Request, list[TopLogprobs]],
+    ) -> list[EngineCoreOutput]:
+        """Advance computed tokens, append sampled tokens (advancing guided matchers), finish
+        requests that hit a stop, and say what changed for each request."""
+        outputs = []
         for req, n in output.scheduled:
             req.num_computed_tokens += n
             token = sampled.get(req)
+            new_prompt_logprobs = prompt_logprobs.get(req)
             if token is None:
+                if new_prompt_logprobs:  # a prefill chunk: nothing sampled yet
+                    outputs.append(EngineCoreOutput(req.request_id, [], new_prompt_logprobs=new_prompt_logprobs))
                 continue
-            req.append_output_token(token)
-            status = self._check_stop(req, token)
+            req.append_output_token(token.token_id)
+            if req.matcher is not None and not req.matcher.accept(token.token_id):
+                logger.warning("request %s: sampled token %d breaks its constraint", req.request_id, token.token_id)
+            status, stop_reason = self._check_stop(req, token.token_id)
             if status is not None:
-                self.finish(req, status)
-                finished.append(req)
-        return finished
+                self._finish(req, status)
+            outputs.append(
+                EngineCoreOutput(
+                    req.request_id,
+                    [token.token_id],
+                    None if token.logprobs is None else [token.logprobs],
+                    new_prompt_logprobs,
+                    None if status is None else status.value,
+                    stop_reason,
+                    req.num_cached_tokens or 0,
+                )
+            )
+        return outputs
 
-    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+    def _check_stop(self, req: Request, token: int) -> tuple[RequestStatus | None, int | None]:
         params = req.sampling_params
         if req.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token in req.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
+                return RequestStatus.FINISHED_STOPPED, None
             if token in params.stop_token_ids:
-                req.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
+                return RequestStatus.FINISHED_STOPPED, token
         if params.max_tokens is not None and req.num_output_tokens >= params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
+            return RequestStatus.FINISHED_LENGTH, None
         if req.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
+            return RequestStatus.FINISHED_LENGTH, None
+        if req.matcher is not None and req.matcher.is_terminated():
+            return RequestStatus.FINISHED_STOPPED, None  # the constraint is complete
+        return None, None
 
-    def finish(self, req: Request, status: RequestStatus) -> None:
-        """End a request wherever it is (running, waiting or preempted) and free its blocks."""
-        if req.is_finished:
-            return
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
+        """End unfinished requests by id (aborts, stop strings), wherever they are; return them."""
+        found = [self.requests[rid] for rid in request_ids if rid in self.requests]
+        for req in found:
+            self._finish(req, status)
+        return found
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        """End a request (running, waiting or preempted) and free its blocks."""
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         self.kv.free(req)
         req.status = status
+        del self.requests[req.request_id]

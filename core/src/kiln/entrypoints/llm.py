@@ -24,7 +24,7 @@ class LLM:
         self.engine = LLMEngine(EngineConfig.create(model=model, **engine_args))
 
     def get_tokenizer(self):
-        return self.engine.tokenizer
+        return self.engine.model_info.tokenizer
 
     def generate(
         self,
@@ -86,7 +86,7 @@ class LLM:
     ) -> list[int]:
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message: cannot be combined with add_generation_prompt")
-        tok = self.engine.tokenizer
+        tok = self.engine.model_info.tokenizer
         if chat_template is None and tok.chat_template is None:
             raise ValueError("chat_template: the tokenizer has none; pass chat_template")
         text = tok.apply_chat_template(

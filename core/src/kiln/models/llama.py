@@ -8,23 +8,15 @@ and gate/up projections are merged into single matmuls. Under tensor parallelism
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
 from torch import nn
 
-from kiln.attention.base import AttentionBackend
 from kiln.distributed import TensorParallel
+from kiln.interfaces.attention import AttentionBackend
+from kiln.interfaces.model import StepContext
 from kiln.models.rope import cos_sin_cache
-
-
-@dataclass(slots=True)
-class StepContext:
-    """What every layer needs for one forward pass."""
-
-    attn_metadata: object
-    kv_caches: list[torch.Tensor]
 
 
 class RMSNorm(nn.Module):

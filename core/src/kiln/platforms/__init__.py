@@ -1,5 +1,2 @@
-"""Device platforms: the interface plugins implement, and selection by ``--device``."""
-
-from kiln.platforms.base import GraphRunner, Platform, PlatformSpec
-
-__all__ = ["GraphRunner", "Platform", "PlatformSpec"]
+"""Choosing a platform for ``--device`` (``kiln.platforms.select``). The interface plugins
+implement is ``kiln.interfaces.platform``; ``kiln.platforms.base`` is its old path."""

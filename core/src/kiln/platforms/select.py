@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import logging
 
-from kiln.platforms.base import Platform, PlatformSpec
-from kiln.plugins import PLATFORM_PLUGINS, Registry, load_ref
+from kiln.interfaces.platform import Platform
+from kiln.plugins import PLATFORM_PLUGINS
+from kiln.registry import PlatformSpec, Registry, load_ref
 
 logger = logging.getLogger("kiln.platforms")
 
@@ -17,7 +18,7 @@ def select_platform(device: str, registry: Registry) -> Platform:
 
     Raises ``ValueError`` naming the plugin to install when the device is unknown or absent.
     """
-    specs: dict[str, PlatformSpec] = registry.items["platforms"]
+    specs: dict[str, PlatformSpec] = registry.platforms
     device = DEVICE_ALIASES.get(device, device)
     if device == "auto":
         available = [s for s in specs.values() if _probe(s)]

@@ -15,7 +15,7 @@ import pytest
 def _device_available(name: str) -> bool:
     from kiln.plugins import get_plugin_manager
 
-    spec = get_plugin_manager().registry.items["platforms"].get(name)
+    spec = get_plugin_manager().registry.platforms.get(name)
     try:
         return bool(spec and spec.is_available())
     except Exception:

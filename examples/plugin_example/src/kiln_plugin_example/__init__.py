@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import kiln
-from kiln.parsers import ToolParse, ToolParser
+from kiln.interfaces.parsers import ToolParse, ToolParser
 
 PREFIX = "CALL "
 

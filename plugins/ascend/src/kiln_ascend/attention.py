@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kiln.attention.base import AttentionBackend, BatchLayout
+from kiln.interfaces.attention import AttentionBackend, BatchLayout
 from kiln_ascend.precision import PrecisionModes
 
 RIGHT_DOWN_CAUSAL = 3
@@ -46,8 +46,15 @@ class AscendAttentionBackend(AttentionBackend):
     name = "ascend"
     supports_decode_graphs = True
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, dtype)
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        cache_dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, dtype, cache_dtype)
         self.precision = PrecisionModes.from_env()
         self._mask: torch.Tensor | None = None
 

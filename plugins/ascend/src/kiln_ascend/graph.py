@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-from kiln.attention.base import DecodeGraphInputs
-from kiln.config import EngineConfig
-from kiln.platforms.base import GraphRunner
+from kiln import EngineConfig
+from kiln.interfaces.attention import DecodeGraphInputs
+from kiln.interfaces.platform import GraphRunner
 
 logger = logging.getLogger("kiln.ascend")
 
@@ -65,10 +65,9 @@ def _package_version(name: str) -> str:
 
 
 def _model_fingerprint(config: EngineConfig) -> list:
-    """What identifies the weights: the model's path and its files' sizes and times."""
-    from kiln.models.loader import resolve_model
-
-    path = Path(resolve_model(config.model, config.load_format).path)
+    """What identifies the weights: the model's path (resolved by the engine before the
+    platform builds graphs) and its files' sizes and times."""
+    path = Path(config.model)
     files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
     return [str(path.resolve())] + [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]
 

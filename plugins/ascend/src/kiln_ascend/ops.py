@@ -1,4 +1,4 @@
-"""torch_npu's fused ops in place of the core's reference ops (``kiln.ops``), same arguments and results."""
+"""torch_npu's fused ops in place of the core's reference ops (``kiln.interfaces.model``), same arguments and results."""
 
 from __future__ import annotations
 

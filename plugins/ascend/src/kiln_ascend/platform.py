@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import torch
 
-from kiln.config import EngineConfig
-from kiln.platforms.base import GraphRunner, Platform, measure_peak_memory
+from kiln import EngineConfig
+from kiln.interfaces.platform import GraphRunner, Platform, measure_peak_memory
 
 
 def check_versions() -> None:

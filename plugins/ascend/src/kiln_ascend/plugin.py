@@ -6,8 +6,7 @@ import importlib.util
 from functools import cache
 
 import kiln
-from kiln.attention.base import AttentionBackendSpec
-from kiln.platforms.base import PlatformSpec
+from kiln.registry import AttentionBackendSpec, PlatformSpec
 
 
 @cache

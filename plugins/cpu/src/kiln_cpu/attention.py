@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kiln.attention.base import AttentionBackend, BatchLayout
+from kiln.interfaces.attention import AttentionBackend, BatchLayout
 from kiln_cpu import native
 
 

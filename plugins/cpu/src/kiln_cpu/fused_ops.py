@@ -1,7 +1,7 @@
 """The platform's fused ops (``Platform.custom_ops``): C kernels for fp32/bf16, torch otherwise.
 
 Each wrapper takes the reference op's arguments and returns what it returns
-(see ``kiln.ops``); shapes, strides or dtypes the kernels do not handle go to
+(see ``kiln.interfaces.model``); shapes, strides or dtypes the kernels do not handle go to
 the reference. ``fused_add_rms_norm`` and ``rotary_embedding`` work in place,
 as vLLM's kernels do: the model never reuses their inputs.
 """
@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from kiln import ops as reference
+from kiln.interfaces import model as reference
 from kiln_cpu import native
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from kiln_cpu import native
-from kiln_cpu.platform import child_slots
+from kiln_cpu.module_swap import child_slots
 
 BLOCK = 32  # values per scale
 TILE = 16  # output features the kernel computes together

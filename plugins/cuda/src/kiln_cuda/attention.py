@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from kiln.attention.base import AttentionBackend, BatchLayout
+from kiln.interfaces.attention import AttentionBackend, BatchLayout
 from kiln_cuda import kernels
 
 # Keys per inner-loop tile of the attention kernels.

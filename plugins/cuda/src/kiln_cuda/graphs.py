@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 import torch
 
-from kiln.attention.base import DecodeGraphInputs
-from kiln.platforms.base import GraphRunner
+from kiln.interfaces.attention import DecodeGraphInputs
+from kiln.interfaces.platform import GraphRunner
 
 WARMUP_RUNS = 2  # Triton compiles and caches its kernels on the first call; capture must not
 

@@ -1,5 +1,5 @@
 """Triton kernels written for Kiln. Arithmetic is fp32 whatever the storage dtype; results round
-where the torch reference ops (``kiln.ops``) round. They run on GPUs, and on CPU tensors under
+where the torch reference ops (``kiln.interfaces.model``) round. They run on GPUs, and on CPU tensors under
 Triton's interpreter (``TRITON_INTERPRET=1``), which is how this project's machines test them."""
 
 from __future__ import annotations

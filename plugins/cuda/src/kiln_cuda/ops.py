@@ -1,4 +1,4 @@
-"""The fused ops the CUDA platform puts in place of ``kiln.ops`` (same arguments and results)."""
+"""The fused ops the CUDA platform puts in place of ``kiln.interfaces.model`` (same arguments and results)."""
 
 from __future__ import annotations
 

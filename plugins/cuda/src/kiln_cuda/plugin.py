@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import kiln
-from kiln.attention.base import AttentionBackendSpec
-from kiln.platforms.base import PlatformSpec
+from kiln.registry import AttentionBackendSpec, PlatformSpec
 
 
 def cuda_present() -> bool:

@@ -7,7 +7,13 @@ from __future__ import annotations
 import torch
 from lmformatenforcer import JsonSchemaParser, RegexParser, TokenEnforcer, TokenEnforcerTokenizerData
 
-from kiln.guided import CompiledGuide, GuidedBackend, GuidedDecodingParams, GuideMatcher, UnsupportedConstraint
+from kiln.interfaces.guided import (
+    CompiledGuide,
+    GuidedBackend,
+    GuidedDecodingParams,
+    GuideMatcher,
+    UnsupportedConstraint,
+)
 
 
 def tokenizer_data(tokenizer, vocab_size: int) -> TokenEnforcerTokenizerData:

@@ -9,7 +9,13 @@ import re
 import torch
 import xgrammar as xgr
 
-from kiln.guided import CompiledGuide, GuidedBackend, GuidedDecodingParams, GuideMatcher, UnsupportedConstraint
+from kiln.interfaces.guided import (
+    CompiledGuide,
+    GuidedBackend,
+    GuidedDecodingParams,
+    GuideMatcher,
+    UnsupportedConstraint,
+)
 
 # xgrammar prefixes its messages with "[time] file.cc:line: ".
 _LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")

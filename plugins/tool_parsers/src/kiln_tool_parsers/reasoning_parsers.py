@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kiln.parsers import ReasoningParser, partial_marker_suffix
+from kiln.interfaces.parsers import ReasoningParser, partial_marker_suffix
 
 
 class ThinkReasoningParser(ReasoningParser):

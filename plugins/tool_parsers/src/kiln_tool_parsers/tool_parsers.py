@@ -12,7 +12,7 @@ import json
 import re
 from typing import Any
 
-from kiln.parsers import ToolParse, ToolParser, partial_marker_suffix
+from kiln.interfaces.parsers import ToolParse, ToolParser, partial_marker_suffix
 
 _DECODER = json.JSONDecoder()
 

@@ -34,7 +34,7 @@ from kiln.entrypoints.openai.protocol import (
 from kiln.entrypoints.openai.serving import Prompt, ServerOptions, error_message, new_id
 from kiln.entrypoints.openai.serving_chat import ChatServing
 from kiln.entrypoints.openai.serving_completion import CompletionServing
-from kiln.plugins import load_ref
+from kiln.registry import load_ref
 from kiln.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("kiln.server")
@@ -88,10 +88,10 @@ def _validation_error(exc: RequestValidationError) -> JSONResponse:
 
 
 def build_app(engine: AsyncEngine, options: ServerOptions, args: argparse.Namespace) -> FastAPI:
-    metrics = ServerMetrics(engine.engine, options.served_model_names[0])
+    metrics = ServerMetrics(engine, options.served_model_names[0])
     completions = CompletionServing(engine, options, metrics)
     chat = ChatServing(engine, options, metrics)
-    llm: LLMEngine = engine.engine
+    model = engine.model_info
     created = int(time.time())
 
     @asynccontextmanager
@@ -141,9 +141,9 @@ def build_app(engine: AsyncEngine, options: ServerOptions, args: argparse.Namesp
                 "object": "model",
                 "created": created,
                 "owned_by": "kiln",
-                "root": llm.model_path,
+                "root": model.path,
                 "parent": None,
-                "max_model_len": llm.config.max_model_len,
+                "max_model_len": model.max_model_len,
             }
             for name in options.served_model_names
         ]
@@ -168,19 +168,19 @@ def build_app(engine: AsyncEngine, options: ServerOptions, args: argparse.Namesp
         else:
             add = True if body.add_special_tokens is None else body.add_special_tokens
             ids = completions.tokenize(body.prompt, add)
-        out = {"count": len(ids), "max_model_len": llm.config.max_model_len, "tokens": ids}
+        out = {"count": len(ids), "max_model_len": model.max_model_len, "tokens": ids}
         if body.return_token_strs:
-            out["token_strs"] = llm.tokenizer.convert_ids_to_tokens(ids)
+            out["token_strs"] = model.tokenizer.convert_ids_to_tokens(ids)
         return out
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
         completions.check_model(body.model)
-        vocab = llm.hf_config.vocab_size
+        vocab = model.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(f"tokens: ids out of the vocabulary [0, {vocab}): {bad[:5]}", param="tokens")
-        return {"prompt": llm.tokenizer.decode(body.tokens)}
+        return {"prompt": model.tokenizer.decode(body.tokens)}
 
     @app.post("/generate")
     async def generate(body: GenerateRequest, raw: Request):
@@ -266,10 +266,11 @@ def resolve_parsers(args: argparse.Namespace) -> tuple[type | None, type | None]
         if name is None:
             found.append(None)
             continue
-        if name not in registry.items[kind]:
+        table = registry.table(kind)
+        if name not in table:
             known = ", ".join(registry.names(kind)) or "none (pip install kiln-plugin-tool-parsers)"
             raise ValueError(f"{flag}: {name!r} is not registered; registered: {known}")
-        found.append(load_ref(registry.items[kind][name]))
+        found.append(load_ref(table[name]))
     return found[0], found[1]
 
 
@@ -277,8 +278,8 @@ def run_server(args: argparse.Namespace) -> int:
     """Load the model, then serve until SIGINT/SIGTERM (in-flight requests are drained first)."""
     import uvicorn
 
-    from kiln.cli import engine_kwargs
     from kiln.config import EngineConfig
+    from kiln.engine_args import engine_kwargs
     from kiln.plugins import get_plugin_manager
 
     started = time.monotonic()
@@ -290,7 +291,7 @@ def run_server(args: argparse.Namespace) -> int:
         tool_parser=tool_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         reasoning_parser=reasoning_parser,
-        served_model_names=args.served_model_name or [llm.model_name],
+        served_model_names=args.served_model_name or [llm.model_info.name],
         response_role=args.response_role,
         chat_template=resolve_chat_template(args.chat_template, get_plugin_manager().registry),
         chat_template_content_format=args.chat_template_content_format,

@@ -9,7 +9,7 @@ import jinja2
 import jinja2.nodes
 
 from kiln.entrypoints.openai.protocol import APIError
-from kiln.plugins import Registry, load_ref
+from kiln.registry import Registry, load_ref
 
 ContentFormat = Literal["string", "openai"]
 
@@ -18,7 +18,7 @@ def resolve_chat_template(value: str | None, registry: Registry) -> str | None:
     """``--chat-template``: a name registered by a plugin, a file, or the template itself."""
     if value is None:
         return None
-    named = registry.items["chat_templates"].get(value)
+    named = registry.chat_templates.get(value)
     if named is not None:
         return _template_source(named)
     if os.path.isfile(value):
@@ -26,7 +26,7 @@ def resolve_chat_template(value: str | None, registry: Registry) -> str | None:
             return f.read()
     if "{{" in value or "{%" in value:
         return value
-    names = sorted(registry.items["chat_templates"])
+    names = sorted(registry.chat_templates)
     raise ValueError(
         f"--chat-template: {value!r} is neither a file, a registered template ({', '.join(names) or 'none'}) "
         "nor a Jinja template"

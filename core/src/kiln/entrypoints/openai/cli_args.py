@@ -8,7 +8,7 @@ import os
 
 import yaml
 
-from kiln.cli import add_engine_args
+from kiln.engine_args import add_engine_args
 
 
 def _json_list(value: str) -> list[str]:

@@ -7,10 +7,16 @@ are observed by the front end as requests finish.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kiln.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from kiln.engine.async_engine import AsyncEngine
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
@@ -18,11 +24,11 @@ _TOKEN_BUCKETS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
 class _EngineCollector:
-    def __init__(self, engine, model_name: str) -> None:
-        self.engine, self.model_name = engine, model_name
+    def __init__(self, stats: Callable[[], dict], model_name: str) -> None:
+        self.stats, self.model_name = stats, model_name
 
     def collect(self):
-        stats = self.engine.get_stats()
+        stats = self.stats()
         label = ["model_name"], [self.model_name]
         for name, doc, key in (
             ("kiln:num_requests_running", "Requests being generated.", "num_running"),
@@ -45,10 +51,10 @@ class _EngineCollector:
 
 
 class ServerMetrics:
-    def __init__(self, engine, model_name: str) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
-        self.registry.register(_EngineCollector(engine, model_name))
+        self.registry.register(_EngineCollector(engine.get_stats, model_name))
         labels = ["model_name"]
         self.ttft = Histogram(
             "kiln:time_to_first_token_seconds",

@@ -17,7 +17,7 @@ from fastapi import Request as HTTPRequest
 from kiln.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from kiln.entrypoints.openai.metrics import ServerMetrics
 from kiln.entrypoints.openai.protocol import APIError, SamplingFields
-from kiln.guided import GuidedDecodingParams
+from kiln.interfaces.guided import GuidedDecodingParams
 from kiln.outputs import PositionLogprobs, RequestOutput
 from kiln.sampling_params import RequestOutputKind, SamplingParams
 
@@ -58,11 +58,11 @@ def error_message(exc: ValueError) -> APIError:
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, options: ServerOptions, metrics: ServerMetrics) -> None:
         self.engine = engine
-        self.llm = engine.engine
-        self.tokenizer = self.llm.tokenizer
+        self.model = engine.model_info
+        self.tokenizer = self.model.tokenizer
         self.options = options
         self.metrics = metrics
-        self.max_model_len = self.llm.config.max_model_len
+        self.max_model_len = self.model.max_model_len
         self.model_name = options.served_model_names[0]
 
     # ------------------------------------------------------------ validation
@@ -78,7 +78,7 @@ class OpenAIServing:
                 "length_penalty: it applies to beam search only, which is not supported yet", param="length_penalty"
             )
         best_of = req.best_of or req.n
-        limit = self.llm.config.max_num_seqs
+        limit = self.model.max_num_seqs
         if max(req.n, best_of) > limit:
             name = "n" if req.n > limit else "best_of"
             raise APIError(f"{name}: at most {limit} sequences per request (--max-num-seqs)", param=name)
@@ -119,7 +119,7 @@ class OpenAIServing:
         if params.guided_decoding is None:
             return
         try:
-            await asyncio.to_thread(self.llm.guided.compile, params.guided_decoding)
+            await asyncio.to_thread(self.engine.input_processor.compile_guide, params)
         except ValueError as exc:
             raise error_message(exc) from None
 
@@ -185,7 +185,7 @@ class OpenAIServing:
             "allowed_token_ids": req.allowed_token_ids,
             "truncate_prompt_tokens": req.truncate_prompt_tokens,
         }
-        values = {**self.llm.generation_defaults, **self.options.generation_overrides}
+        values = {**self.model.generation_defaults, **self.options.generation_overrides}
         values.update({k: v for k, v in given.items() if v is not None})
         values["max_tokens"] = min(values.get("max_tokens") or room, room) if max_tokens is None else max_tokens
         values["output_kind"] = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kiln.entrypoints.openai.protocol import APIError, ChatCompletionRequest
-from kiln.guided import GuidedDecodingParams
-from kiln.parsers import DeltaMessage, ReasoningParser, ToolCall, ToolParse, ToolParser
+from kiln.interfaces.guided import GuidedDecodingParams
+from kiln.interfaces.parsers import DeltaMessage, ReasoningParser, ToolCall, ToolParse, ToolParser
 
 
 class RequiredToolParser(ToolParser):

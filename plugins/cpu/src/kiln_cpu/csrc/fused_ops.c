@@ -5,7 +5,7 @@
  * batch sizes.
  *
  * Arithmetic is fp32. The bf16 variants round wherever the torch reference
- * (kiln.ops) rounds, so they agree with it to the last bit except for the order
+ * (kiln.interfaces.model) rounds, so they agree with it to the last bit except for the order
  * of the sum of squares and exp's last ulp:
  *   rms_norm:     out = w * bf16(x * rsqrt(mean(x^2) + eps))
  *   add_rms_norm: r = bf16(x + r); x = w * bf16(r * rsqrt(mean(r^2) + eps))

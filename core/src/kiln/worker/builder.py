@@ -1,6 +1,6 @@
 """Building one rank's model: attention backend, weights (its tensor-parallel shard) and
 ``ModelRunner``. The engine builds rank 0 in its own process; ``worker_main`` is the entry
-point of ranks 1..N-1 (see ``kiln.engine.tp_executor``)."""
+point of ranks 1..N-1 (see ``kiln.worker.tp_workers``)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from kiln.attention.base import AttentionBackend, AttentionBackendSpec
 from kiln.config import EngineConfig
 from kiln.distributed import TensorParallel
-from kiln.engine.model_runner import ModelRunner
+from kiln.interfaces.attention import AttentionBackend
+from kiln.interfaces.model import resolve_ops
+from kiln.interfaces.platform import Platform
 from kiln.models.loader import iter_weights
-from kiln.ops import resolve_ops
-from kiln.platforms.base import Platform
-from kiln.plugins import Registry, load_ref
+from kiln.registry import Registry, load_ref
+from kiln.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("kiln.worker")
 
@@ -26,6 +26,24 @@ KV_CACHE_DTYPES = {
     "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
 }
+DTYPES = {
+    "half": torch.float16,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float": torch.float32,
+    "float32": torch.float32,
+}
+
+
+def resolve_dtype(config: EngineConfig, platform: Platform, hf_config) -> torch.dtype:
+    """``--dtype``, with ``auto`` resolved by the platform from the checkpoint's dtype."""
+    stored = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(stored, str):
+        stored = getattr(torch, stored, None)
+    dtype = platform.dtype_for(stored) if config.dtype == "auto" else DTYPES[config.dtype]
+    if dtype not in platform.supported_dtypes:
+        raise ValueError(f"--dtype: {dtype} is not supported on {platform.name}")
+    return dtype
 
 
 def build_backend(
@@ -38,20 +56,25 @@ def build_backend(
     heads = tp.shard(hf_config.num_attention_heads, "attention heads")
     kv_heads = tp.shard(hf_config.num_key_value_heads, "key/value heads")
     cache_dtype = KV_CACHE_DTYPES.get(config.kv_cache_dtype, dtype)
-    backends = registry.items["attention_backends"]
+    backends = registry.attention_backends
     chosen = config.attention_backend
-    if chosen is not None and chosen not in backends:
-        raise ValueError(f"--attention-backend: {chosen!r} is not registered; registered: {sorted(backends)}")
+    if chosen is not None:
+        if chosen not in backends:
+            raise ValueError(f"--attention-backend: {chosen!r} is not registered; registered: {sorted(backends)}")
+        if not backends[chosen].runs_on(platform.name):
+            raise ValueError(
+                f"--attention-backend: {chosen!r} runs on {', '.join(backends[chosen].platforms)}, "
+                f"not on {platform.name}"
+            )
     for name in (chosen or platform.attention_backend(), "torch_ref"):
-        spec: AttentionBackendSpec | None = backends.get(name)
-        if spec is None:
+        spec = backends.get(name)
+        if spec is None or not spec.runs_on(platform.name):
             continue
         cls = load_ref(spec.factory)
         if cache_dtype != dtype and cache_dtype not in cls.cache_dtypes:
             logger.warning("attention backend %s cannot store a %s KV cache; falling back", name, cache_dtype)
         elif cls.supports(head_dim=head_dim, dtype=dtype, block_size=config.block_size):
-            # Only quantized caches pass cache_dtype: backends written before it take 4 arguments.
-            return cls(heads, kv_heads, head_dim, dtype, *([cache_dtype] if cache_dtype != dtype else []))
+            return cls(heads, kv_heads, head_dim, dtype, cache_dtype)
         else:
             logger.warning("attention backend %s does not support this model; falling back", name)
     raise ValueError(
@@ -71,7 +94,7 @@ def build_model(
     tp: TensorParallel,
 ) -> torch.nn.Module:
     archs = list(getattr(hf_config, "architectures", None) or [])
-    models = registry.items["models"]
+    models = registry.models
     arch = next((a for a in archs if a in models), None)
     if arch is None:
         raise ValueError(

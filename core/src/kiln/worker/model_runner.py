@@ -22,12 +22,12 @@ from dataclasses import dataclass
 
 import torch
 
-from kiln.attention.base import AttentionBackend, BatchLayout, DecodeGraphInputs
 from kiln.config import EngineConfig
 from kiln.engine.request import Request
 from kiln.engine.scheduler import SchedulerOutput
-from kiln.models.llama import StepContext
-from kiln.platforms.base import Platform
+from kiln.interfaces.attention import AttentionBackend, BatchLayout, DecodeGraphInputs
+from kiln.interfaces.model import StepContext
+from kiln.interfaces.platform import Platform
 
 logger = logging.getLogger("kiln.runner")
 

@@ -16,7 +16,7 @@ import socket
 import torch
 
 from kiln.config import EngineConfig
-from kiln.engine.worker import worker_main
+from kiln.worker.builder import worker_main
 
 
 def _free_port() -> int:

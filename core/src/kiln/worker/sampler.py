@@ -1,42 +1,45 @@
-"""Turns a batch of logits into tokens, vectorised over the batch.
+"""Turns a batch of logits into tokens.
 
 Pipeline, per step (rows are requests that sample this step):
 
   1. raw log-probs (for ``logprobs`` / ``best_of`` ranking), before any processing
-  2. logits masks: guided decoding and other masks registered on the sampler
+  2. the guided-decoding bitmask, when given (rows whose constraint is active)
   3. logit_bias, allowed_token_ids, bad_words, min_tokens (ban EOS / stop ids)
   4. repetition (prompt + output), presence and frequency (output) penalties
-  5. greedy rows: argmax
-  6. other rows: temperature, top_k, top_p, min_p, then one exponential race
-     ``argmax(p / q)``, q ~ Exp(1), drawn from the request's own generator when it
-     has a seed: the same seed gives the same tokens whatever else is batched.
+  5. greedy rows: argmax, for the whole batch at once
+  6. other rows: temperature, top_k, top_p, min_p over those rows at once, then one
+     exponential race ``argmax(p / q)``, q ~ Exp(1), drawn from the request's own
+     generator when it has a seed: the same seed gives the same tokens whatever
+     else is batched.
 
+Steps 3 and 4 loop over the rows that use those parameters (most rows use none).
 Everything runs where the logits are (the accelerator): only the chosen token ids
 and requested log-probs travel to the host, not a vocabulary-wide row per request.
+The sampler reads its inputs as data (logits, the requests' parameters and tokens,
+the bitmask), so it can be tested on synthetic logits alone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from kiln.engine.request import Request
+from kiln.engine.request import Request, TopLogprobs
+from kiln.interfaces.guided import allocate_bitmask, apply_token_bitmask
 
-# A mask sets disallowed logits to -inf in place for the given rows (guided decoding).
-LogitsMask = Callable[[torch.Tensor, Sequence[Request]], None]
+# Sets the logits of the given rows to -inf where the bitmask disallows a token, in place.
+BitmaskKernel = Callable[[torch.Tensor, torch.Tensor, list[int]], None]
 
 
 @dataclass(slots=True)
-class TopLogprobs:
-    """One position: the chosen token's logprob and rank, then the top-k (ids, logprobs)."""
+class GrammarBitmask:
+    """Guided decoding's allowed tokens: int32 words, one bit per token (xgrammar's layout),
+    one row per sampling request; only ``rows`` are applied."""
 
-    token_id: int
-    logprob: float
-    rank: int
-    top_ids: list[int]
-    top_logprobs: list[float]
+    bitmask: torch.Tensor
+    rows: list[int]
 
 
 @dataclass(slots=True)
@@ -46,10 +49,19 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, seed: int = 0) -> None:
-        self.masks: list[LogitsMask] = []
+    """Samples one token per row; ``bitmask_kernel`` applies guided decoding's bitmask
+    (the guided backend's own kernel where it has one)."""
+
+    def __init__(self, seed: int = 0, bitmask_kernel: BitmaskKernel = apply_token_bitmask) -> None:
         self.seed = seed
+        self.bitmask_kernel = bitmask_kernel
         self.generators: dict[torch.device, torch.Generator] = {}
+        self.seeded: dict[str, torch.Generator] = {}  # request id -> its own generator
+
+    def free(self, request_ids: Iterable[str]) -> None:
+        """Forget finished requests' generators."""
+        for rid in request_ids:
+            self.seeded.pop(rid, None)
 
     def _generator(self, device: torch.device) -> torch.Generator:
         """The engine-wide generator (for unseeded requests) on ``device``, seeded once."""
@@ -57,14 +69,25 @@ class Sampler:
             self.generators[device] = torch.Generator(device).manual_seed(self.seed)
         return self.generators[device]
 
+    def _request_generator(self, req: Request) -> torch.Generator | None:
+        """A seeded request's generator, on the host: its draws do not depend on the device."""
+        if req.seed is None:
+            return None
+        if req.request_id not in self.seeded:
+            self.seeded[req.request_id] = torch.Generator().manual_seed(req.seed)
+        return self.seeded[req.request_id]
+
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, reqs: Sequence[Request]) -> SamplerOutput:
+    def __call__(
+        self, logits: torch.Tensor, reqs: Sequence[Request], bitmask: GrammarBitmask | None = None
+    ) -> SamplerOutput:
+        """Tokens for ``logits`` (one float32 row per request in ``reqs``, modified in place)."""
         params = [r.sampling_params for r in reqs]
         want_lp = [i for i, p in enumerate(params) if p.logprobs is not None or p.best_of > 1]
         raw = logits[want_lp].log_softmax(-1) if want_lp else None
 
-        for mask in self.masks:
-            mask(logits, reqs)
+        if bitmask is not None:
+            self.bitmask_kernel(logits, bitmask.bitmask.to(logits.device, non_blocking=True), bitmask.rows)
         _apply_token_rules(logits, reqs)
         _apply_penalties(logits, reqs)
 
@@ -103,9 +126,9 @@ class Sampler:
             probs.masked_fill_(probs < floor, 0.0)
         q = torch.empty_like(probs).exponential_(generator=self._generator(device))
         for row, req in enumerate(reqs):
-            if req.generator is not None:
-                # A seeded request's generator lives on the host: its draws do not depend on the device.
-                q[row] = torch.empty(probs.shape[1], dtype=probs.dtype).exponential_(generator=req.generator)
+            generator = self._request_generator(req)
+            if generator is not None:
+                q[row] = torch.empty(probs.shape[1], dtype=probs.dtype).exponential_(generator=generator)
         return (probs / q).argmax(-1)
 
 
@@ -166,3 +189,20 @@ def top_logprobs(logprobs: torch.Tensor, token_id: int, k: int) -> TopLogprobs:
     else:
         top_ids, top_lps = [], []
     return TopLogprobs(token_id, float(chosen), rank, top_ids, top_lps)
+
+
+def prompt_top_logprobs(logits: torch.Tensor, next_tokens: list[int], k: int) -> list[TopLogprobs]:
+    """Prompt logprobs: row ``i`` of ``logits`` predicts ``next_tokens[i]``."""
+    logprobs = logits.log_softmax(-1)
+    return [top_logprobs(logprobs[row], token, k) for row, token in enumerate(next_tokens)]
+
+
+def grammar_bitmask(reqs: Sequence[Request], vocab_size: int) -> GrammarBitmask | None:
+    """The bitmask of the requests whose guided-decoding constraint is still active, or None."""
+    rows = [i for i, r in enumerate(reqs) if r.matcher is not None and not r.matcher.is_terminated()]
+    if not rows:
+        return None
+    bitmask = allocate_bitmask(len(reqs), vocab_size)
+    for i in rows:
+        reqs[i].matcher.fill_bitmask(bitmask, i)
+    return GrammarBitmask(bitmask, rows)

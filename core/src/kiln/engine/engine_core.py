@@ -1,0 +1,56 @@
+"""``EngineCore``: one step is schedule → execute → bitmask → sample → update.
+
+It takes ``Request`` objects from the input processor and returns token-level
+``EngineCoreOutput``s (ids, logprob ids, finish reasons) for the output processor;
+it never sees text. Requests finish only in the scheduler (see
+``kiln.engine.scheduler``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from kiln.engine.request import EngineCoreOutput, Request, RequestStatus
+
+if TYPE_CHECKING:
+    from kiln.engine.scheduler import Scheduler
+    from kiln.worker.executor import Executor
+
+
+class EngineCore:
+    def __init__(self, scheduler: Scheduler, executor: Executor) -> None:
+        self.scheduler = scheduler
+        self.executor = executor
+        self.num_prompt_tokens = 0  # prompt tokens computed (recomputation included), for stats
+        self.num_generation_tokens = 0
+
+    def add_request(self, req: Request) -> None:
+        self.scheduler.add_request(req)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        """End requests from outside the step: aborts, and stop strings the output processor found."""
+        finished = self.scheduler.finish_requests(list(request_ids), status)
+        self.executor.free(req.request_id for req in finished)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[EngineCoreOutput]:
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            return []
+        t0 = time.perf_counter()
+        output = self.executor.execute_model(scheduled)
+        bitmask = self.executor.grammar_bitmask(output)
+        sampled = self.executor.sample(output, bitmask)
+        self.num_prompt_tokens += scheduled.num_prompt_tokens
+        self.num_generation_tokens += len(sampled)
+        outputs = self.scheduler.update_from_output(scheduled, sampled, output.prompt_logprobs)
+        step_time = time.perf_counter() - t0
+        for req, _ in scheduled.scheduled:
+            req.metrics.model_forward_time += output.forward_time
+            req.metrics.model_execute_time += step_time
+        self.executor.free(out.request_id for out in outputs if out.finish_reason is not None)
+        return outputs

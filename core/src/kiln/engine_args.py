@@ -1,0 +1,41 @@
+"""Engine flags on the command line: one ``--flag`` per ``EngineConfig`` field (shared by
+``kiln generate`` and ``kiln serve``)."""
+
+from __future__ import annotations
+
+import argparse
+import types
+import typing
+from typing import Any
+
+from kiln.config import EngineConfig
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One ``--flag`` per ``EngineConfig`` field, with its type, choices and default."""
+    group = parser.add_argument_group("engine")
+    for name, field in EngineConfig.model_fields.items():
+        if name == "model":
+            continue
+        flag = "--" + name.replace("_", "-")
+        kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS}
+        ann = field.annotation
+        args = [a for a in typing.get_args(ann) if a is not type(None)]
+        help_text = field.description or ""
+        if ann is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(ann) is typing.Literal or (args and typing.get_origin(args[0]) is typing.Literal):
+            literal = ann if typing.get_origin(ann) is typing.Literal else args[0]
+            kwargs["choices"] = list(typing.get_args(literal))
+        else:
+            base = args[0] if typing.get_origin(ann) in (typing.Union, types.UnionType) else ann
+            if typing.get_origin(base) is list:  # --graph-sizes 2 4 8
+                kwargs["nargs"] = "+"
+                base = typing.get_args(base)[0]
+            kwargs["type"] = base if base in (int, float) else str
+        kwargs["help"] = f"{help_text} (default: {field.default})".strip()
+        group.add_argument(flag, **kwargs)
+
+
+def engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
+    return {k: getattr(ns, k) for k in EngineConfig.model_fields if k != "model" and hasattr(ns, k)}

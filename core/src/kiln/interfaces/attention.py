@@ -1,0 +1,219 @@
+"""The ``AttentionBackend`` interface and the backend-neutral batch layout.
+
+``kiln.testing.contracts.AttentionBackendContract`` checks an implementation.
+
+Every step the model runner flattens the scheduled requests into one token
+stream (decodes first, then prefills and prefill chunks) and describes it with a
+``BatchLayout``; each backend turns that into its own metadata once per step and
+then serves every layer.
+
+    tokens:          | d0 | d1 | p0 p0 p0 p0 | p1 p1 |
+    query_start_loc:  0    1    2             6       8
+    seq_lens:         7    3    4             9        (KV length after this step)
+    context_lens:     6    2    0             7        (already in the cache)
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+
+@dataclass(slots=True)
+class BatchLayout:
+    query_start_loc: torch.Tensor  # (num_reqs + 1,) int32
+    seq_lens: torch.Tensor  # (num_reqs,) int32: tokens in the KV cache after this step
+    context_lens: torch.Tensor  # (num_reqs,) int32: tokens already cached before this step
+    block_table: torch.Tensor  # (num_reqs, max_blocks_per_req) int32, padded with 0
+    slot_mapping: torch.Tensor  # (num_tokens,) int64; -1 marks padding tokens
+    num_decode_reqs: int  # the first num_decode_reqs requests have exactly one query token
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+    # Host copies, so backends can loop or size buffers without device syncs.
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @classmethod
+    def build(
+        cls,
+        block_rows: list[list[int]],
+        context_lens: list[int],
+        query_lens: list[int],
+        block_size: int,
+        device: torch.device | str,
+    ) -> BatchLayout:
+        """Describe requests (decodes first) by their block ids, tokens already cached,
+        and tokens computed this step."""
+        slots: list[int] = []
+        starts, seq_lens = [0], []
+        for ids, context, n in zip(block_rows, context_lens, query_lens):
+            slots.extend(ids[p // block_size] * block_size + p % block_size for p in range(context, context + n))
+            starts.append(starts[-1] + n)
+            seq_lens.append(context + n)
+        table = torch.zeros(len(block_rows), max(len(r) for r in block_rows), dtype=torch.int32)
+        for i, row in enumerate(block_rows):
+            table[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
+        return cls(
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+            block_table=table.to(device),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            num_decode_reqs=sum(1 for n in query_lens if n == 1),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            block_size=block_size,
+            query_lens_cpu=list(query_lens),
+            seq_lens_cpu=seq_lens,
+        )
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])
+
+
+@dataclass(slots=True)
+class DecodeGraphInputs:
+    """The inputs of one decode step run as a graph: ``size`` decodes, padded rows included.
+
+    Shapes are fixed per size (the block table is as wide as ``max_model_len`` needs),
+    so a captured or compiled graph can be replayed with new values. Padded rows have
+    token 0 at position 0, slot -1 (no KV write), sequence length 1 and a zero block row.
+    """
+
+    input_ids: torch.Tensor  # (size,) int64
+    positions: torch.Tensor  # (size,) int64
+    block_table: torch.Tensor  # (size, max_blocks_per_req) int32
+    seq_lens: torch.Tensor  # (size,) int32: KV length after this step
+    slot_mapping: torch.Tensor  # (size,) int64
+
+    @classmethod
+    def empty(cls, size: int, max_blocks: int, device: torch.device | str) -> DecodeGraphInputs:
+        """``size`` padding rows."""
+        return cls(
+            input_ids=torch.zeros(size, dtype=torch.int64, device=device),
+            positions=torch.zeros(size, dtype=torch.int64, device=device),
+            block_table=torch.zeros(size, max_blocks, dtype=torch.int32, device=device),
+            seq_lens=torch.ones(size, dtype=torch.int32, device=device),
+            slot_mapping=torch.full((size,), -1, dtype=torch.int64, device=device),
+        )
+
+    @classmethod
+    def pad(
+        cls, input_ids: torch.Tensor, positions: torch.Tensor, layout: BatchLayout, size: int, max_blocks: int
+    ) -> DecodeGraphInputs:
+        """Pad a pure-decode step (``layout.num_reqs <= size``) to ``size`` rows."""
+        n = layout.num_reqs
+        inputs = cls.empty(size, max_blocks, input_ids.device)
+        inputs.input_ids[:n] = input_ids
+        inputs.positions[:n] = positions
+        inputs.block_table[:n, : layout.block_table.shape[1]] = layout.block_table
+        inputs.seq_lens[:n] = layout.seq_lens
+        inputs.slot_mapping[:n] = layout.slot_mapping
+        return inputs
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.input_ids, self.positions, self.block_table, self.seq_lens, self.slot_mapping
+
+
+class AttentionBackend(ABC):
+    """Writes a step's K/V into the paged cache and computes attention for a mixed batch.
+
+    Registered as a ``kiln.registry.AttentionBackendSpec``; the engine builds it as
+    ``cls(num_heads, num_kv_heads, head_dim, dtype, cache_dtype)`` for this rank's heads
+    (``cache_dtype`` is ``dtype`` unless ``--kv-cache-dtype`` chose one of ``cache_dtypes``).
+
+    Contract (checked by ``kiln.testing.contracts``):
+      * ``forward`` writes the K/V of *all* tokens of the step before reading any,
+        so a request may attend to blocks another request fills in the same step
+        (prefix-cache hits on blocks still being computed).
+      * Query token j of request i sits at position ``context_lens[i] + j`` and sees
+        keys at positions ``<= context_lens[i] + j`` (causal).
+      * Padding tokens (slot -1) are neither written nor attended from.
+    """
+
+    name: ClassVar[str]
+    supports_decode_graphs: ClassVar[bool] = False  # implements ``graph_metadata``
+    # Cache dtypes the backend stores besides the compute dtype (``--kv-cache-dtype``): values
+    # are written as ``k / k_scale`` in that dtype and read back as ``stored * k_scale``.
+    cache_dtypes: ClassVar[tuple[torch.dtype, ...]] = ()
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        cache_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.cache_dtype = cache_dtype or dtype
+        self.k_scale = self.v_scale = 1.0  # per-tensor KV-cache scales (1.0: no calibration)
+
+    @classmethod
+    def supports(cls, *, head_dim: int, dtype: torch.dtype, block_size: int) -> bool:
+        """Whether this backend can run the given shape (the engine falls back otherwise)."""
+        return True
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """Shape of one layer's cache; the default is (2, blocks, block_size, kv_heads, head_dim)."""
+        return (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
+
+    def reference_view(self, kv_cache: torch.Tensor) -> torch.Tensor:
+        """The cache as a (2, blocks, block_size, kv_heads, head_dim) view, the reference
+        layout; lets the contract suite seed and compare caches of any layout."""
+        return kv_cache
+
+    def build_metadata(self, layout: BatchLayout) -> object:
+        """Backend-private metadata built once per step and passed to every layer."""
+        return layout
+
+    def graph_metadata(
+        self, block_table: torch.Tensor, seq_lens: torch.Tensor, slot_mapping: torch.Tensor, block_size: int
+    ) -> object:
+        """Metadata for a pure-decode step inside a captured or compiled graph (one query token
+        per row; see ``DecodeGraphInputs``). Build it from these tensors only: host values
+        (lists, ``.item()``, ``.tolist()``) would be frozen into the graph at capture time.
+        Backends that implement it set ``supports_decode_graphs = True``."""
+        raise NotImplementedError(f"attention backend {self.name!r} has no decode-graph path")
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # (num_tokens, num_heads, head_dim)
+        k: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: object,
+        *,
+        layer_idx: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """Return the attention output, shaped like ``q``."""
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter new K/V rows into a (2, blocks, block_size, heads, dim) cache; slot -1 is skipped."""
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+    flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])
+    flat[0].index_copy_(0, slot_mapping, k)
+    flat[1].index_copy_(0, slot_mapping, v)
+
+
+def gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Contiguous (length, heads, dim) K and V of one request from its blocks."""
+    kv = kv_cache[:, block_ids].flatten(1, 2)[:, :length]
+    return kv[0], kv[1]

@@ -1,0 +1,144 @@
+"""``Executor``: the engine core's one handle on the tensor side.
+
+It builds rank 0's model and KV cache (and starts ranks 1..N-1 under tensor
+parallelism), then per step runs the model over a ``SchedulerOutput`` and samples
+from the logits it returns. The core sees only requests, token ids and logprob
+ids going in and out.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from kiln.config import EngineConfig
+from kiln.distributed import TensorParallel
+from kiln.engine.request import Request, TopLogprobs
+from kiln.engine.scheduler import SampledToken, SchedulerOutput
+from kiln.interfaces.platform import Platform
+from kiln.registry import Registry
+from kiln.worker.builder import build_runner
+from kiln.worker.sampler import BitmaskKernel, GrammarBitmask, Sampler, grammar_bitmask, prompt_top_logprobs
+from kiln.worker.tp_workers import TensorParallelWorkers
+
+logger = logging.getLogger("kiln.engine")
+
+
+@dataclass(slots=True)
+class ModelOutput:
+    """One forward pass: logits of the requests that sample, and prompt logprobs computed."""
+
+    sampling_reqs: list[Request]  # in logits row order
+    logits: torch.Tensor  # (len(sampling_reqs), vocab) float32, on the device
+    prompt_logprobs: dict[Request, list[TopLogprobs]]
+    forward_time: float
+
+
+class Executor:
+    """Rank 0's ``ModelRunner``, the other tensor-parallel ranks, and the ``Sampler``."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        registry: Registry,
+        platform: Platform,
+        hf_config,
+        dtype: torch.dtype,
+        model_path: str,
+        bitmask_kernel: BitmaskKernel,
+    ) -> None:
+        self.config, self.platform, self.hf_config = config, platform, hf_config
+        tp = TensorParallel(0, config.tensor_parallel_size)
+        self.workers = self._start_workers(model_path, dtype, tp) if tp.size > 1 else None
+        try:
+            self.runner = build_runner(config, registry, platform, hf_config, dtype, model_path, tp)
+            self.num_blocks = self._num_kv_blocks()  # the workers profile alongside, then report "built"
+            if self.workers is not None:
+                self.workers.expect("built")
+                self.workers.send(self.num_blocks)
+            self.runner.allocate_kv_cache(self.num_blocks)
+            self.runner.build_graphs()
+            if self.workers is not None:
+                self.workers.expect("ready")
+                self.runner.peers = self.workers
+        except BaseException:
+            self.shutdown()
+            raise
+        self.sampler = Sampler(config.seed, bitmask_kernel)
+
+    def _start_workers(self, model_path: str, dtype: torch.dtype, tp: TensorParallel) -> TensorParallelWorkers:
+        """Spawn ranks 1..N-1 and form the collective group with them (rank 0 is this process)."""
+        self.platform.init_rank(0, tp.size)
+        resolved = self.config.model_copy(update={"device": self.platform.name})
+        workers = TensorParallelWorkers(resolved, model_path, dtype, tp.size)
+        try:
+            workers.expect("joining")
+            torch.distributed.init_process_group(
+                self.platform.dist_backend, init_method=workers.init_method, rank=0, world_size=tp.size
+            )
+        except BaseException:
+            workers.shutdown()
+            raise
+        return workers
+
+    def _num_kv_blocks(self) -> int:
+        cfg = self.config
+        bs = cfg.block_size
+        if cfg.num_gpu_blocks_override is not None:
+            num_blocks = cfg.num_gpu_blocks_override
+        else:
+            activations = self.runner.profile_peak()
+            if activations is None:  # not measurable: a generous estimate of one step's buffers
+                activations = cfg.max_num_batched_tokens * self.hf_config.intermediate_size * 4 * 8
+            free, total = self.platform.mem_get_info()
+            budget = total * cfg.gpu_memory_utilization - (total - free) - activations
+            useful = cfg.max_num_seqs * -(-cfg.max_model_len // bs) + 1
+            num_blocks = min(int(budget // self.runner.kv_block_bytes()), useful)
+        if (num_blocks - 1) * bs < cfg.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {max(num_blocks - 1, 0) * bs} tokens, less than --max-model-len "
+                f"{cfg.max_model_len}; lower --max-model-len or give it more blocks/memory"
+            )
+        return num_blocks
+
+    def execute_model(self, scheduled: SchedulerOutput) -> ModelOutput:
+        """Run the model over the scheduled tokens (all ranks); prompt logprobs of positions
+        computed for the first time."""
+        result = self.runner.execute(scheduled)
+        prompt_logprobs = {}
+        for req, (first, logits) in result.prompt_logits.items():
+            if req.num_prompt_logprobs != first:
+                continue  # recomputed after preemption: already emitted
+            next_tokens = req.prompt_token_ids[first + 1 : first + 1 + logits.shape[0]]
+            prompt_logprobs[req] = prompt_top_logprobs(logits, next_tokens, req.sampling_params.prompt_logprobs)
+            req.num_prompt_logprobs += len(next_tokens)
+        return ModelOutput(result.sampling_reqs, result.logits, prompt_logprobs, result.forward_time)
+
+    def grammar_bitmask(self, output: ModelOutput) -> GrammarBitmask | None:
+        """The tokens each constrained sampling request may take next (None: no constraint)."""
+        return grammar_bitmask(output.sampling_reqs, output.logits.shape[-1])
+
+    def sample(self, output: ModelOutput, bitmask: GrammarBitmask | None) -> dict[Request, SampledToken]:
+        """One token per sampling request."""
+        if not output.sampling_reqs:
+            return {}
+        sampled = self.sampler(output.logits, output.sampling_reqs, bitmask)
+        return {
+            req: SampledToken(token, lp)
+            for req, token, lp in zip(output.sampling_reqs, sampled.token_ids, sampled.logprobs)
+        }
+
+    def free(self, request_ids: Iterable[str]) -> None:
+        """Drop per-request state of finished requests (seeded generators)."""
+        self.sampler.free(request_ids)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any."""
+        if self.workers is not None:
+            self.workers.shutdown()
+            self.workers = None
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
