@@ -97,7 +97,11 @@ def test_every_data_file_is_packaged(dist):
 
 
 # ---------------------------------------------------------------- module boundaries
-SOURCES = [ROOT / "core" / "src", *sorted((ROOT / "plugins").glob("*/src")), ROOT / "examples" / "plugin_example" / "src"]
+SOURCES = [
+    ROOT / "core" / "src",
+    *sorted((ROOT / "plugins").glob("*/src")),
+    ROOT / "examples" / "plugin_example" / "src",
+]
 PLUGIN_SOURCES = SOURCES[1:]
 STABLE_FOR_PLUGINS = ("kiln", "kiln.registry", "kiln.interfaces", "kiln.testing")
 
@@ -194,7 +198,8 @@ def test_plugins_import_only_the_stable_paths(import_graph):
         outside = [
             d
             for d in deps
-            if d.split(".")[0] == "kiln" and not any(d == s or d.startswith(s + ".") for s in STABLE_FOR_PLUGINS[1:])
+            if d.split(".")[0] == "kiln"
+            and not any(d == s or d.startswith(s + ".") for s in STABLE_FOR_PLUGINS[1:])
             and d != "kiln"
         ]
         if outside:
@@ -208,10 +213,11 @@ def test_plugins_import_only_the_stable_paths(import_graph):
         "import kiln.registry, kiln.plugins\nfrom kiln.plugins import PluginManager\n"
         "reg = PluginManager().registry\nassert 'cpu' in reg.names('platforms'), reg.errors\nassert not reg.errors, reg.errors",
         "from kiln.cli import main\nmain(['plugins'])",
+        "from kiln.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit as exit:\n    assert exit.code == 0",
         "import kiln.engine.request, kiln.engine.scheduler, kiln.engine.kv_cache, kiln.engine.input_processor, "
         "kiln.engine.output_processor, kiln.engine.engine_core, kiln.engine.guided_manager, kiln.interfaces.guided",
     ],
-    ids=["registry-and-plugins", "kiln-plugins-command", "torch-free-engine-side"],
+    ids=["registry-and-plugins", "kiln-plugins-command", "kiln-help", "torch-free-engine-side"],
 )
 def test_torch_free_modules_import_with_torch_blocked(code):
     result = run_python(BLOCKER.format(blocked={"torch"}) + code)

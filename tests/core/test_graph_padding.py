@@ -8,8 +8,8 @@ import torch
 
 from kiln.attention.base import BatchLayout, DecodeGraphInputs
 from kiln.config import EngineConfig
-from kiln.worker.model_runner import pick_graph_size
 from kiln.platforms.base import Platform
+from kiln.worker.model_runner import pick_graph_size
 
 
 @pytest.mark.parametrize(("n", "size"), [(1, 2), (2, 2), (3, 4), (5, 8), (8, 8), (9, None)])

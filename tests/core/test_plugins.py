@@ -215,3 +215,67 @@ def test_registration_hooks_for_parsers_templates_and_guided_backends(kiln_plugi
     assert reg.get("tool_parsers", "my_tools") == "my_pkg.tools:Parser"
     assert reg.get("reasoning_parsers", "my_think") == "my_pkg.think:Parser"
     assert reg.get("chat_templates", "my_template").startswith("{{")
+
+
+def _plugin(**hooks) -> types.SimpleNamespace:
+    return types.SimpleNamespace(**{name: hookimpl(**opts)(fn) for name, (fn, opts) in hooks.items()})
+
+
+def test_a_duplicate_name_warns_and_the_first_call_wins(kiln_plugins, caplog):
+    """pluggy calls the later-registered plugin first; ``tryfirst`` beats registration order."""
+    kiln_plugins.register(
+        _plugin(register_models=(lambda register: register("X", "early:X"), {"tryfirst": True})), "early"
+    )
+    kiln_plugins.register(_plugin(register_models=(lambda register: register("X", "late:X"), {})), "late")
+    with caplog.at_level("WARNING", logger="kiln.plugins"):
+        reg = kiln_plugins.registry
+    assert reg.get("models", "X") == "early:X" and reg.owners[("models", "X")] == "early"
+    assert "registered by both 'early' and 'late'" in caplog.text
+    assert reg.plugins["early"].registered == {"models": ["X"]} and "models" not in reg.plugins["late"].registered
+
+
+def test_registration_hooks_go_through_pluggys_hook_caller(monkeypatch, caplog):
+    """``KILN_TRACE_PLUGINS`` logs every registration hook call (pluggy traces its hook caller only)."""
+    monkeypatch.setenv("KILN_LOAD_PLUGINS", "cpu")
+    monkeypatch.setenv("KILN_TRACE_PLUGINS", "1")
+    with caplog.at_level("INFO", logger="kiln.plugins"):
+        assert "cpu" in PluginManager().registry.names("platforms")
+    for kind in ("platforms", "attention_backends", "models"):
+        assert f"register_{kind}" in caplog.text
+
+
+def test_a_hookwrapper_sees_every_registration(kiln_plugins):
+    seen = []
+
+    def wrap(register):
+        seen.append("before")
+        yield
+        seen.append("after")
+
+    kiln_plugins.register(_plugin(register_platforms=(wrap, {"wrapper": True})), "wrapper")
+    kiln_plugins.register(_plugin(register_platforms=(lambda register: seen.append("impl"), {})), "impl")
+    assert kiln_plugins.registry.platforms is not None  # collecting calls every registration hook
+    assert seen == ["before", "impl", "after"]
+
+
+def test_an_attention_backend_runs_only_on_its_platforms(tiny_model_dir):
+    from kiln import LLM, plugins
+    from kiln.registry import AttentionBackendSpec
+
+    pm = plugins.get_plugin_manager()
+    pm.register(
+        _plugin(
+            register_attention_backends=(
+                lambda register: register(
+                    AttentionBackendSpec("npu_only", "kiln.attention.torch_ref:TorchRefAttentionBackend", ("npu",))
+                ),
+                {},
+            )
+        ),
+        "npu-only",
+    )
+    try:
+        with pytest.raises(ValueError, match="runs on npu, not on cpu"):
+            LLM(tiny_model_dir("llama"), attention_backend="npu_only", max_model_len=64)
+    finally:
+        pm.unregister("npu-only")

@@ -135,3 +135,18 @@ def test_kv_cache_ratio_holds_back_admission_while_others_run():
     s.add_request(make_req(8, "b", arrival=1))  # would leave 4 < 5 free
     run_step(s)
     assert [r.request_id for r in s.running] == ["a"] and len(s.waiting) == 1
+
+
+def test_prefix_cache_stats_count_admissions_not_lookups():
+    """A request that waits several steps for free blocks is counted once, when admitted
+    (counting every lookup inflated the stats under load)."""
+    s = make_sched(num_blocks=5, enable_chunked_prefill=False)  # 4 blocks of 4 tokens: b fits once a is done
+    a, b = make_req(12, "a", max_tokens=4), make_req(8, "b", arrival=1, max_tokens=4)
+    s.add_request(a)
+    s.add_request(b)
+    steps = 0
+    while s.has_unfinished():
+        run_step(s)
+        steps += 1
+    assert steps > 4 and b.num_preemptions == 0  # b waited while a decoded
+    assert s.kv.prefix_queries == a.num_prompt_tokens + b.num_prompt_tokens
