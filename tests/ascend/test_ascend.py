@@ -129,6 +129,15 @@ def register_platforms(register) -> None:
     register(PlatformSpec("npu_emulated", make_cpu_npu_platform, is_available=lambda: True))
 
 
+@kiln.hookimpl
+def register_attention_backends(register) -> None:
+    """The Ascend backend as the plugin registers it, but for the emulated platform (the plugin's
+    own spec runs it on "npu" only). Registered after the plugin, so called first: this one wins."""
+    from kiln.registry import AttentionBackendSpec
+
+    register(AttentionBackendSpec("ascend", "kiln_ascend.attention:AscendAttentionBackend", ("npu_emulated",)))
+
+
 @pytest.fixture
 def npu_plugins(kiln_plugins):
     import kiln_ascend.plugin

@@ -107,7 +107,7 @@ REASONING = {
 
 
 def load(kind: str, name: str):
-    return load_ref(get_plugin_manager().registry.items[kind][name])
+    return load_ref(get_plugin_manager().registry.table(kind)[name])
 
 
 @pytest.fixture(scope="module")

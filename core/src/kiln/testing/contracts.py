@@ -1,22 +1,44 @@
 """Contract suites that every implementation of a core interface must pass.
 
-Plugin authors subclass a contract in their own tests::
+Plugin authors subclass a contract in their own tests, setting its knobs as class variables::
 
     class TestMyBackend(AttentionBackendContract):
         backend_cls = MyBackend
         dtype, atol = torch.float16, 2e-3
+
+    class TestMyPlatform(PlatformContract):
+        platform_cls = MyPlatform
+
+    class TestMyOps(OpsContract):
+        ops = MyPlatform().custom_ops()
+        device = "mine"
+
+* ``AttentionBackendContract``: an ``AttentionBackend`` against the torch reference on mixed paged batches.
+* ``PlatformContract``: a ``Platform``'s members (config checks, memory, KV cache, graph sizes...).
+* ``OpsContract``: a platform's fused ops against the reference ops of ``kiln.interfaces.model``.
 """
 
 from __future__ import annotations
 
 import random
+import typing
+from collections.abc import Callable
+from types import SimpleNamespace
 from typing import ClassVar
 
 import pytest
 import torch
 
-from kiln.attention.base import AttentionBackend, BatchLayout, DecodeGraphInputs
 from kiln.attention.torch_ref import TorchRefAttentionBackend
+from kiln.config import EngineConfig
+from kiln.interfaces.attention import AttentionBackend, BatchLayout, DecodeGraphInputs
+from kiln.interfaces.model import REFERENCE_OPS
+from kiln.interfaces.platform import Platform
+from kiln.models import rope
+from kiln.registry import PlatformSpec, load_ref
+
+# Every value ``--kv-cache-dtype`` accepts.
+KV_CACHE_DTYPE_FLAGS: tuple[str, ...] = typing.get_args(EngineConfig.model_fields["kv_cache_dtype"].annotation)
 
 
 def random_layout(
@@ -136,3 +158,362 @@ class AttentionBackendContract:
         got = backend.forward(q, k, v, cache, metadata, layer_idx=0, scale=0.125)
         torch.testing.assert_close(got[:n].float(), expected.float(), atol=self.atol, rtol=self.atol)
         self._assert_same_cache(backend, cache, ref_cache)
+
+
+# ---------------------------------------------------------------- platforms
+
+
+def _ids(values) -> list[str]:
+    return [str(v).removeprefix("torch.") for v in values]
+
+
+def _fresh_config(**kwargs: object) -> EngineConfig:
+    """A config as ``Platform.update_config`` receives it; ``max_num_batched_tokens`` resolved
+    as the engine does before ``graph_sizes`` is called."""
+    config = EngineConfig.create(**kwargs)
+    if config.max_num_batched_tokens is None:
+        config.max_num_batched_tokens = 2048
+    return config
+
+
+class PlatformContract:
+    """Checks a ``kiln.interfaces.platform.Platform`` against what the engine relies on.
+
+    Plugin authors subclass it in their own tests::
+
+        from kiln.registry import PlatformSpec
+        from kiln.testing.contracts import PlatformContract
+        from my_plugin.platform import MyPlatform
+
+        class TestMyPlatform(PlatformContract):
+            platform_cls = MyPlatform
+            spec = PlatformSpec("mine", "my_plugin.platform:MyPlatform", is_available=lambda: True)
+
+    Override ``make_platform`` where the platform needs more than ``platform_cls()``.
+    Every knob defaults to what the platform declares (``supported_block_sizes``...).
+    """
+
+    platform_cls: ClassVar[type[Platform]]
+    # Block sizes ``update_config`` must accept unchanged (None: ``supported_block_sizes``) and
+    # ones it must refuse (None: every other power of two up to 1024).
+    block_sizes: ClassVar[tuple[int, ...] | None] = None
+    rejected_block_sizes: ClassVar[tuple[int, ...] | None] = None
+    dtypes: ClassVar[tuple[torch.dtype, ...] | None] = None  # None: ``supported_dtypes``
+    # Small: freed memory is reused for it (a large one would get fresh, zeroed pages either way).
+    kv_cache_shape: ClassVar[tuple[int, ...]] = (2, 4, 16, 2, 32)
+    # The torch device type ``device()`` and ``allocate_kv_cache`` give (None: ``device_type``).
+    # Only for emulations whose device calls run on another device.
+    expected_device_type: ClassVar[str | None] = None
+    # The plugin's registration (``register_platforms``); None skips its check.
+    spec: ClassVar[PlatformSpec | None] = None
+    # ``graph_sizes`` is asked for each of these configs (``EngineConfig.create`` arguments).
+    graph_size_configs: ClassVar[tuple[dict, ...]] = (
+        {},
+        {"max_num_seqs": 12},
+        {"max_num_seqs": 1},
+        {"max_num_seqs": 1024, "max_num_batched_tokens": 8192},
+        {"max_num_seqs": 256, "max_num_batched_tokens": 64},  # fewer tokens than sequences
+        {"max_num_seqs": 16, "graph_sizes": [8, 1, 4, 2, 64, 4]},
+        {"max_num_seqs": 64, "max_num_batched_tokens": 16, "graph_sizes": [32, 2, 8, 16]},
+    )
+
+    def make_platform(self) -> Platform:
+        return self.platform_cls()
+
+    def _device_type(self, platform: Platform) -> str:
+        return self.expected_device_type or platform.device_type
+
+    def test_declared_attributes(self):
+        p = self.make_platform()
+        for attr in ("name", "device_type", "dist_backend"):
+            value = getattr(p, attr, None)
+            assert isinstance(value, str) and value, f"{attr} must be a non-empty string, got {value!r}"
+        assert p.supported_dtypes and all(isinstance(d, torch.dtype) for d in p.supported_dtypes)
+        sizes = p.supported_block_sizes
+        assert sizes and all(isinstance(s, int) and s > 0 and s & (s - 1) == 0 for s in sizes), sizes
+        assert p.default_block_size in sizes, f"default_block_size {p.default_block_size} not in {sizes}"
+        # "auto" is the default of --kv-cache-dtype: without it every default config is refused.
+        assert "auto" in p.supported_kv_cache_dtypes
+        unknown = set(p.supported_kv_cache_dtypes) - set(KV_CACHE_DTYPE_FLAGS)
+        assert not unknown, f"--kv-cache-dtype cannot express {sorted(unknown)}"
+
+    def test_spec(self):
+        if self.spec is None:
+            pytest.skip("no spec given")
+        target = load_ref(self.spec.factory)
+        cls = target if isinstance(target, type) else type(target)
+        assert issubclass(cls, Platform), f"factory {self.spec.factory!r} gives {target!r}, not a Platform"
+        assert cls.name == self.spec.name, f"spec {self.spec.name!r} builds platform {cls.name!r}"
+        assert isinstance(self.spec.is_available(), bool)
+
+    def test_device(self):
+        p = self.make_platform()
+        device = p.device()
+        assert isinstance(device, torch.device) and device.type == self._device_type(p), device
+
+    def test_mem_get_info(self):
+        info = self.make_platform().mem_get_info()
+        assert len(info) == 2, info
+        free, total = info
+        assert all(isinstance(v, int) and not isinstance(v, bool) for v in info), info
+        assert 0 <= free <= total and total > 0, info
+
+    def test_allocate_kv_cache_is_zeroed(self):
+        p = self.make_platform()
+        shape = self.kv_cache_shape
+        for dtype in self.dtypes or p.supported_dtypes:
+            # Freed NaNs first: a cache taken uninitialised from an allocator would hold them.
+            junk = torch.full(shape, float("nan"), dtype=dtype, device=p.device())
+            del junk
+            cache = p.allocate_kv_cache(shape, dtype)
+            assert isinstance(cache, torch.Tensor)
+            assert (tuple(cache.shape), cache.dtype) == (shape, dtype), (cache.shape, cache.dtype)
+            assert cache.device.type == self._device_type(p), cache.device
+            assert bool((cache == 0).all()), f"{dtype} KV cache is not zero-filled"
+
+    def test_dtype_for(self):
+        p = self.make_platform()
+        for model_dtype in (None, *(self.dtypes or p.supported_dtypes)):
+            got = p.dtype_for(model_dtype)
+            assert got in p.supported_dtypes, f"dtype_for({model_dtype}) = {got}, not in {p.supported_dtypes}"
+
+    def test_update_config_fills_the_default_block_size(self):
+        p = self.make_platform()
+        config = EngineConfig.create()
+        p.update_config(config)
+        assert config.block_size == p.default_block_size
+
+    def test_update_config_accepts_supported_values(self):
+        p = self.make_platform()
+        for size in self.block_sizes or p.supported_block_sizes:
+            config = EngineConfig.create(block_size=size)
+            p.update_config(config)
+            assert config.block_size == size, f"block size {size} became {config.block_size}"
+        for kv_dtype in p.supported_kv_cache_dtypes:
+            p.update_config(EngineConfig.create(kv_cache_dtype=kv_dtype))
+
+    def test_update_config_refuses_unsupported_block_sizes(self):
+        p = self.make_platform()
+        accepted = set(self.block_sizes or p.supported_block_sizes)
+        rejected = self.rejected_block_sizes or [s for s in (2**i for i in range(11)) if s not in accepted]
+        if not rejected:
+            pytest.skip("every block size is supported")
+        for size in rejected:
+            with pytest.raises(ValueError, match="--block-size") as info:
+                p.update_config(EngineConfig.create(block_size=size))
+            assert str(size) in str(info.value), f"the error does not name block size {size}: {info.value}"
+
+    def test_update_config_refuses_unsupported_kv_cache_dtypes(self):
+        p = self.make_platform()
+        rejected = [d for d in KV_CACHE_DTYPE_FLAGS if d not in p.supported_kv_cache_dtypes]
+        if not rejected:
+            pytest.skip("every --kv-cache-dtype is supported")
+        for kv_dtype in rejected:
+            with pytest.raises(ValueError, match="--kv-cache-dtype") as info:
+                p.update_config(EngineConfig.create(kv_cache_dtype=kv_dtype))
+            assert kv_dtype in str(info.value), f"the error does not name {kv_dtype}: {info.value}"
+
+    def test_graph_sizes(self):
+        """Ascending, and never above ``max_num_seqs`` or ``max_num_batched_tokens``: a step
+        never holds more decodes, so a larger graph would only cost build time and memory."""
+        p = self.make_platform()
+        for kwargs in self.graph_size_configs:
+            config = _fresh_config(**kwargs)
+            p.update_config(config)
+            sizes = p.graph_sizes(config)
+            where = f"graph_sizes({kwargs}) = {sizes}"
+            assert all(isinstance(s, int) and s >= 1 for s in sizes), where
+            assert list(sizes) == sorted(set(sizes)), f"{where}: not strictly ascending"
+            assert all(s <= config.max_num_seqs for s in sizes), f"{where}: above max_num_seqs"
+            assert all(s <= config.max_num_batched_tokens for s in sizes), f"{where}: above max_num_batched_tokens"
+
+    def test_custom_ops(self):
+        ops = self.make_platform().custom_ops()
+        assert set(ops) <= set(REFERENCE_OPS), f"unknown ops: {sorted(set(ops) - set(REFERENCE_OPS))}"
+        assert all(callable(op) for op in ops.values())
+
+    def test_attention_backend(self):
+        name = self.make_platform().attention_backend()
+        assert isinstance(name, str) and name, name
+
+    def test_peak_memory_of(self):
+        p = self.make_platform()
+        device, nbytes, calls = p.device(), 1 << 20, []
+
+        def step() -> None:
+            calls.append(1)
+            held = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+            held.add_(1)
+
+        peak = p.peak_memory_of(step)
+        if peak is None:
+            assert calls == [], "peak_memory_of returned None after running fn"
+            return
+        assert isinstance(peak, int) and not isinstance(peak, bool), peak
+        assert calls == [1], f"fn ran {len(calls)} times"
+        assert peak >= nbytes, f"fn held {nbytes} bytes at once; peak_memory_of says {peak}"
+
+    def test_synchronize(self):
+        p = self.make_platform()
+        x = torch.ones(64, 64, device=p.device())
+        y = x @ x
+        assert p.synchronize() is None
+        assert float(y[0, 0]) == 64.0
+
+
+# ---------------------------------------------------------------- fused ops
+
+# Which arguments of each reference op an in-place kernel may overwrite, and with which of its results.
+WRITABLE: dict[str, dict[int, int]] = {"fused_add_rms_norm": {0: 0, 1: 1}, "rotary_embedding": {1: 0, 2: 1}}
+ARG_NAMES = {
+    "rms_norm": ("x", "weight", "eps"),
+    "fused_add_rms_norm": ("x", "residual", "weight", "eps"),
+    "rotary_embedding": ("positions", "q", "k", "cos_sin_cache"),
+    "silu_and_mul": ("x",),
+}
+
+
+class OpsContract:
+    """Compares a platform's fused ops (``Platform.custom_ops()``) with the torch reference
+    ops of ``kiln.interfaces.model`` on random inputs, for every dtype and shape below: same
+    output shapes and dtypes, values within ``atol``/``rtol``, inputs left alone. Ops the
+    platform does not override are skipped.
+
+    Plugin authors subclass it in their own tests::
+
+        from kiln.testing.contracts import OpsContract
+        from my_plugin.platform import MyPlatform
+
+        class TestMyOps(OpsContract):
+            ops = MyPlatform().custom_ops()
+            device = "mine"
+            dtypes = (torch.float16, torch.bfloat16)
+            in_place_ops = frozenset({"rotary_embedding"})  # writes q and k, as vLLM's kernel
+
+    Each knob is a class variable; narrow the shapes where the kernels are slow to run.
+    """
+
+    ops: ClassVar[dict[str, Callable]]
+    device: ClassVar[str] = "cpu"
+    dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.float16, torch.bfloat16)
+    atol: ClassVar[dict[torch.dtype, float]] = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+    rtol: ClassVar[dict[torch.dtype, float]] = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+    num_tokens: ClassVar[tuple[int, ...]] = (1, 5, 33)
+    hidden_sizes: ClassVar[tuple[int, ...]] = (64, 100, 2048)  # rms_norm, fused_add_rms_norm
+    intermediate_sizes: ClassVar[tuple[int, ...]] = (21, 128, 1500)  # silu_and_mul's input is twice this
+    # (heads, kv_heads, head_dim) for rotary_embedding and rms_norm on per-head views (Qwen3's q/k norm).
+    head_shapes: ClassVar[tuple[tuple[int, int, int], ...]] = ((4, 4, 64), (6, 2, 128), (8, 1, 32), (2, 1, 80))
+    max_positions: ClassVar[int] = 1024
+    rope_theta: ClassVar[float] = 10000.0
+    eps: ClassVar[float] = 1e-6
+    # Ops allowed to overwrite their tensor inputs with their results (see ``WRITABLE``), as
+    # vLLM's kernels do; any other change to an input fails.
+    in_place_ops: ClassVar[frozenset[str]] = frozenset()
+
+    def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
+        """Parametrizes the tests below from the class variables (of the subclass)."""
+        knobs = {
+            "dtype": (self.dtypes, _ids(self.dtypes)),
+            "num_tokens": (self.num_tokens, None),
+            "hidden_size": (self.hidden_sizes, None),
+            "intermediate_size": (self.intermediate_sizes, None),
+            "head_shape": (self.head_shapes, [f"h{h}kv{kv}d{d}" for h, kv, d in self.head_shapes]),
+        }
+        taken = {n for m in metafunc.definition.iter_markers("parametrize") for n in _argnames(m.args[0])}
+        for name, (values, ids) in knobs.items():
+            if name in metafunc.fixturenames and name not in taken:
+                metafunc.parametrize(name, values, ids=ids)
+
+    def _random(self, gen: torch.Generator, *shape: int, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(shape, generator=gen) * scale).to(dtype).to(self.device)
+
+    def _check(self, name: str, args: tuple, dtype: torch.dtype, untouched: tuple[torch.Tensor, ...] = ()) -> None:
+        """Runs the reference on clones and the platform's op on ``args``, then compares the results
+        and checks that no input (nor any tensor in ``untouched``) changed unexpectedly."""
+        op = self.ops.get(name)
+        if op is None:
+            pytest.skip(f"the platform does not override {name}: the reference runs")
+        expected = REFERENCE_OPS[name](*map(_clone, args))
+        before, untouched_before = [_clone(a) for a in args], [t.clone() for t in untouched]
+        got = op(*args)
+        expected, got = _as_tuple(expected), _as_tuple(got)
+        assert len(got) == len(expected), f"{name} returned {len(got)} results, the reference {len(expected)}"
+        for i, (g, e) in enumerate(zip(got, expected)):
+            where = f"{name} result {i} ({dtype})"
+            assert isinstance(g, torch.Tensor), f"{where}: {type(g).__name__}, not a tensor"
+            assert (g.shape, g.dtype) == (e.shape, e.dtype), (
+                f"{where}: {g.shape} {g.dtype}, expected {e.shape} {e.dtype}"
+            )
+            assert g.device.type == e.device.type, f"{where}: on {g.device}, expected {e.device}"
+            torch.testing.assert_close(
+                g.float(),
+                e.float(),
+                atol=self.atol[dtype],
+                rtol=self.rtol[dtype],
+                msg=lambda m, where=where: f"{where}: {m}",
+            )
+        writable = WRITABLE.get(name, {}) if name in self.in_place_ops else {}
+        for i, (arg, old) in enumerate(zip(args, before)):
+            if not isinstance(arg, torch.Tensor) or torch.equal(arg, old):
+                continue
+            arg_name = ARG_NAMES[name][i]
+            assert i in writable, f"{name} modified its input {arg_name} (the reference does not)"
+            assert torch.equal(arg, got[writable[i]]), (
+                f"{name} overwrote {arg_name} with something else than its result"
+            )
+        for t, old in zip(untouched, untouched_before):
+            assert torch.equal(t, old), f"{name} wrote outside its inputs (into the rest of their buffer)"
+
+    def test_rms_norm(self, dtype, num_tokens, hidden_size):
+        gen = torch.Generator().manual_seed(0)
+        x, weight = self._random(gen, num_tokens, hidden_size, dtype=dtype), self._random(gen, hidden_size, dtype=dtype)
+        self._check("rms_norm", (x, weight, self.eps), dtype)
+
+    def test_rms_norm_on_head_views(self, dtype, num_tokens, head_shape):
+        """Per-head norms (Qwen3's q/k norm) on the strided q view of a fused qkv projection."""
+        heads, kv_heads, head_dim = head_shape
+        gen = torch.Generator().manual_seed(1)
+        qkv = self._random(gen, num_tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
+        q, rest = qkv.split([heads * head_dim, 2 * kv_heads * head_dim], dim=-1)
+        weight = self._random(gen, head_dim, dtype=dtype)
+        self._check("rms_norm", (q.view(num_tokens, heads, head_dim), weight, self.eps), dtype, untouched=(rest,))
+
+    def test_fused_add_rms_norm(self, dtype, num_tokens, hidden_size):
+        gen = torch.Generator().manual_seed(2)
+        x, residual = (self._random(gen, num_tokens, hidden_size, dtype=dtype) for _ in range(2))
+        weight = self._random(gen, hidden_size, dtype=dtype)
+        self._check("fused_add_rms_norm", (x, residual, weight, self.eps), dtype)
+
+    @pytest.mark.parametrize("layout", ["qkv_views", "contiguous"])
+    def test_rotary_embedding(self, dtype, num_tokens, head_shape, layout):
+        """NeoX rotary on the model's own cache (``kiln.models.rope``) at random positions (first and
+        last included), on q/k split from one qkv tensor as the model passes them, or on fresh ones."""
+        heads, kv_heads, head_dim = head_shape
+        gen = torch.Generator().manual_seed(3)
+        positions = torch.randint(0, self.max_positions, (num_tokens,), generator=gen)
+        positions[0], positions[-1] = self.max_positions - 1, 0
+        cache = rope.cos_sin_cache(head_dim, self.max_positions, SimpleNamespace(rope_theta=self.rope_theta))
+        qkv = self._random(gen, num_tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
+        q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+        q, k = q.view(num_tokens, heads, head_dim), k.view(num_tokens, kv_heads, head_dim)
+        if layout == "contiguous":
+            q, k = q.contiguous(), k.contiguous()
+        args = (positions.to(self.device), q, k, cache.to(self.device))
+        self._check("rotary_embedding", args, dtype, untouched=(v,))
+
+    def test_silu_and_mul(self, dtype, num_tokens, intermediate_size):
+        gen = torch.Generator().manual_seed(4)
+        x = self._random(gen, num_tokens, 2 * intermediate_size, dtype=dtype, scale=4.0)
+        self._check("silu_and_mul", (x,), dtype)
+
+
+def _argnames(names) -> list[str]:
+    return [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
+
+
+def _clone(arg):
+    return arg.clone() if isinstance(arg, torch.Tensor) else arg
+
+
+def _as_tuple(result) -> tuple:
+    return tuple(result) if isinstance(result, (tuple, list)) else (result,)

@@ -38,8 +38,9 @@ GEAR_LIST_ENV = "PTA_TORCHAIR_DECODE_GEAR_LIST"
 
 
 def decode_gears(config: EngineConfig) -> list[int]:
-    """The gear list, ascending; empty when ``max_num_seqs`` is 1 (a lone decode runs eagerly)."""
-    top = config.max_num_seqs
+    """The gear list, ascending, up to the most decodes one step holds (``max_num_seqs``, and
+    no more than ``max_num_batched_tokens``); empty when that is 1 (a lone decode runs eagerly)."""
+    top = min(config.max_num_seqs, config.max_num_batched_tokens or config.max_num_seqs)
     if config.graph_sizes:
         requested = list(config.graph_sizes)
     elif os.environ.get(GEAR_LIST_ENV, "").strip():
