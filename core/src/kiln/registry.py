@@ -7,7 +7,7 @@ plugin provides is imported until the engine chooses it, so ``kiln plugins`` and
 
 One table per kind (``Registry.platforms``, ``Registry.attention_backends``...),
 each ``name -> spec or lazy reference``. When two plugins register the same
-name, the registration pluggy calls first wins (the later-installed plugin, or
+name, the registration pluggy calls first wins (the plugin loaded later, or
 one marked ``tryfirst``) and a warning names both.
 """
 
