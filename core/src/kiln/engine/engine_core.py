@@ -34,9 +34,6 @@ class EngineCore:
         finished = self.scheduler.finish_requests(list(request_ids), status)
         self.executor.free(req.request_id for req in finished)
 
-    def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
-
     def step(self) -> list[EngineCoreOutput]:
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:

@@ -47,7 +47,6 @@ class LLMEngine:
         files = resolve_model(config.model, config.load_format)
         config.model = files.path  # later readers (tensor-parallel ranks, platforms) get the local folder
         hf_config = AutoConfig.from_pretrained(files.path, trust_remote_code=config.trust_remote_code)
-        self.hf_config = hf_config
         _resolve_lengths(config, hf_config)
         self.plugins.update_engine_config(config)
         self.dtype = resolve_dtype(config, self.platform, hf_config)
@@ -82,10 +81,6 @@ class LLMEngine:
             num_blocks,
             config.block_size,
         )
-
-    @property
-    def tokenizer(self):
-        return self.model_info.tokenizer
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any."""

@@ -155,7 +155,14 @@ class Scheduler:
             new_prompt_logprobs = prompt_logprobs.get(req)
             if token is None:
                 if new_prompt_logprobs:  # a prefill chunk: nothing sampled yet
-                    outputs.append(EngineCoreOutput(req.request_id, [], new_prompt_logprobs=new_prompt_logprobs))
+                    outputs.append(
+                        EngineCoreOutput(
+                            req.request_id,
+                            [],
+                            new_prompt_logprobs=new_prompt_logprobs,
+                            num_cached_tokens=req.num_cached_tokens or 0,
+                        )
+                    )
                 continue
             req.append_output_token(token.token_id)
             if req.matcher is not None and not req.matcher.accept(token.token_id):
