@@ -56,6 +56,12 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     return run_server(ns)
 
 
+def cmd_quantize(ns: argparse.Namespace) -> int:
+    from kiln.quantization.tool import cmd_quantize as run
+
+    return run(ns)
+
+
 def cmd_bench_serve(ns: argparse.Namespace) -> int:
     from kiln.benchmarks.serve import cmd_bench_serve as run
 
@@ -72,6 +78,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     from kiln.benchmarks.serve import add_bench_serve_args
     from kiln.entrypoints.openai.cli_args import add_serve_args, apply_config_file
     from kiln.plugins import get_plugin_manager
+    from kiln.quantization.cli_args import HELP as QUANTIZE_HELP
+    from kiln.quantization.cli_args import add_quantize_args
 
     parser = argparse.ArgumentParser(prog="kiln", description="Kiln LLM serving engine")
     parser.add_argument(
@@ -97,6 +105,10 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     bs.set_defaults(func=cmd_bench_serve)
     if argv is not None and "serve" in argv:
         apply_config_file(s, argv)
+
+    q = sub.add_parser("quantize", help="make a quantized copy of a model", description=QUANTIZE_HELP)
+    add_quantize_args(q)
+    q.set_defaults(func=cmd_quantize)
 
     p = sub.add_parser("plugins", help="list installed plugins, their versions and what each registered")
     p.add_argument("--json", action="store_true", help="print JSON")

@@ -52,7 +52,20 @@ class EngineConfig(BaseModel):
         description="guided-decoding backend for requests that name none; 'NAME:no-fallback' forbids fallback",
     )
     tensor_parallel_size: int = Field(1, ge=1)
+    quantization: str | None = Field(
+        None,
+        description="awq, gptq, compressed-tensors, smoothquant (w8a8), weight_only_int8 or none; "
+        "auto-detected from the checkpoint's quantization_config",
+    )
     trust_remote_code: bool = False
+
+    @field_validator("quantization")
+    @classmethod
+    def _known_method(cls, value: str | None) -> str | None:
+        from kiln.quantization.config import normalize_flag
+
+        normalize_flag(value)
+        return value
 
     @field_validator("block_size")
     @classmethod

@@ -10,6 +10,9 @@ from typing import Any
 
 from kiln.config import EngineConfig
 
+# vLLM's short spellings (seed 002 lists -tp and -q).
+SHORT_FLAGS = {"tensor_parallel_size": "-tp", "quantization": "-q"}
+
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """One ``--flag`` per ``EngineConfig`` field, with its type, choices and default."""
@@ -34,7 +37,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                 base = typing.get_args(base)[0]
             kwargs["type"] = base if base in (int, float) else str
         kwargs["help"] = f"{help_text} (default: {field.default})".strip()
-        group.add_argument(flag, **kwargs)
+        group.add_argument(*[f for f in (flag, SHORT_FLAGS.get(name)) if f], **kwargs)
 
 
 def engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:

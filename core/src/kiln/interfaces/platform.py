@@ -17,6 +17,7 @@ import torch
 if TYPE_CHECKING:
     from kiln.config import EngineConfig
     from kiln.interfaces.attention import DecodeGraphInputs
+    from kiln.interfaces.quantization import LinearMethod, QuantScheme
 
 
 class GraphRunner(ABC):
@@ -126,6 +127,15 @@ class Platform(ABC):
         """Called once after the weights are loaded: repack them into the layout the device's
         matmul kernels prefer (replacing ``nn.Linear`` or ``nn.Embedding`` modules in place,
         e.g. with ones over a compressed copy of the weight). Default: nothing."""
+
+    def linear_method(self, scheme: QuantScheme) -> LinearMethod | None:
+        """How this device computes quantized linear layers of ``scheme`` (``w8a8``: int8
+        weights per channel and int8 activations per token; ``w8a16``/``w4a16``: integer
+        weights widened to the activations' dtype), or None if it cannot: serving such a
+        checkpoint is then a start-up error. Default: ``ReferenceLinearMethod`` (plain torch)."""
+        from kiln.interfaces.quantization import ReferenceLinearMethod
+
+        return ReferenceLinearMethod()
 
     def graph_runner(self, config: EngineConfig) -> GraphRunner | None:
         """A graph runner for decode steps, or None for eager execution (the default).

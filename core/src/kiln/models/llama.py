@@ -17,6 +17,8 @@ from kiln.distributed import TensorParallel
 from kiln.interfaces.attention import AttentionBackend
 from kiln.interfaces.model import StepContext
 from kiln.models.rope import cos_sin_cache
+from kiln.quantization.config import QuantConfig
+from kiln.quantization.layers import load_linear_tensor, make_linear, row_parallel_dim
 
 
 class RMSNorm(nn.Module):
@@ -32,7 +34,13 @@ class RMSNorm(nn.Module):
 
 class LlamaAttention(nn.Module):
     def __init__(
-        self, cfg, layer_idx: int, ops: SimpleNamespace, backend: AttentionBackend, tp: TensorParallel
+        self,
+        cfg,
+        layer_idx: int,
+        ops: SimpleNamespace,
+        backend: AttentionBackend,
+        tp: TensorParallel,
+        quant: QuantConfig | None = None,
     ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -42,8 +50,10 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         bias = bool(getattr(cfg, "attention_bias", False)) or cfg.model_type == "qwen2"
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        prefix = f"model.layers.{layer_idx}.self_attn"
+        qkv = [f"{prefix}.{p}_proj" for p in "qkv"]
+        self.qkv_proj = make_linear(quant, qkv, cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = make_linear(quant, [f"{prefix}.o_proj"], self.q_size, cfg.hidden_size)
         self.qk_norm = cfg.model_type == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ops)
@@ -68,13 +78,16 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg, ops: SimpleNamespace, tp: TensorParallel) -> None:
+    def __init__(
+        self, cfg, ops: SimpleNamespace, tp: TensorParallel, prefix: str, quant: QuantConfig | None = None
+    ) -> None:
         super().__init__()
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (silu only)")
         intermediate = tp.shard(cfg.intermediate_size, "intermediate size")
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, cfg.hidden_size, bias=False)
+        gate_up = [f"{prefix}.gate_proj", f"{prefix}.up_proj"]
+        self.gate_up_proj = make_linear(quant, gate_up, cfg.hidden_size, 2 * intermediate)
+        self.down_proj = make_linear(quant, [f"{prefix}.down_proj"], intermediate, cfg.hidden_size)
         self.ops = ops
         self.tp = tp
 
@@ -83,10 +96,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg, layer_idx, ops, backend, tp: TensorParallel) -> None:
+    def __init__(self, cfg, layer_idx, ops, backend, tp: TensorParallel, quant: QuantConfig | None = None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_idx, ops, backend, tp)
-        self.mlp = LlamaMLP(cfg, ops, tp)
+        self.self_attn = LlamaAttention(cfg, layer_idx, ops, backend, tp, quant)
+        self.mlp = LlamaMLP(cfg, ops, tp, f"model.layers.{layer_idx}.mlp", quant)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.ops = ops
@@ -112,12 +125,15 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
         max_positions: int,
         tp: TensorParallel = TensorParallel(),
+        quant_config: QuantConfig | None = None,
     ) -> None:
         super().__init__()
         self.config = cfg
         self.tp = tp
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, ops, backend, tp) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, i, ops, backend, tp, quant_config) for i in range(cfg.num_hidden_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -138,7 +154,8 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face-named tensors, merging q/k/v and gate/up into one matmul each
-        and keeping this tensor-parallel rank's slice of the split projections."""
+        and keeping this tensor-parallel rank's slice of the split projections. A quantized
+        layer's tensors come in canonical form (``kiln.quantization.checkpoint``)."""
         params = dict(self.named_parameters())
         pending: dict[str, dict[str, torch.Tensor]] = {}
         loaded: set[str] = set()
@@ -154,8 +171,10 @@ class LlamaForCausalLM(nn.Module):
             if "rotary_emb" in name or (name == "lm_head.weight" and self.tie_word_embeddings):
                 continue
             parts = name.split(".")
-            if len(parts) >= 2 and parts[-2] in ("o_proj", "down_proj") and parts[-1] == "weight":
-                tensor = self.tp.slice(tensor, 1)  # row-parallel: input columns split
+            if len(parts) >= 2 and parts[-2] in ("o_proj", "down_proj"):
+                dim = row_parallel_dim(parts[-1], tensor)
+                if dim is not None:
+                    tensor = self.tp.slice(tensor, dim)  # row-parallel: input columns split
             if len(parts) >= 2 and parts[-2] in merges:
                 tensor = self.tp.slice(tensor, 0)  # column-parallel: output rows split
                 target, order = merges[parts[-2]]
@@ -163,21 +182,25 @@ class LlamaForCausalLM(nn.Module):
                 group = pending.setdefault(merged, {})
                 group[parts[-2]] = tensor
                 if len(group) == len(order):
-                    name, tensor = merged, torch.cat([group[p] for p in order], dim=0)
+                    name, tensor = merged, merge_shards([group[p] for p in order], parts[-1])
                     del pending[merged]
                 else:
                     continue
             if name not in params:
                 raise ValueError(f"unexpected weight {name!r} in checkpoint")
-            param = params[name]
-            if param.shape != tensor.shape:
-                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
-            with torch.no_grad():
-                param.copy_(tensor)
-            loaded.add(name)
+            loaded.update(load_linear_tensor(params, name, tensor))
         missing = set(params) - loaded
         if pending or missing:
             raise ValueError(f"checkpoint is missing weights: {sorted(missing | set(pending))[:8]}")
+
+
+def merge_shards(shards: list[torch.Tensor], leaf: str) -> torch.Tensor:
+    """Merged projections stack their outputs; they share one input, so one ``g_idx``."""
+    if leaf != "g_idx":
+        return torch.cat(shards, dim=0)
+    if any(not torch.equal(shards[0], s) for s in shards[1:]):
+        raise ValueError("the merged projections' g_idx differ; Kiln needs one input order per merged matmul")
+    return shards[0]
 
 
 def head_dim_of(cfg) -> int:

@@ -14,7 +14,10 @@ from kiln.distributed import TensorParallel
 from kiln.interfaces.attention import AttentionBackend
 from kiln.interfaces.model import resolve_ops
 from kiln.interfaces.platform import Platform
+from kiln.interfaces.quantization import QuantLinear
 from kiln.models.loader import iter_weights
+from kiln.quantization import config as quant_config
+from kiln.quantization.checkpoint import canonical_weights
 from kiln.registry import Registry, load_ref
 from kiln.worker.model_runner import ModelRunner
 
@@ -102,6 +105,7 @@ def build_model(
             f"supported: {', '.join(sorted(models))}"
         )
     cls = load_ref(models[arch])
+    quant = resolve_quantization(config, platform, hf_config, tp)
     ops = resolve_ops(platform.custom_ops())
     torch.manual_seed(config.seed)  # dummy weights: the same on every rank and every run
     # Build straight in the target dtype: no full-size fp32 copy on the way.
@@ -109,14 +113,36 @@ def build_model(
     torch.set_default_dtype(dtype)
     try:
         with torch.device(platform.device()):
-            model = cls(hf_config, ops, backend, max_positions=config.max_model_len, tp=tp)
+            extra = {"quant_config": quant} if quant is not None else {}
+            model = cls(hf_config, ops, backend, max_positions=config.max_model_len, tp=tp, **extra)
     finally:
         torch.set_default_dtype(default_dtype)
     if config.load_format != "dummy":
-        model.load_weights(iter_weights(model_path))
+        weights = iter_weights(model_path)
+        model.load_weights(weights if quant is None else canonical_weights(weights, quant))
     model.eval()
+    if quant is not None:
+        method = platform.linear_method(quant.scheme)
+        layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+        for layer in layers:
+            layer.method = method
+            method.process(layer)
+        logger.info("%d linear layers quantized (%s) via %s", len(layers), quant.label, type(method).__name__)
     platform.process_weights(model)
     return model
+
+
+def resolve_quantization(config: EngineConfig, platform: Platform, hf_config, tp: TensorParallel):
+    """The model's ``QuantConfig`` (None: unquantized); a method the device cannot run, or a
+    split it cannot take, is refused here, before any weight is read."""
+    quant = quant_config.resolve(config.quantization, getattr(hf_config, "quantization_config", None))
+    if quant is None:
+        return None
+    if platform.linear_method(quant.scheme) is None:
+        raise ValueError(f"quantization: {quant.label} cannot run on {platform.name}")
+    if quant.desc_act and tp.size > 1:
+        raise ValueError("--tensor-parallel-size: GPTQ act-order (desc_act) checkpoints are served on one rank")
+    return quant
 
 
 def build_runner(

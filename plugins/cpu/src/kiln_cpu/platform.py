@@ -116,6 +116,11 @@ class CpuPlatform(Platform):
         if prepacking_works():
             replace_linears(model, {torch.bfloat16: PackedLinear})
 
+    def linear_method(self, scheme):
+        from kiln_cpu.quant_methods import linear_method
+
+        return linear_method(scheme)
+
     def custom_ops(self) -> dict[str, Callable]:
         from kiln_cpu.fused_ops import fused_ops
 

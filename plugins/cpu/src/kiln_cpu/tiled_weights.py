@@ -68,7 +68,7 @@ class TiledWeight:
         return out
 
 
-def _tiles(per_row: torch.Tensor) -> torch.Tensor:
+def pack_tiles(per_row: torch.Tensor) -> torch.Tensor:
     """(N, X) per-row values -> (N/16, X, 16): a tile's 16 features side by side."""
     return per_row.view(-1, TILE, per_row.shape[1]).transpose(1, 2).contiguous()
 
@@ -79,15 +79,15 @@ def _blocks_q4(w: torch.Tensor) -> TiledWeight:
     # GGUF stores the scale as fp16: (max - min) / 15 rounds back to it.
     scale = ((high - low) / 15).half().float()
     q = torch.where(scale[..., None] > 0, (blocks - low[..., None]) / scale[..., None], 0.0)
-    q = _tiles(q.round().clamp(0, 15).to(torch.uint8).view(w.shape))
-    return TiledWeight(4, _tiles(scale), _tiles(low), q[..., :8] | (q[..., 8:] << 4))
+    q = pack_tiles(q.round().clamp(0, 15).to(torch.uint8).view(w.shape))
+    return TiledWeight(4, pack_tiles(scale), pack_tiles(low), q[..., :8] | (q[..., 8:] << 4))
 
 
 def _blocks_q8(w: torch.Tensor) -> TiledWeight:
     blocks = w.view(w.shape[0], -1, BLOCK)
     scale = blocks.abs().amax(-1) / 127
     q = torch.where(scale[..., None] > 0, blocks / scale[..., None], 0.0)
-    return TiledWeight(8, _tiles(scale), None, _tiles(q.round().clamp(-127, 127).to(torch.int8).view(w.shape)))
+    return TiledWeight(8, pack_tiles(scale), None, pack_tiles(q.round().clamp(-127, 127).to(torch.int8).view(w.shape)))
 
 
 def _concat(parts: list[TiledWeight]) -> TiledWeight:
@@ -128,7 +128,7 @@ def tiled_form(weight: torch.Tensor) -> TiledWeight | None:
     when its shape or the missing kernels rule both out."""
     if not _tileable(weight):
         return None
-    return find_gguf_form(weight) or TiledWeight(32, None, None, _tiles(weight.detach()))
+    return find_gguf_form(weight) or TiledWeight(32, None, None, pack_tiles(weight.detach()))
 
 
 class TiledLinear(nn.Module):

@@ -1,0 +1,111 @@
+"""Quantized linear layers: the layer a model holds and the seam a platform fills.
+
+A model builds a ``QuantLinear`` wherever its checkpoint quantizes a linear layer
+(``kiln.quantization.make_linear``). The loader fills it with one canonical form,
+whatever the checkpoint's format (AWQ, GPTQ, compressed-tensors):
+
+- ``weight``: int8 (out, in). Symmetric schemes hold signed values; schemes with zero
+  points hold the unsigned codes (0..15 for 4-bit).
+- ``weight_scale``: fp32 (out, groups), one per ``group_size`` inputs, or (out, 1).
+- ``weight_zero``: int8 (out, groups), only for schemes with zero points.
+- ``g_idx``: int32 (in,), only for GPTQ act-order checkpoints: the group of each input.
+
+so ``w = (weight - weight_zero) * weight_scale`` per group. After loading, the
+platform's ``LinearMethod`` (``Platform.linear_method``) repacks these tensors for its
+kernel (``process``) and computes the layer (``apply``). ``ReferenceLinearMethod``
+defines the result every platform must match.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+from torch import nn
+
+from kiln.quantization.config import QuantScheme
+
+__all__ = ["LinearMethod", "QuantLinear", "QuantScheme", "ReferenceLinearMethod", "dequantize", "quantize_per_token"]
+
+
+class LinearMethod(ABC):
+    """How a platform computes quantized linear layers of one scheme."""
+
+    @abstractmethod
+    def process(self, layer: QuantLinear) -> None:
+        """Called once after the weights are loaded: repack ``layer``'s canonical tensors
+        into the kernel's layout. It may replace or delete them; ``apply`` reads what it left."""
+
+    @abstractmethod
+    def apply(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T + bias`` for rows ``x`` (..., in_features), in ``x``'s dtype."""
+
+
+class QuantLinear(nn.Module):
+    """A linear layer whose weight is quantized per ``scheme`` (tensors: see the module doc)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, scheme: QuantScheme, act_order: bool) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.scheme = in_features, out_features, scheme
+        self.dtype = torch.get_default_dtype()  # the activations' (the model is built under its dtype)
+        groups = in_features // scheme.group_size if scheme.group_size else 1
+        if scheme.group_size and in_features % scheme.group_size:
+            raise ValueError(f"{in_features} inputs are not a multiple of the group size {scheme.group_size}")
+        self.weight = nn.Parameter(torch.zeros(out_features, in_features, dtype=torch.int8), requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.ones(out_features, groups, dtype=torch.float32), requires_grad=False)
+        zero = None if scheme.symmetric else torch.zeros(out_features, groups, dtype=torch.int8)
+        self.weight_zero = None if zero is None else nn.Parameter(zero, requires_grad=False)
+        g_idx = torch.zeros(in_features, dtype=torch.int32) if act_order else None
+        self.g_idx = None if g_idx is None else nn.Parameter(g_idx, requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
+        self.method: LinearMethod = ReferenceLinearMethod()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, {self.scheme.describe()}"
+
+
+def group_index(layer: QuantLinear) -> torch.Tensor:
+    """The scale column each input uses: ``g_idx``, or contiguous groups."""
+    if layer.g_idx is not None:
+        return layer.g_idx.long()
+    groups = layer.weight_scale.shape[1]
+    return torch.arange(layer.in_features) // (layer.in_features // groups)
+
+
+def dequantize(layer: QuantLinear, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The layer's weight widened to (out, in) ``dtype``: ``(weight - weight_zero) * weight_scale``."""
+    index = group_index(layer).to(layer.weight.device)
+    q = layer.weight.float()
+    if layer.weight_zero is not None:
+        q = q - layer.weight_zero.float()[:, index]
+    return (q * layer.weight_scale[:, index]).to(dtype)
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``x`` (tokens, in) as int8 with one fp32 scale per row (absmax / 127)."""
+    x = x.float()
+    scale = x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-10) / 127
+    return torch.round(x / scale).clamp(-127, 127).to(torch.int8), scale
+
+
+class ReferenceLinearMethod(LinearMethod):
+    """Plain torch on the canonical tensors: the weight widened per call, and for W8A8 an
+    exact int32 product of per-token int8 activations. Correct on any device; slow."""
+
+    def process(self, layer: QuantLinear) -> None:
+        pass
+
+    def apply(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, layer.in_features)
+        if layer.scheme.activation_bits == 8:
+            q, scale = quantize_per_token(rows)
+            acc = (q.double() @ layer.weight.double().T).float()  # exact in fp64; int matmul is CPU-only
+            out = (acc * scale * layer.weight_scale.T).to(x.dtype)
+        else:
+            out = rows @ dequantize(layer, x.dtype).T
+        if layer.bias is not None:
+            out = out + layer.bias.to(x.dtype)
+        return out.view(*x.shape[:-1], layer.out_features)

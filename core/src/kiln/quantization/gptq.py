@@ -1,0 +1,86 @@
+"""GPTQ (Frantar et al., 2023): quantize a weight column by column, pushing each column's
+rounding error onto the columns not yet quantized, weighted by the inverse Hessian of
+the layer's inputs (H = 2/n X^T X, damped by 1 % of its mean diagonal).
+
+4-bit, symmetric (zero point 8) or not, one scale per ``group`` inputs, taken when the
+quantization reaches the group's first column (from the error-updated weights);
+``act_order`` quantizes the columns with the largest Hessian diagonal first, and
+``g_idx`` then records each column's group.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK = 128  # columns updated together (lazy batch updates)
+DAMP = 0.01
+MAXQ = 15
+
+
+class Hessian:
+    """Running ``2/n X^T X`` of a linear layer's inputs."""
+
+    def __init__(self, columns: int) -> None:
+        self.h = torch.zeros(columns, columns, dtype=torch.float64)
+        self.n = 0
+
+    def add(self, x: torch.Tensor) -> None:
+        x = x.reshape(-1, x.shape[-1]).double()
+        self.h *= self.n / (self.n + x.shape[0])
+        self.n += x.shape[0]
+        self.h += (2 / self.n) * (x.T @ x)
+
+
+def _group_params(w: torch.Tensor, sym: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero point per row. Symmetric: zero 8, the grid spanning the largest magnitude.
+    Otherwise the grid spans min..max, its zero kept >= 1 (AutoGPTQ stores zero - 1 in 4 bits)."""
+    if sym:
+        top = w.abs().amax(dim=1)
+        scale = torch.where(top > 0, 2 * top / MAXQ, torch.ones_like(top)).half().double()
+        return scale, torch.full_like(scale, 8)
+    low, high = w.amin(dim=1), w.amax(dim=1)
+    scale = ((high - low).clamp(min=1e-5) / MAXQ).half().double()
+    return scale, torch.clamp(-torch.round(low / scale), 1, MAXQ)
+
+
+@torch.no_grad()
+def gptq_quantize(
+    weight: torch.Tensor, hessian: Hessian, group: int, act_order: bool = False, sym: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """4-bit codes (out, in): signed if ``sym``, else unsigned with zero points; scales and zero
+    points (out, in / group), or None for symmetric; and g_idx (act-order only)."""
+    w = weight.double().clone()
+    rows, cols = w.shape
+    h = hessian.h.clone()
+    dead = torch.diag(h) == 0
+    h[dead, dead] = 1
+    w[:, dead] = 0
+    perm = torch.argsort(torch.diag(h), descending=True) if act_order else torch.arange(cols)
+    w, h = w[:, perm], h[perm][:, perm]
+    h += DAMP * torch.mean(torch.diag(h)) * torch.eye(cols, dtype=h.dtype)
+    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    codes = torch.zeros_like(w)
+    scales = torch.zeros(rows, cols // group, dtype=torch.float64)
+    zeros = torch.zeros_like(scales)
+    for i1 in range(0, cols, BLOCK):
+        i2 = min(i1 + BLOCK, cols)
+        w1, hinv1 = w[:, i1:i2].clone(), hinv[i1:i2, i1:i2]
+        err1 = torch.zeros_like(w1)
+        for i in range(i2 - i1):
+            col = i1 + i
+            if col % group == 0:  # a new group: its scale from the columns as updated so far
+                ahead = torch.cat([w1[:, i:], w[:, i2:]], dim=1)[:, :group]
+                scales[:, col // group], zeros[:, col // group] = _group_params(ahead, sym)
+            scale, zero = scales[:, col // group], zeros[:, col // group]
+            q = torch.clamp(torch.round(w1[:, i] / scale) + zero, 0, MAXQ)
+            codes[:, col] = q
+            err = (w1[:, i] - (q - zero) * scale) / hinv1[i, i]
+            w1[:, i:] -= err[:, None] * hinv1[i, i:][None, :]
+            err1[:, i] = err
+        w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
+    inverse = torch.argsort(perm)
+    g_idx = (inverse // group).to(torch.int32) if act_order else None
+    # NOTE: with act-order, groups were formed in quantization order; g_idx maps each original
+    # column to the group (scale column) it was quantized in.
+    codes = codes[:, inverse] - (8 if sym else 0)
+    return codes.to(torch.int8), scales.float(), None if sym else zeros.to(torch.int8), g_idx

@@ -1,0 +1,56 @@
+"""Building and loading linear layers for a possibly quantized checkpoint."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kiln.interfaces.quantization import QuantLinear
+from kiln.quantization.config import QuantConfig
+from kiln.quantization.rtn import int8_per_channel
+
+
+def make_linear(
+    quant: QuantConfig | None, names: list[str], in_features: int, out_features: int, bias: bool = False
+) -> nn.Module:
+    """An ``nn.Linear``, or a ``QuantLinear`` when ``quant`` quantizes the layers ``names``
+    (Hugging Face names; a merged projection lists the ones it merges)."""
+    if quant is None:
+        return nn.Linear(in_features, out_features, bias=bias)
+    quantized = {quant.quantizes(name) for name in names}
+    if len(quantized) > 1:
+        raise ValueError(f"{', '.join(names)} are merged into one matmul, but only some of them are quantized")
+    if not quantized.pop():
+        return nn.Linear(in_features, out_features, bias=bias)
+    return QuantLinear(in_features, out_features, bias, quant.scheme, act_order=quant.desc_act)
+
+
+def row_parallel_dim(leaf: str, tensor: torch.Tensor) -> int | None:
+    """The dimension a row-parallel layer's tensor ``leaf`` splits along under tensor
+    parallelism: the weight's inputs, and the scales of grouped inputs; None: kept whole
+    (per-channel scales, biases, and ``g_idx``: act-order checkpoints are served on one rank)."""
+    if leaf == "weight":
+        return 1
+    if leaf in ("weight_scale", "weight_zero") and tensor.shape[1] > 1:
+        return 1
+    return None
+
+
+def load_linear_tensor(params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> list[str]:
+    """Copy ``tensor`` into the parameter ``name``; returns the parameters it filled.
+
+    A float weight for an int8 parameter is quantized here (``--quantization
+    weight_only_int8`` on an unquantized checkpoint), filling its scale too."""
+    if name not in params:
+        raise ValueError(f"unexpected weight {name!r} in checkpoint")
+    param = params[name]
+    values = {name: tensor}
+    if param.dtype == torch.int8 and tensor.is_floating_point():
+        values = dict(zip((name, name + "_scale"), int8_per_channel(tensor)))
+    for key, value in values.items():
+        target = params[key]
+        if target.shape != value.shape:
+            raise ValueError(f"weight {key!r} has shape {tuple(value.shape)}, expected {tuple(target.shape)}")
+        with torch.no_grad():
+            target.copy_(value)
+    return list(values)

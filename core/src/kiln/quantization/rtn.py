@@ -1,0 +1,33 @@
+"""Rounding weights to integer grids (the step every algorithm ends with)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 codes (out, in) and one scale per output row (absmax / 127)."""
+    w = w.float()
+    scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-10) / 127
+    return torch.round(w / scale).clamp(-127, 127).to(torch.int8), scale
+
+
+def int4_asymmetric(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Unsigned 4-bit codes (out, in) with a scale and zero point per ``group`` inputs:
+    ``w ~ (code - zero) * scale``, the grid spanning each group's min..max (AWQ's)."""
+    rows, cols = w.shape
+    g = w.float().reshape(rows, cols // group, group)
+    low, high = g.amin(-1), g.amax(-1)
+    scale = ((high - low).clamp(min=1e-5) / 15).half().float()  # fp16, as the checkpoint stores it
+    zero = torch.clamp(-torch.round(low / scale), 0, 15)
+    codes = torch.clamp(torch.round(g / scale[..., None]) + zero[..., None], 0, 15)
+    return codes.reshape(rows, cols).to(torch.int8), scale, zero.to(torch.int8)
+
+
+def widen(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None) -> torch.Tensor:
+    """(out, in) floats from codes with contiguous groups of in / scale.shape[1] inputs."""
+    group = codes.shape[1] // scale.shape[1]
+    q = codes.float()
+    if zero is not None:
+        q = q - zero.float().repeat_interleave(group, dim=1)
+    return q * scale.repeat_interleave(group, dim=1)

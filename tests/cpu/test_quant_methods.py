@@ -1,0 +1,88 @@
+"""The CPU's quantized linear methods against the reference (dequantize, then matmul)."""
+
+import pytest
+import torch
+
+from kiln.interfaces.quantization import QuantLinear, ReferenceLinearMethod, dequantize
+from kiln.quantization.config import QuantScheme
+from kiln_cpu import native
+from kiln_cpu.quant_methods import linear_method
+
+pytestmark = pytest.mark.skipif(native.load_kernels() is None, reason="no C compiler for the CPU kernels")
+
+SCHEMES = {
+    "w8a8": QuantScheme(8, None, True, activation_bits=8),
+    "w8a16": QuantScheme(8, None, True),
+    "w4a16-awq": QuantScheme(4, 128, False),
+    "w4a16-sym": QuantScheme(4, 64, True),
+    "w4a16-actorder": QuantScheme(4, 32, False),
+}
+
+
+def random_layer(scheme: QuantScheme, in_features: int, out_features: int, seed: int, bias: bool) -> QuantLinear:
+    gen = torch.Generator().manual_seed(seed)
+    act_order = scheme is SCHEMES["w4a16-actorder"]
+    layer = QuantLinear(in_features, out_features, bias, scheme, act_order=act_order)
+    top = 2 ** (scheme.weight_bits - 1)
+    low, high = (-top + 1, top) if scheme.symmetric else (0, 2 * top)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randint(low, high, layer.weight.shape, generator=gen))
+        layer.weight_scale.copy_(torch.rand(layer.weight_scale.shape, generator=gen) * 0.02 + 0.001)
+        if layer.weight_zero is not None:
+            layer.weight_zero.copy_(torch.randint(0, 16, layer.weight_zero.shape, generator=gen))
+        if layer.g_idx is not None:
+            groups = in_features // scheme.group_size
+            layer.g_idx.copy_(torch.arange(in_features)[torch.randperm(in_features, generator=gen)] % groups)
+        if bias:
+            layer.bias.normal_(generator=gen)
+    return layer
+
+
+@pytest.mark.parametrize("rows", [1, 16, 64, 1000])
+@pytest.mark.parametrize("name", list(SCHEMES))
+def test_cpu_method_matches_reference(name, rows):
+    scheme = SCHEMES[name]
+    layer = random_layer(scheme, 256, 96, seed=rows, bias=name == "w4a16-awq")
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(1))
+    expected = ReferenceLinearMethod().apply(layer, x)
+    widened = dequantize(layer)
+    bias = 0 if layer.bias is None else layer.bias.clone()
+    method = linear_method(scheme)
+    layer.method = method
+    method.process(layer)
+    got = layer(x)
+    assert got.shape == (rows, 96) and got.dtype == torch.float32
+    if scheme.activation_bits == 8:  # the same integers, summed exactly: equal up to the scales' rounding
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    else:
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        # and it is the layer's weight: not a matmul with something else
+        assert (got - x @ widened.T - bias).abs().max() < 1e-3
+
+
+def test_w8a8_quantizes_activations_per_token():
+    """A token's int8 rounding depends only on its own row: a huge row elsewhere changes nothing."""
+    scheme = SCHEMES["w8a8"]
+    layer = random_layer(scheme, 64, 32, seed=0, bias=False)
+    method = linear_method(scheme)
+    layer.method = method
+    method.process(layer)
+    x = torch.randn(2, 64)
+    alone = layer(x[:1])
+    with_outlier = layer(torch.cat([x[:1], x[1:] * 1000]))
+    assert torch.equal(alone[0], with_outlier[0])
+    exact = x[:1] @ dequantize(random_layer(scheme, 64, 32, seed=0, bias=False)).T
+    assert 0 < (alone - exact).abs().max() < 0.05 * exact.abs().max()  # quantized, but close
+
+
+def test_bf16_activations_fall_back_to_the_reference():
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        layer = random_layer(SCHEMES["w4a16-awq"], 128, 32, seed=0, bias=False)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    expected = ReferenceLinearMethod().apply(layer, torch.ones(3, 128, dtype=torch.bfloat16))
+    method = linear_method(layer.scheme)
+    layer.method = method
+    method.process(layer)
+    assert torch.equal(layer(torch.ones(3, 128, dtype=torch.bfloat16)), expected)
