@@ -36,6 +36,7 @@ bench: setup
 	$(PY) bench/offline_throughput.py
 	$(PY) bench/serve_compare.py
 	$(PY) bench/guided_compare.py
+	$(PY) bench/quantization.py
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -23,3 +23,12 @@ def varied_prompts() -> list[list[int]]:
         list(range(2000, 2077)),
         [42] * 40 + list(range(300, 313)),
     ]
+
+
+@pytest.fixture
+def cpu_plugins(kiln_plugins):
+    """The test plugin manager with the CPU plugin registered."""
+    import kiln_cpu.plugin
+
+    kiln_plugins.register(kiln_cpu.plugin, name="cpu")
+    return kiln_plugins

@@ -8,14 +8,6 @@ import multiprocessing
 import pytest
 
 
-@pytest.fixture
-def cpu_plugins(kiln_plugins):
-    import kiln_cpu.plugin
-
-    kiln_plugins.register(kiln_cpu.plugin, name="cpu")
-    return kiln_plugins
-
-
 def run(plugins, prompts, **engine_args):
     from kiln.testing.engine import make_engine, run_greedy
 

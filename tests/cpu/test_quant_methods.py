@@ -5,6 +5,7 @@ import torch
 
 from kiln.interfaces.quantization import QuantLinear, ReferenceLinearMethod, dequantize
 from kiln.quantization.config import QuantScheme
+from kiln.testing.quantization import random_quant_layer
 from kiln_cpu import native
 from kiln_cpu.quant_methods import linear_method
 
@@ -20,22 +21,9 @@ SCHEMES = {
 
 
 def random_layer(scheme: QuantScheme, in_features: int, out_features: int, seed: int, bias: bool) -> QuantLinear:
-    gen = torch.Generator().manual_seed(seed)
-    act_order = scheme is SCHEMES["w4a16-actorder"]
-    layer = QuantLinear(in_features, out_features, bias, scheme, act_order=act_order)
-    top = 2 ** (scheme.weight_bits - 1)
-    low, high = (-top + 1, top) if scheme.symmetric else (0, 2 * top)
-    with torch.no_grad():
-        layer.weight.copy_(torch.randint(low, high, layer.weight.shape, generator=gen))
-        layer.weight_scale.copy_(torch.rand(layer.weight_scale.shape, generator=gen) * 0.02 + 0.001)
-        if layer.weight_zero is not None:
-            layer.weight_zero.copy_(torch.randint(0, 16, layer.weight_zero.shape, generator=gen))
-        if layer.g_idx is not None:
-            groups = in_features // scheme.group_size
-            layer.g_idx.copy_(torch.arange(in_features)[torch.randperm(in_features, generator=gen)] % groups)
-        if bias:
-            layer.bias.normal_(generator=gen)
-    return layer
+    return random_quant_layer(
+        scheme, in_features, out_features, seed, bias, act_order=scheme is SCHEMES["w4a16-actorder"]
+    )
 
 
 @pytest.mark.parametrize("rows", [1, 16, 64, 1000])
@@ -76,11 +64,7 @@ def test_w8a8_quantizes_activations_per_token():
 
 
 def test_bf16_activations_fall_back_to_the_reference():
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        layer = random_layer(SCHEMES["w4a16-awq"], 128, 32, seed=0, bias=False)
-    finally:
-        torch.set_default_dtype(torch.float32)
+    layer = random_quant_layer(SCHEMES["w4a16-awq"], 128, 32, seed=0, dtype=torch.bfloat16)
     expected = ReferenceLinearMethod().apply(layer, torch.ones(3, 128, dtype=torch.bfloat16))
     method = linear_method(layer.scheme)
     layer.method = method

@@ -25,10 +25,10 @@ class Hessian:
         self.n = 0
 
     def add(self, x: torch.Tensor) -> None:
-        x = x.reshape(-1, x.shape[-1]).double()
+        x = x.reshape(-1, x.shape[-1]).float()
         self.h *= self.n / (self.n + x.shape[0])
         self.n += x.shape[0]
-        self.h += (2 / self.n) * (x.T @ x)
+        self.h += (2 / self.n) * (x.T @ x).double()  # the product in fp32 (as AutoGPTQ), the sum in fp64
 
 
 def _group_params(w: torch.Tensor, sym: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,7 +18,7 @@ import torch
 
 from kiln.interfaces.quantization import LinearMethod, QuantLinear, QuantScheme, ReferenceLinearMethod, group_index
 from kiln_cpu import native
-from kiln_cpu.tiled_weights import BLOCK, TILE, TiledWeight, pack_tiles
+from kiln_cpu.tiled_weights import BLOCK, TILE, TiledWeight, pack_tiles, tiled_matmul
 
 logger = logging.getLogger("kiln.cpu")
 
@@ -61,21 +61,12 @@ class TiledIntMethod(LinearMethod):
             q = pack_tiles(codes.to(torch.uint8))
             tiled = TiledWeight(4, pack_tiles(scale), pack_tiles(offset), q[..., :8] | (q[..., 8:] << 4))
         layer.tiled, layer.perm = tiled, perm
-        layer.kernel = native.load_kernels().tiled_linear
         del layer.weight, layer.weight_scale, layer.weight_zero, layer.g_idx
 
     def apply(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, layer.in_features)
-        rows = rows[:, layer.perm] if layer.perm is not None else rows.contiguous()
-        out = torch.empty(rows.shape[0], layer.out_features)
-        bias = None if layer.bias is None else layer.bias.data_ptr()
-        failed = layer.kernel(
-            out.data_ptr(), rows.data_ptr(), rows.shape[0], rows.stride(0), *layer.tiled.kernel_args(), bias,
-            layer.in_features, layer.out_features,
-        )  # fmt: skip
-        if failed:
-            raise MemoryError("tiled_linear: no memory for its tile buffers")
-        return out.view(*x.shape[:-1], layer.out_features)
+        if layer.perm is not None:
+            x = x.reshape(-1, layer.in_features)[:, layer.perm]
+        return tiled_matmul(layer.tiled, x, layer.bias).view(*x.shape[:-1], layer.out_features)
 
 
 class CpuLinearMethod(LinearMethod):

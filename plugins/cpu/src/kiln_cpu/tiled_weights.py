@@ -19,6 +19,7 @@ widens blocks a tile at a time in L1.
 
 from __future__ import annotations
 
+import os
 import weakref
 from dataclasses import dataclass
 
@@ -128,7 +129,25 @@ def tiled_form(weight: torch.Tensor) -> TiledWeight | None:
     when its shape or the missing kernels rule both out."""
     if not _tileable(weight):
         return None
-    return find_gguf_form(weight) or TiledWeight(32, None, None, pack_tiles(weight.detach()))
+    # KILN_CPU_GGUF_BLOCKS=0 keeps such weights dense (fp32 tiles): a true fp32 baseline.
+    blocks = find_gguf_form(weight) if os.environ.get("KILN_CPU_GGUF_BLOCKS", "1") != "0" else None
+    return blocks or TiledWeight(32, None, None, pack_tiles(weight.detach()))
+
+
+def tiled_matmul(weight: TiledWeight, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W.T + bias`` for fp32 rows ``x`` (..., in) through the C kernel."""
+    out_features, in_features = weight.shape
+    rows = x.reshape(-1, in_features)
+    if rows.stride(1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], out_features)
+    failed = native.load_kernels().tiled_linear(
+        out.data_ptr(), rows.data_ptr(), rows.shape[0], rows.stride(0), *weight.kernel_args(),
+        None if bias is None else bias.data_ptr(), in_features, out_features,
+    )  # fmt: skip
+    if failed:
+        raise MemoryError("tiled_linear: no memory for its tile buffers")
+    return out.view(*x.shape[:-1], out_features)
 
 
 class TiledLinear(nn.Module):
@@ -138,21 +157,9 @@ class TiledLinear(nn.Module):
         super().__init__()
         self.weight, self.bias = weight, bias
         self.out_features, self.in_features = weight.shape
-        self.kernel = native.load_kernels().tiled_linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if rows.stride(1) != 1:
-            rows = rows.contiguous()
-        out = torch.empty(rows.shape[0], self.out_features)
-        bias = None if self.bias is None else self.bias.data_ptr()
-        failed = self.kernel(
-            out.data_ptr(), rows.data_ptr(), rows.shape[0], rows.stride(0), *self.weight.kernel_args(), bias,
-            self.in_features, self.out_features,
-        )  # fmt: skip
-        if failed:
-            raise MemoryError("tiled_linear: no memory for its tile buffers")
-        return out.view(*x.shape[:-1], self.out_features)
+        return tiled_matmul(self.weight, x, self.bias)
 
 
 class TiledEmbedding(nn.Module):

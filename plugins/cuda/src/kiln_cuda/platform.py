@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from kiln import EngineConfig
 from kiln.interfaces.platform import GraphRunner, Platform, measure_peak_memory
+
+if TYPE_CHECKING:
+    from kiln.interfaces.quantization import LinearMethod, QuantScheme
 
 
 class CudaPlatform(Platform):
@@ -46,6 +50,11 @@ class CudaPlatform(Platform):
         from kiln_cuda.ops import fused_ops
 
         return fused_ops()
+
+    def linear_method(self, scheme: QuantScheme) -> LinearMethod | None:
+        from kiln_cuda.quant import linear_method
+
+        return linear_method(scheme)
 
     def graph_runner(self, config: EngineConfig) -> GraphRunner | None:
         from kiln_cuda.graphs import CudaGraphRunner

@@ -1,0 +1,38 @@
+"""Random quantized layers for the kernel tests of every platform."""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.interfaces.quantization import QuantLinear, QuantScheme
+
+
+def random_quant_layer(
+    scheme: QuantScheme, in_features: int, out_features: int, seed: int, bias: bool = False,
+    act_order: bool = False, dtype: torch.dtype = torch.float32, g_idx: torch.Tensor | None = None,
+) -> QuantLinear:  # fmt: skip
+    """A ``QuantLinear`` (on the CPU) with random codes in the scheme's range, scales
+    0.001..0.021 and zero points 0..15; act-order gets GPTQ's g_idx (groups of equal size,
+    inputs shuffled) unless ``g_idx`` is given. ``dtype``: the activations'."""
+    gen = torch.Generator().manual_seed(seed)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        layer = QuantLinear(in_features, out_features, bias, scheme, act_order=act_order or g_idx is not None)
+    finally:
+        torch.set_default_dtype(default)
+    top = 2 ** (scheme.weight_bits - 1)
+    low, high = (-top + 1, top) if scheme.symmetric else (0, 2 * top)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randint(low, high, layer.weight.shape, generator=gen))
+        layer.weight_scale.copy_(torch.rand(layer.weight_scale.shape, generator=gen) * 0.02 + 0.001)
+        if layer.weight_zero is not None:
+            layer.weight_zero.copy_(torch.randint(0, 16, layer.weight_zero.shape, generator=gen))
+        if g_idx is not None:
+            layer.g_idx.copy_(g_idx)
+        elif layer.g_idx is not None:
+            groups = in_features // scheme.group_size
+            layer.g_idx.copy_(torch.arange(in_features)[torch.randperm(in_features, generator=gen)] % groups)
+        if bias:
+            layer.bias.normal_(generator=gen)
+    return layer

@@ -1,0 +1,162 @@
+"""Quantized linear layers on CUDA (``Platform.linear_method``), through ``kiln_cuda.quant_kernels``.
+
+- W8A8 (SmoothQuant / compressed-tensors int8): the activations are quantized to int8 per token
+  by a Triton kernel (absmax / 127, ties to even, as ``quantize_per_token``), then an int8 GEMM
+  sums in int32 through ``tl.dot`` and applies the per-token and per-channel scales. The weight
+  stays (out, in) int8.
+- W4A16 / W8A16 (AWQ, GPTQ, weight-only int8): ``process`` packs the codes, unsigned, 8 (4-bit)
+  or 4 (8-bit) to an int32 along the inputs, GPTQ's layout: ``qweight`` (ceil(in / pack), out).
+  Scales and zero points become (groups, out) fp32; symmetric schemes store ``q + 2**(bits-1)``
+  with that constant as the zero point. The GEMM widens a (BK, BN) tile in registers,
+  ``(code - zero) * scale`` rounded to the activations' dtype, and multiplies in that dtype with
+  fp32 accumulation (fp32 activations: IEEE fp32 products, not TF32).
+- GPTQ act-order: the inputs are sorted by group (``argsort(g_idx)``) once, and each call gathers
+  the activations' columns in the same order. When the sorted groups are contiguous and equal in
+  size (GPTQ's) the kernel reads one scale row per K tile, as without act-order; otherwise it
+  reads each input's group from the sorted ``g_idx``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from kiln.interfaces.quantization import LinearMethod, QuantLinear, QuantScheme
+from kiln_cuda import quant_kernels as kernels
+
+PER_CHANNEL = 1 << 30  # the kernel's group size when one scale covers every input: k0 // it is 0
+
+
+def gemm_blocks(rows: int) -> tuple[int, int, int]:
+    """(BM, BN, num_warps) for ``rows`` activation rows: small M tiles for decode batches."""
+    if rows <= 16:
+        return 16, 64, 4
+    if rows <= 32:
+        return 32, 64, 4
+    if rows <= 128:
+        return 64, 64, 4
+    return 128, 128, 8
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kiln.interfaces.quantization.quantize_per_token`` in one Triton kernel: rows (M, K) of
+    any float dtype (unit stride along K) -> (int8 (M, K), fp32 (M, 1))."""
+    rows, k = x.shape
+    q = torch.empty((rows, k), dtype=torch.int8, device=x.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    if rows:
+        block = min(4096, triton.next_power_of_2(k))
+        kernels.quantize_per_token_kernel[(rows,)](x, q, scale, x.stride(0), k, BLOCK=block)
+    return q, scale
+
+
+def _rows(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+    rows = x.reshape(-1, layer.in_features)
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+class TritonInt8Method(LinearMethod):
+    """W8A8: per-token int8 activations times per-channel int8 weights, summed in int32."""
+
+    def process(self, layer: QuantLinear) -> None:
+        layer.qweight = layer.weight.data.contiguous()  # (out, in) int8: K-major, as the int8 MMA reads it
+        layer.channel_scale = layer.weight_scale.data.reshape(-1).float().contiguous()
+        del layer.weight, layer.weight_scale
+
+    def apply(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+        rows = _rows(layer, x)
+        m, n, k = rows.shape[0], layer.out_features, layer.in_features
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        if m:
+            q, scale = quantize_per_token(rows)
+            bm, bn, warps = gemm_blocks(m)
+            bias = layer.bias if layer.bias is not None else out
+            kernels.int8_gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+                q, scale, layer.qweight, layer.channel_scale, bias, out, m, n, k, out.stride(0),
+                HAS_BIAS=layer.bias is not None, BM=bm, BN=bn, BK=64, num_warps=warps,
+            )  # fmt: skip
+        return out.view(*x.shape[:-1], n)
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Unsigned codes (out, in) -> int32 (ceil(in / pack), out): word j of a column holds inputs
+    pack*j .. pack*j + pack - 1, input pack*j + i in bits bits*i and up (the tail padded with 0)."""
+    pack = 32 // bits
+    out_features, in_features = codes.shape
+    words = -(-in_features // pack)
+    padded = torch.zeros((words * pack, out_features), dtype=torch.int64, device=codes.device)
+    padded[:in_features] = codes.T.to(torch.int64)
+    shifts = torch.arange(pack, device=codes.device, dtype=torch.int64) * bits
+    packed = (padded.view(words, pack, out_features) << shifts[None, :, None]).sum(dim=1)
+    packed = torch.where(packed >= 2**31, packed - 2**32, packed)  # the same bits, as int32
+    return packed.to(torch.int32).contiguous()
+
+
+def k_block(group: int) -> int | None:
+    """The largest K tile (64 down to 16) that divides ``group``: each tile then lies in one group."""
+    for bk in (64, 32, 16):
+        if group % bk == 0:
+            return bk
+    return None
+
+
+class TritonDequantMethod(LinearMethod):
+    """W4A16 / W8A16: packed integer weights widened tile by tile inside the GEMM."""
+
+    def process(self, layer: QuantLinear) -> None:
+        bits, k = layer.scheme.weight_bits, layer.in_features
+        weight, device = layer.weight.data, layer.weight.device
+        groups = layer.weight_scale.shape[1]
+        if layer.g_idx is not None:
+            index = layer.g_idx.data.long()
+        else:
+            index = torch.arange(k, device=device) // (k // groups)
+        perm = None
+        if layer.g_idx is not None:  # act-order: inputs sorted by group; apply gathers x the same way
+            perm = torch.argsort(index, stable=True)
+            weight, index = weight[:, perm], index[perm]
+        size = k // groups
+        uniform = groups * size == k and torch.equal(index, torch.arange(k, device=device) // size)
+        group = PER_CHANNEL if groups == 1 else size
+        bk = 64 if groups == 1 else (k_block(size) if uniform else None)
+        # Unsigned codes: 4-bit schemes with zero points hold them already; signed weights
+        # (symmetric, or 8-bit with zero points in int8) move up by 2**(bits-1), and so does the zero.
+        offset = 0 if bits == 4 and layer.weight_zero is not None else 1 << (bits - 1)
+        layer.qweight = pack_codes(weight.to(torch.int32) + offset, bits)
+        layer.qscale = layer.weight_scale.data.float().T.contiguous()  # (groups, out)
+        layer.qzero = None
+        if layer.weight_zero is not None:
+            layer.qzero = (layer.weight_zero.data.float() + offset).T.contiguous()
+        layer.qgidx = None if bk is not None else index.to(torch.int32).contiguous()
+        layer.qperm, layer.qblock = perm, (bk or 32, group, float(offset))
+        del layer.weight, layer.weight_scale, layer.weight_zero, layer.g_idx
+
+    def apply(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+        rows = _rows(layer, x)
+        if layer.qperm is not None:
+            rows = rows.index_select(1, layer.qperm)
+        m, n, k = rows.shape[0], layer.out_features, layer.in_features
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        if m:
+            bk, group, zero = layer.qblock
+            bm, bn, warps = gemm_blocks(m)
+            qzero = layer.qzero if layer.qzero is not None else layer.qscale
+            gidx = layer.qgidx if layer.qgidx is not None else layer.qweight
+            bias = layer.bias if layer.bias is not None else out
+            kernels.dequant_gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+                rows, layer.qweight, layer.qscale, qzero, gidx, bias, out, m, n, k, rows.stride(0), out.stride(0),
+                BITS=layer.scheme.weight_bits, GROUP=group, ZERO=zero, HAS_ZERO=layer.qzero is not None,
+                HAS_GIDX=layer.qgidx is not None, HAS_BIAS=layer.bias is not None,
+                PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BM=bm, BN=bn, BK=bk, num_warps=warps,
+            )  # fmt: skip
+        return out.view(*x.shape[:-1], n)
+
+
+def linear_method(scheme: QuantScheme) -> LinearMethod | None:
+    """The method for ``scheme``, or None where these kernels cannot run it."""
+    if scheme.activation_bits == 8:
+        ok = scheme.weight_bits == 8 and scheme.group_size is None and scheme.symmetric
+        return TritonInt8Method() if ok else None
+    if scheme.activation_bits is None and scheme.weight_bits in (4, 8):
+        return TritonDequantMethod()
+    return None
