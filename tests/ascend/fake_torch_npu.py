@@ -137,6 +137,182 @@ def npu_swiglu(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return F.silu(a) * b
 
 
+# Quantized matmuls. Contracts (torch_npu 6.0/7.0 API reference, aclnn docs, op-plugin sources):
+#   npu_dynamic_quant(x, *, smooth_scales=None, group_index=None, dst_type=None) -> (y int8, scale fp32)
+#   npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=None, output_dtype=None)
+#   npu_weight_quant_batchmatmul(x, weight, antiquant_scale, antiquant_offset=None, quant_scale=None,
+#       quant_offset=None, bias=None, antiquant_group_size=0, inner_precise=0)
+#   npu_convert_weight_to_int4pack(weight, inner_k_tiles=0)
+# The first two take keyword-only arguments, which custom_op cannot declare: each is a registered
+# op with positional arguments behind a wrapper with the real signature (dynamo traces the wrapper
+# and sees the op as one node). Parts the plugin does not use (int4 activations, int8 outputs,
+# int64 scales from npu_trans_quant_param, MoE group_index) raise NotImplementedError.
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _is_transposed(t: torch.Tensor) -> bool:
+    """op-plugin's is_transpose_last_two_dims: a (a, b) view of a contiguous (b, a) tensor."""
+    return t.dim() == 2 and not t.is_contiguous() and t.stride(-2) == 1 and t.stride(-1) == t.shape[-2]
+
+
+def _unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """int32 (r, c) holding eight int4 each, element 8j+i in bits 4i..4i+3 -> int32 (r, 8c), sign-extended."""
+    words = packed.to(torch.int64) & 0xFFFFFFFF
+    nibbles = torch.stack([(words >> (4 * i)) & 0xF for i in range(8)], dim=-1)
+    return (nibbles - 16 * (nibbles >= 8)).flatten(-2).to(torch.int32)
+
+
+def npu_convert_weight_to_int4pack(weight: torch.Tensor, inner_k_tiles: int = 0) -> torch.Tensor:
+    """int32 (d0, d1) with values in [-8, 7] -> int32 (d0, d1 / 8): eight consecutive values of the
+    last dimension per int32, the first in the lowest 4 bits (op-plugin's convert_to_int4_pack)."""
+    calls.append("npu_convert_weight_to_int4pack")
+    assert weight.dtype == torch.int32 and weight.dim() == 2 and weight.is_contiguous(), "int32 2-D contiguous"
+    assert weight.shape[-1] % 8 == 0, f"weight last dim should be the multiple of 8, but it is {weight.shape[-1]}"
+    assert weight.min() >= -8 and weight.max() <= 7, "values must lie in int4's range [-8, 7]"
+    nibbles = (weight.to(torch.int64) & 0xF).view(weight.shape[0], -1, 8)
+    words = sum(nibbles[..., i] << (4 * i) for i in range(8))
+    return (words - (words >= 2**31) * 2**32).to(torch.int32)
+
+
+@custom_op("npu::npu_dynamic_quant", mutates_args=())
+def _npu_dynamic_quant(
+    x: torch.Tensor, smooth_scales: torch.Tensor | None, dst_type: torch.dtype | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-token int8: scale = row_max(|x|) / 127, y = round(x / scale), in fp32."""
+    calls.append("npu_dynamic_quant")
+    assert x.dtype in HALF_DTYPES and x.dim() > 1, f"x must be float16/bfloat16 with 2+ dims, not {x.dtype}"
+    if dst_type not in (None, torch.int8):
+        raise NotImplementedError(f"emulation: dst_type {dst_type}")
+    values = x.float()
+    if smooth_scales is not None:
+        assert smooth_scales.dtype == x.dtype and smooth_scales.shape == x.shape[-1:]
+        values = values * smooth_scales.float()
+    scale = values.abs().amax(dim=-1) / 127
+    y = torch.round(values / scale.unsqueeze(-1)).nan_to_num(0.0)  # an all-zero row: scale 0, y 0
+    return y.clamp(-128, 127).to(torch.int8), scale
+
+
+def npu_dynamic_quant(
+    x: torch.Tensor, *, smooth_scales: torch.Tensor | None = None, group_index: torch.Tensor | None = None,
+    dst_type: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    if group_index is not None:
+        raise NotImplementedError("emulation: MoE group_index")
+    return _npu_dynamic_quant(x, smooth_scales, dst_type)
+
+
+@custom_op("npu::npu_quant_matmul", mutates_args=())
+def _npu_quant_matmul(
+    x1: torch.Tensor, x2: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
+    pertoken_scale: torch.Tensor | None, bias: torch.Tensor | None, output_dtype: torch.dtype | None,
+) -> torch.Tensor:  # fmt: skip
+    """int8 (m, k) @ int8 (k, n) in int32, then (aclnnQuantMatmulV4):
+    pertoken, int32 bias:          (x1 @ x2 + bias) * scale * pertoken_scale
+    pertoken, fp16/bf16/fp32 bias: x1 @ x2 * scale * pertoken_scale + bias
+    no pertoken:                   (x1 @ x2 [+ int32 bias]) * scale [+ float bias]
+    Accepted dtypes (the API reference's table), with x1 = x2 = int8:
+      output bf16: scale fp32/bf16, no offset, bias int32/bf16/fp32, pertoken_scale fp32 or None
+      output fp16: with pertoken_scale (fp32): scale fp32, bias int32/fp16/fp32;
+                   without: scale fp32 (or int64), bias int32 only."""
+    calls.append("npu_quant_matmul")
+    if x1.dtype == torch.int32 or output_dtype in (None, torch.int8):
+        raise NotImplementedError("emulation: int4 inputs and int8 outputs")
+    assert x1.dtype == x2.dtype == torch.int8, f"x1 and x2 must both be int8, not {x1.dtype} and {x2.dtype}"
+    assert x1.dim() == 2 and x2.dim() == 2 and x1.shape[1] == x2.shape[0], f"(m, k) @ (k, n): {x1.shape} {x2.shape}"
+    assert x2.is_contiguous() or _is_transposed(x2), "x2: contiguous (k, n), or the transpose of a contiguous (n, k)"
+    n = x2.shape[1]
+    assert scale.dim() == 1 and scale.shape[0] in (1, n), f"scale must be (1,) or (n,), not {tuple(scale.shape)}"
+    assert offset is None, "offset applies to int8 outputs only"
+    if pertoken_scale is not None:
+        assert pertoken_scale.dtype == torch.float32 and pertoken_scale.shape == (x1.shape[0],), (
+            "pertoken_scale fp32 (m,)"
+        )
+    if bias is not None:
+        assert bias.shape == (n,), f"bias must be (n,), not {tuple(bias.shape)}"
+    if output_dtype == torch.bfloat16:
+        assert scale.dtype in (torch.float32, torch.bfloat16), f"bf16 output: scale fp32/bf16, not {scale.dtype}"
+        assert bias is None or bias.dtype in (torch.int32, torch.bfloat16, torch.float32), f"bias {bias.dtype}"
+    elif output_dtype == torch.float16:
+        assert scale.dtype == torch.float32, f"fp16 output: scale fp32 (or int64), not {scale.dtype}"
+        allowed = (torch.int32, torch.float16, torch.float32) if pertoken_scale is not None else (torch.int32,)
+        assert bias is None or bias.dtype in allowed, f"fp16 output: bias {bias.dtype} not in {allowed}"
+    else:
+        raise AssertionError(f"output_dtype must be int8, float16 or bfloat16, not {output_dtype}")
+    acc = x1.double() @ x2.double()  # exact: |acc| < 2**53
+    if bias is not None and bias.dtype == torch.int32:
+        acc = acc + bias.double()
+    out = acc.float() * scale.float()
+    if pertoken_scale is not None:
+        out = out * pertoken_scale[:, None]
+    if bias is not None and bias.dtype != torch.int32:
+        out = out + bias.float()
+    return out.to(output_dtype)
+
+
+def npu_quant_matmul(
+    x1: torch.Tensor, x2: torch.Tensor, scale: torch.Tensor, *, offset: torch.Tensor | None = None,
+    pertoken_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+    output_dtype: torch.dtype | None = None,
+) -> torch.Tensor:  # fmt: skip
+    return _npu_quant_matmul(x1, x2, scale, offset, pertoken_scale, bias, output_dtype)
+
+
+@custom_op("npu::npu_weight_quant_batchmatmul", mutates_args=())
+def npu_weight_quant_batchmatmul(
+    x: torch.Tensor, weight: torch.Tensor, antiquant_scale: torch.Tensor,
+    antiquant_offset: torch.Tensor | None = None, quant_scale: torch.Tensor | None = None,
+    quant_offset: torch.Tensor | None = None, bias: torch.Tensor | None = None, antiquant_group_size: int = 0,
+    inner_precise: int = 0,
+) -> torch.Tensor:  # fmt: skip
+    """y = x @ ((weight + antiquant_offset) * antiquant_scale) + bias (aclnnWeightQuantBatchMatmulV2), on
+    A2/A3: x (m, k) fp16/bf16; weight (k, n) int8, or int32 holding int4 (npu_convert_weight_to_int4pack):
+    (k, n / 8), or the transpose of a packed (n, k / 8); non-contiguous only as a transpose. Scale and
+    offset in x's dtype, (n,) or (1, n) per channel, (ceil(k / g), n) per group of g inputs (g a multiple
+    of 32 in [32, k - 1]); bias (n,) fp16 for fp16 x, fp32 for bf16 x; y in x's dtype. The weight is
+    widened in fp32 and rounded once to x's dtype (what the cube unit multiplies), products summed in fp32."""
+    calls.append("npu_weight_quant_batchmatmul")
+    if quant_scale is not None or quant_offset is not None:
+        raise NotImplementedError("emulation: int8 outputs (quant_scale)")
+    assert x.dtype in HALF_DTYPES and x.dim() == 2, f"x must be 2-D float16/bfloat16, not {x.dim()}-D {x.dtype}"
+    assert x.is_contiguous() or _is_transposed(x), "x: non-contiguous only as a transpose"
+    assert weight.dim() == 2 and (weight.is_contiguous() or _is_transposed(weight)), "weight: 2-D, or a transpose"
+    if weight.dtype == torch.int32:
+        w = _unpack_int4(weight.T).T if _is_transposed(weight) else _unpack_int4(weight)
+    else:
+        assert weight.dtype == torch.int8, f"weight must be int8 or int32 (int4 pack), not {weight.dtype}"
+        w = weight
+    k, n = w.shape
+    assert x.shape[1] == k, f"The k of x and weight should be equal. but x_k_dim is {x.shape[1]}, weight_k_dim is {k}"
+    assert 1 <= k <= 65535 and 1 <= n <= 65535 and x.shape[0] >= 1, f"k, n in [1, 65535], no empty x: {x.shape} {k} {n}"
+    group = antiquant_group_size
+    assert group == 0 or (group % 32 == 0 and 32 <= group <= k - 1), (
+        "antiquant_group_size can be either 0 or a multiple of 32 within the range 32 to weight_k_dim - 1."
+    )
+    assert antiquant_scale.dtype == x.dtype, f"antiquant_scale must be {x.dtype}, not {antiquant_scale.dtype}"
+    groups = -(-k // group) if group else 1
+    shapes = [(groups, n)] if group else [(n,), (1, n), (1,), (1, 1)]
+    assert tuple(antiquant_scale.shape) in shapes, f"antiquant_scale {tuple(antiquant_scale.shape)} not in {shapes}"
+    if antiquant_offset is not None:
+        assert antiquant_offset.dtype == x.dtype and antiquant_offset.shape == antiquant_scale.shape, "offset: as scale"
+    if bias is not None:
+        wanted = torch.float16 if x.dtype == torch.float16 else torch.float32
+        assert bias.dtype == wanted and tuple(bias.shape) in ((n,), (1, n)), f"bias: {wanted} (n,), not {bias.dtype}"
+
+    def per_input(t: torch.Tensor) -> torch.Tensor:  # scale/offset -> (k, n), or (1, n) / (1, 1) to broadcast
+        t = t.float().reshape(-1, t.shape[-1])
+        return t.repeat_interleave(group, dim=0)[:k] if group else t
+
+    widened = w.float()
+    if antiquant_offset is not None:
+        widened = widened + per_input(antiquant_offset)
+    widened = (widened * per_input(antiquant_scale)).to(x.dtype)
+    out = x.float() @ widened.float()
+    if bias is not None:
+        out = out + bias.float().reshape(-1)
+    return out.to(x.dtype)
+
+
 # Shape rules, for tracing (dynamo runs these on fake tensors instead of the ops).
 npu_rms_norm.register_fake(
     lambda x, gamma, epsilon=1e-6: (torch.empty_like(x), x.new_empty(*x.shape[:-1], 1, dtype=torch.float32))
@@ -154,3 +330,21 @@ npu_rotary_mul.register_fake(
 npu_swiglu.register_fake(lambda x, dim=-1: x.new_empty(*x.shape[:-1], x.shape[-1] // 2))
 _npu_reshape_and_cache.register_fake(lambda *args: None)
 _npu_paged_attention.register_fake(lambda *args: None)
+_npu_dynamic_quant.register_fake(
+    lambda x, smooth_scales, dst_type: (
+        torch.empty_like(x, dtype=torch.int8),
+        x.new_empty(x.shape[:-1], dtype=torch.float32),
+    )
+)
+_npu_quant_matmul.register_fake(
+    lambda x1, x2, scale, offset, pertoken_scale, bias, output_dtype: x1.new_empty(
+        x1.shape[0], x2.shape[1], dtype=output_dtype
+    )
+)
+
+
+@npu_weight_quant_batchmatmul.register_fake
+def _(x, weight, antiquant_scale, antiquant_offset=None, quant_scale=None, quant_offset=None, bias=None,
+      antiquant_group_size=0, inner_precise=0):  # fmt: skip
+    n = weight.shape[1] * (8 if weight.dtype == torch.int32 and not _is_transposed(weight) else 1)
+    return x.new_empty(x.shape[0], n)

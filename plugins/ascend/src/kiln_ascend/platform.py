@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from kiln import EngineConfig
 from kiln.interfaces.platform import GraphRunner, Platform, measure_peak_memory
+
+if TYPE_CHECKING:
+    from kiln.interfaces.quantization import LinearMethod, QuantScheme
 
 
 def check_versions() -> None:
@@ -76,6 +80,11 @@ class NpuPlatform(Platform):
         from kiln_ascend.ops import fused_ops
 
         return fused_ops()
+
+    def linear_method(self, scheme: QuantScheme) -> LinearMethod | None:
+        from kiln_ascend.quant import linear_method
+
+        return linear_method(scheme)
 
     def graph_runner(self, config: EngineConfig) -> GraphRunner | None:
         from kiln_ascend.graph import TorchairGraphRunner
