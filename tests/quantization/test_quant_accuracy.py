@@ -10,7 +10,7 @@ from kiln.cli import main
 from kiln.quantization.evaluate import perplexity
 
 HELDOUT = (Path(__file__).parent.parent / "data" / "heldout.txt").read_text()
-CALIBRATION = ["--num-calibration-samples", "16", "--seq-len", "128"]
+CALIBRATION = ["--num-calibration-samples", "32", "--seq-len", "128"]
 # method: (kiln quantize arguments, allowed perplexity increase over fp32)
 # NOTE: the default model's 576-wide inputs fit groups of 32 or 64, not 128; and its weights
 # are already 4-bit (GGUF Q4_1, whose offsets are not on an integer zero-point grid), so a
@@ -18,8 +18,8 @@ CALIBRATION = ["--num-calibration-samples", "16", "--seq-len", "128"]
 METHODS = {
     "weight_only_int8": ([], 0.01),
     "smooth_quant": (CALIBRATION, 0.03),
-    "awq": ([*CALIBRATION, "--group-size", "32"], 0.10),
-    "gptq": ([*CALIBRATION, "--group-size", "32", "--act-order", "--no-sym"], 0.10),
+    "awq": ([*CALIBRATION, "--group-size", "32"], 0.08),
+    "gptq": ([*CALIBRATION, "--group-size", "32", "--act-order", "--no-sym"], 0.10),  # +9.0 % measured
 }
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at"]
 
@@ -37,10 +37,10 @@ def test_perplexity_within_budget(default_model_dir, fp32_perplexity, tmp_path, 
     llm = LLM(out, max_model_len=512)
     ppl = perplexity(llm, HELDOUT)
     continuations = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0.0))
-    print(f"{method}: perplexity {ppl:.3f} vs fp32 {fp32_perplexity:.3f} ({ppl / fp32_perplexity - 1:+.2%})")
-    for prompt, out in zip(PROMPTS, continuations):
-        print(f"  {prompt!r} -> {out.outputs[0].text!r}")
-    assert ppl <= fp32_perplexity * (1 + budget)
+    report = [f"{method}: perplexity {ppl:.3f} vs fp32 {fp32_perplexity:.3f} ({ppl / fp32_perplexity - 1:+.2%})"]
+    report += [f"  {prompt!r} -> {out.outputs[0].text!r}" for prompt, out in zip(PROMPTS, continuations)]
+    print("\n".join(report))
+    assert ppl <= fp32_perplexity * (1 + budget), "\n".join(report)
     assert ppl > fp32_perplexity * 0.95  # a different model would not land this close
 
 
