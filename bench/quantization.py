@@ -32,11 +32,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).parent / "results" / "quantization.json"
 HELDOUT = ROOT / "tests" / "data" / "heldout.txt"
+CALIBRATION = ["--num-calibration-samples", "32", "--seq-len", "128"]
 METHODS = {  # kiln quantize arguments per method (the default model's 576 inputs take groups of 64 at most)
     "weight_only_int8": [],
-    "smooth_quant": [],
-    "awq": ["--group-size", "32"],
-    "gptq": ["--group-size", "32", "--act-order", "--no-sym"],
+    "smooth_quant": CALIBRATION,
+    "awq": [*CALIBRATION, "--group-size", "32"],
+    "gptq": [*CALIBRATION, "--group-size", "32", "--act-order", "--no-sym"],
 }
 SYSTEMS = ["fp32-dense", "fp32", *METHODS]
 
