@@ -13,6 +13,7 @@ from tests.ascend import fake_torch_npu, fake_torchair, test_ascend
 
 from kiln.interfaces.quantization import QuantLinear, ReferenceLinearMethod, dequantize, quantize_per_token
 from kiln.quantization.config import QuantScheme
+from kiln.testing import quantization as quant_testing
 from kiln.testing.quantization import random_quant_layer
 from kiln_ascend.quant import AscendLinearMethod, AscendW8A8Method, AscendWeightOnlyMethod, linear_method
 
@@ -22,11 +23,7 @@ emulated_torch_npu = test_ascend.emulated_torch_npu
 npu_plugins = test_ascend.npu_plugins
 
 SCHEMES = {
-    "w8a8": QuantScheme(8, None, True, activation_bits=8),
-    "w8a16": QuantScheme(8, None, True),
-    "w4a16-awq": QuantScheme(4, 128, False),
-    "w4a16-sym": QuantScheme(4, 64, True),
-    "w4a16-actorder": QuantScheme(4, 32, False),
+    **quant_testing.SCHEMES,
     "w4a16-channel": QuantScheme(4, None, True),  # GPTQ group_size -1: per channel, int4 passed transposed
 }
 # Worst error relative to the output's largest value: a couple of roundings in the kernel's dtype

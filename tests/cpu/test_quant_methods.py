@@ -5,19 +5,11 @@ import torch
 
 from kiln.interfaces.quantization import QuantLinear, ReferenceLinearMethod, dequantize
 from kiln.quantization.config import QuantScheme
-from kiln.testing.quantization import random_quant_layer
+from kiln.testing.quantization import SCHEMES, random_quant_layer
 from kiln_cpu import native
 from kiln_cpu.quant_methods import linear_method
 
 pytestmark = pytest.mark.skipif(native.load_kernels() is None, reason="no C compiler for the CPU kernels")
-
-SCHEMES = {
-    "w8a8": QuantScheme(8, None, True, activation_bits=8),
-    "w8a16": QuantScheme(8, None, True),
-    "w4a16-awq": QuantScheme(4, 128, False),
-    "w4a16-sym": QuantScheme(4, 64, True),
-    "w4a16-actorder": QuantScheme(4, 32, False),
-}
 
 
 def random_layer(scheme: QuantScheme, in_features: int, out_features: int, seed: int, bias: bool) -> QuantLinear:

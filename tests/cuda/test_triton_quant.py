@@ -12,19 +12,13 @@ import torch
 
 from kiln.interfaces.quantization import QuantLinear, ReferenceLinearMethod, dequantize, quantize_per_token
 from kiln.quantization.config import QuantScheme
+from kiln.testing import quantization as quant_testing
 from kiln.testing.quantization import random_quant_layer
 from kiln_cuda import quant
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
-SCHEMES = {
-    "w8a8": QuantScheme(8, None, True, activation_bits=8),
-    "w8a16": QuantScheme(8, None, True),
-    "w4a16-g32-zero": QuantScheme(4, 32, False),
-    "w4a16-g128-zero": QuantScheme(4, 128, False),
-    "w4a16-sym": QuantScheme(4, 64, True),
-    "w4a16-actorder": QuantScheme(4, 32, False),
-}
+SCHEMES = {**quant_testing.SCHEMES, "w4a16-g32-zero": QuantScheme(4, 32, False)}
 # fp32 activations: the same widened weights, IEEE fp32 products, another summation order.
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-4), torch.float16: dict(rtol=2e-3, atol=2e-3)}
 
@@ -176,7 +170,7 @@ def test_platform_offers_the_methods():
 
     platform = CudaPlatform()
     assert isinstance(platform.linear_method(SCHEMES["w8a8"]), quant.TritonInt8Method)
-    for name in ("w8a16", "w4a16-g128-zero", "w4a16-actorder"):
+    for name in ("w8a16", "w4a16-awq", "w4a16-actorder"):
         assert isinstance(platform.linear_method(SCHEMES[name]), quant.TritonDequantMethod)
     assert platform.linear_method(QuantScheme(4, 128, True, activation_bits=8)) is None
     assert platform.linear_method(QuantScheme(3, 128, True)) is None
@@ -200,7 +194,7 @@ def test_gpu_model_sized_layers(name, rows, dtype):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("name", ["w8a8", "w4a16-g128-zero", "w4a16-actorder"])
+@pytest.mark.parametrize("name", ["w8a8", "w4a16-awq", "w4a16-actorder"])
 def test_gpu_apply_replays_in_a_cuda_graph(name):
     """Decode steps run as CUDA graphs: apply allocates nothing data-dependent and never syncs."""
     layer = through_kernels(random_layer(SCHEMES[name], 512, 256, seed=11, act_order=name == "w4a16-actorder"))

@@ -25,7 +25,9 @@ from torch import nn
 
 from kiln.quantization.config import QuantScheme
 
-__all__ = ["LinearMethod", "QuantLinear", "QuantScheme", "ReferenceLinearMethod", "dequantize", "quantize_per_token"]
+__all__ = [
+    "LinearMethod", "QuantLinear", "QuantScheme", "ReferenceLinearMethod", "dequantize", "quantize_per_token", "widen",
+]  # fmt: skip
 
 
 class LinearMethod(ABC):
@@ -67,21 +69,31 @@ class QuantLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, {self.scheme.describe()}"
 
 
-def group_index(layer: QuantLinear) -> torch.Tensor:
+def _group_index(num_inputs: int, num_groups: int, g_idx: torch.Tensor | None) -> torch.Tensor:
     """The scale column each input uses: ``g_idx``, or contiguous groups."""
-    if layer.g_idx is not None:
-        return layer.g_idx.long()
-    groups = layer.weight_scale.shape[1]
-    return torch.arange(layer.in_features) // (layer.in_features // groups)
+    return g_idx.long() if g_idx is not None else torch.arange(num_inputs) // (num_inputs // num_groups)
+
+
+def group_index(layer: QuantLinear) -> torch.Tensor:
+    """The scale column each of the layer's inputs uses."""
+    return _group_index(layer.in_features, layer.weight_scale.shape[1], layer.g_idx)
+
+
+def widen(
+    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None, g_idx: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:  # fmt: skip
+    """Canonical tensors widened to an (out, in) ``dtype`` weight: ``(codes - zero) * scale`` per group."""
+    index = _group_index(codes.shape[1], scale.shape[1], g_idx).to(codes.device)
+    q = codes.float()
+    if zero is not None:
+        q = q - zero.float()[:, index]
+    return (q * scale[:, index]).to(dtype)
 
 
 def dequantize(layer: QuantLinear, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The layer's weight widened to (out, in) ``dtype``: ``(weight - weight_zero) * weight_scale``."""
-    index = group_index(layer).to(layer.weight.device)
-    q = layer.weight.float()
-    if layer.weight_zero is not None:
-        q = q - layer.weight_zero.float()[:, index]
-    return (q * layer.weight_scale[:, index]).to(dtype)
+    """The layer's weight widened to (out, in) ``dtype``."""
+    return widen(layer.weight, layer.weight_scale, layer.weight_zero, layer.g_idx, dtype)
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kiln.quantization.rtn import int4_asymmetric, widen
+from kiln.interfaces.quantization import widen
+from kiln.quantization.rtn import int4_asymmetric
 from kiln.quantization.smoothquant import fold_scales
 
 GRID = 20

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import torch
 
+from kiln.interfaces.quantization import quantize_per_token
+
 
 def int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 codes (out, in) and one scale per output row (absmax / 127)."""
-    w = w.float()
-    scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-10) / 127
-    return torch.round(w / scale).clamp(-127, 127).to(torch.int8), scale
+    """Symmetric int8 codes (out, in) and one scale per output row (absmax / 127): the rounding
+    W8A8 applies to each token, applied to each output row."""
+    return quantize_per_token(w)
 
 
 def int4_asymmetric(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -22,12 +23,3 @@ def int4_asymmetric(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Te
     zero = torch.clamp(-torch.round(low / scale), 0, 15)
     codes = torch.clamp(torch.round(g / scale[..., None]) + zero[..., None], 0, 15)
     return codes.reshape(rows, cols).to(torch.int8), scale, zero.to(torch.int8)
-
-
-def widen(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None) -> torch.Tensor:
-    """(out, in) floats from codes with contiguous groups of in / scale.shape[1] inputs."""
-    group = codes.shape[1] // scale.shape[1]
-    q = codes.float()
-    if zero is not None:
-        q = q - zero.float().repeat_interleave(group, dim=1)
-    return q * scale.repeat_interleave(group, dim=1)

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from kiln.interfaces.quantization import widen
 from kiln.quantization import awq, gptq, rtn, smoothquant
 from kiln.quantization.calibration import calibration_samples, read_token_file
 from kiln.quantization.checkpoint import checkpoint_tensors
@@ -194,12 +195,10 @@ def quantize_layer(ns, layer, hidden, kwargs) -> dict[str, tuple]:
     result = {}
     if ns.quant_type == "gptq":
         for sub in (qkv, [m["o_proj"]], gate_up, [m["down_proj"]]):  # each sees the ones before it quantized
-            (hessian,) = _collect(layer, hidden, kwargs, [sub[0]], lambda acc, x: _hessian(acc, x))
+            (hessian,) = _collect(layer, hidden, kwargs, [sub[0]], _hessian)
             for lin in sub:
                 codes, scale, zero, g_idx = gptq.gptq_quantize(lin.weight, hessian, ns.group_size, ns.act_order, ns.sym)
-                index = g_idx.long() if g_idx is not None else torch.arange(codes.shape[1]) // ns.group_size
-                codes_f = codes.float() - (0 if zero is None else zero.float()[:, index])
-                lin.weight.copy_(codes_f * scale[:, index])
+                lin.weight.copy_(widen(codes, scale, zero, g_idx))
                 result[lin] = (codes, scale, zero, g_idx)
     else:
         for lin in m.values():

@@ -6,6 +6,15 @@ import torch
 
 from kiln.interfaces.quantization import QuantLinear, QuantScheme
 
+# The scheme classes every platform's kernel tests cover (a platform adds its own on top).
+SCHEMES = {
+    "w8a8": QuantScheme(8, None, True, activation_bits=8),
+    "w8a16": QuantScheme(8, None, True),
+    "w4a16-awq": QuantScheme(4, 128, False),
+    "w4a16-sym": QuantScheme(4, 64, True),
+    "w4a16-actorder": QuantScheme(4, 32, False),
+}
+
 
 def random_quant_layer(
     scheme: QuantScheme, in_features: int, out_features: int, seed: int, bias: bool = False,

@@ -14,10 +14,11 @@ from kiln.distributed import TensorParallel
 from kiln.interfaces.attention import AttentionBackend
 from kiln.interfaces.model import resolve_ops
 from kiln.interfaces.platform import Platform
-from kiln.interfaces.quantization import QuantLinear
+from kiln.interfaces.quantization import LinearMethod, QuantLinear
 from kiln.models.loader import iter_weights
 from kiln.quantization import config as quant_config
 from kiln.quantization.checkpoint import canonical_weights
+from kiln.quantization.config import QuantConfig
 from kiln.registry import Registry, load_ref
 from kiln.worker.model_runner import ModelRunner
 
@@ -105,7 +106,7 @@ def build_model(
             f"supported: {', '.join(sorted(models))}"
         )
     cls = load_ref(models[arch])
-    quant = resolve_quantization(config, platform, hf_config, tp)
+    quant, method = resolve_quantization(config, platform, hf_config, tp)
     ops = resolve_ops(platform.custom_ops())
     torch.manual_seed(config.seed)  # dummy weights: the same on every rank and every run
     # Build straight in the target dtype: no full-size fp32 copy on the way.
@@ -122,7 +123,6 @@ def build_model(
         model.load_weights(weights if quant is None else canonical_weights(weights, quant))
     model.eval()
     if quant is not None:
-        method = platform.linear_method(quant.scheme)
         layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
         for layer in layers:
             layer.method = method
@@ -132,17 +132,20 @@ def build_model(
     return model
 
 
-def resolve_quantization(config: EngineConfig, platform: Platform, hf_config, tp: TensorParallel):
-    """The model's ``QuantConfig`` (None: unquantized); a method the device cannot run, or a
-    split it cannot take, is refused here, before any weight is read."""
+def resolve_quantization(
+    config: EngineConfig, platform: Platform, hf_config, tp: TensorParallel
+) -> tuple[QuantConfig | None, LinearMethod | None]:
+    """The model's ``QuantConfig`` and the platform's method for it (None, None: unquantized); a
+    method the device cannot run, or a split it cannot take, is refused here, before any weight is read."""
     quant = quant_config.resolve(config.quantization, getattr(hf_config, "quantization_config", None))
     if quant is None:
-        return None
-    if platform.linear_method(quant.scheme) is None:
+        return None, None
+    method = platform.linear_method(quant.scheme)
+    if method is None:
         raise ValueError(f"quantization: {quant.label} cannot run on {platform.name}")
     if quant.desc_act and tp.size > 1:
         raise ValueError("--tensor-parallel-size: GPTQ act-order (desc_act) checkpoints are served on one rank")
-    return quant
+    return quant, method
 
 
 def build_runner(

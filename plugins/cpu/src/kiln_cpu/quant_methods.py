@@ -16,7 +16,14 @@ import logging
 
 import torch
 
-from kiln.interfaces.quantization import LinearMethod, QuantLinear, QuantScheme, ReferenceLinearMethod, group_index
+from kiln.interfaces.quantization import (
+    LinearMethod,
+    QuantLinear,
+    QuantScheme,
+    ReferenceLinearMethod,
+    group_index,
+    quantize_per_token,
+)
 from kiln_cpu import native
 from kiln_cpu.tiled_weights import BLOCK, TILE, TiledWeight, pack_tiles, tiled_matmul
 
@@ -32,9 +39,7 @@ class Int8GemmMethod(LinearMethod):
         del layer.weight, layer.weight_scale
 
     def apply(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, layer.in_features).float()
-        scale = rows.abs().amax(dim=1, keepdim=True).clamp_(min=1e-10).div_(127)
-        q = torch.round(rows / scale).clamp_(-127, 127).to(torch.int8)
+        q, scale = quantize_per_token(x.reshape(-1, layer.in_features))
         out = torch._int_mm(q, layer.weight_t).float().mul_(scale).mul_(layer.scale_row)
         if layer.bias is not None:
             out += layer.bias
