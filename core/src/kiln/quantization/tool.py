@@ -192,6 +192,7 @@ def quantize_layer(ns, layer, hidden, kwargs) -> dict[str, tuple]:
             groups.append((m["v_proj"], [m["o_proj"]], xo))
         groups += [(mlp_in, gate_up, xg), (m["up_proj"], [m["down_proj"]], xd)]
         awq.scale_and_clip(groups, ns.group_size, no_clip={m["q_proj"], m["k_proj"]})
+    names = {lin: name for name, lin in zip(LINEARS, m.values())}
     result = {}
     if ns.quant_type == "gptq":
         for sub in (qkv, [m["o_proj"]], gate_up, [m["down_proj"]]):  # each sees the ones before it quantized
@@ -199,15 +200,14 @@ def quantize_layer(ns, layer, hidden, kwargs) -> dict[str, tuple]:
             for lin in sub:
                 codes, scale, zero, g_idx = gptq.gptq_quantize(lin.weight, hessian, ns.group_size, ns.act_order, ns.sym)
                 lin.weight.copy_(widen(codes, scale, zero, g_idx))
-                result[lin] = (codes, scale, zero, g_idx)
+                result[names[lin]] = (codes, scale, zero, g_idx)
     else:
-        for lin in m.values():
+        for lin, name in names.items():
             if ns.quant_type == "awq":
-                codes, scale, zero = rtn.int4_asymmetric(lin.weight, ns.group_size)
-                result[lin] = (codes, scale, zero, None)
+                result[name] = (*rtn.int4_asymmetric(lin.weight, ns.group_size), None)
             else:
-                result[lin] = (*rtn.int8_per_channel(lin.weight), None, None)
-    return {name: result[m[name.split(".")[-1]]] for name in LINEARS}
+                result[name] = (*rtn.int8_per_channel(lin.weight), None, None)
+    return result
 
 
 def _hessian(acc, x):
