@@ -187,12 +187,14 @@ def test_api_key(server):
     import httpx
 
     body = {"model": MODEL, "prompt": "Hi", "max_tokens": 1}
-    for headers in ({}, {"Authorization": "Bearer wrong"}):
-        r = httpx.post(server.url + "/v1/completions", json=body, headers=headers)
-        assert r.status_code == 401 and r.json()["error"]["code"] == 401
+    for path in ("/v1/completions", "/generate", "/tokenize"):  # inference outside /v1 needs the key too
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Bearer test-ke"}):
+            r = httpx.post(server.url + path, json=body, headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == 401
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
-    assert httpx.get(server.url + "/health").status_code == 200  # outside /v1: open
+    for path in ("/health", "/version", "/metrics"):  # for load balancers and scrapers: open
+        assert httpx.get(server.url + path).status_code == 200
 
 
 def test_cors_preflight(server):

@@ -7,6 +7,7 @@ import json
 import logging
 import sys
 
+import kiln
 from kiln.engine_args import add_engine_args, engine_kwargs
 
 
@@ -82,6 +83,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     from kiln.quantization.cli_args import add_quantize_args
 
     parser = argparse.ArgumentParser(prog="kiln", description="Kiln LLM serving engine")
+    parser.add_argument("--version", action="version", version=f"kiln {kiln.__version__}")
     parser.add_argument(
         "--log-level", default=None, help="python logging level (default: INFO for serve, else WARNING)"
     )

@@ -20,7 +20,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from kiln.engine.llm_engine import LLMEngine, PromptInput
 from kiln.outputs import RequestOutput
@@ -31,6 +31,10 @@ logger = logging.getLogger("kiln.engine")
 
 class EngineDeadError(RuntimeError):
     """The engine loop stopped on an error; no request can be served any more."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """The engine holds as many requests as it may queue (``--max-queued-requests``); try again later."""
 
 
 class RequestStream:
@@ -61,8 +65,29 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, log_stats_interval: float | None = 10.0, own_thread: bool = True) -> None:
+    """The engine loop fed from asyncio.
+
+    ``max_queued_requests``: requests waiting beyond the ``max_num_seqs`` the engine runs at once;
+    past it ``add_request`` raises ``EngineOverloadedError`` (None: no bound).
+    ``iteration_timeout``: seconds one engine step may take before a watchdog declares the engine
+    stuck: it is then dead (``is_healthy`` False, every stream fails) and ``on_stuck`` is called
+    from the watchdog's thread, since the stuck thread cannot act (None: no watchdog).
+    """
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        log_stats_interval: float | None = 10.0,
+        own_thread: bool = True,
+        max_queued_requests: int | None = None,
+        iteration_timeout: float | None = None,
+        on_stuck: Callable[[], None] | None = None,
+    ) -> None:
         self.engine = engine
+        self.max_in_flight = None if max_queued_requests is None else engine.config.max_num_seqs + max_queued_requests
+        self.iteration_timeout = iteration_timeout
+        self.on_stuck = on_stuck
+        self._step_started: float | None = None  # monotonic time of the running step, read by the watchdog
         self.model_info = engine.model_info  # what the front end may know of the model
         self.input_processor = engine.input_processor
         self.own_thread = own_thread  # False: the caller runs ``run_loop()`` on a thread it chose
@@ -126,6 +151,11 @@ class AsyncEngine:
             raise EngineDeadError(f"the engine is not running: {self.dead!r}" if self.dead else "the engine is stopped")
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already running")
+        if self.max_in_flight is not None and len(self._streams) >= self.max_in_flight:
+            raise EngineOverloadedError(
+                f"the server is at capacity ({len(self._streams)} requests in flight, --max-queued-requests "
+                f"{self.max_in_flight - self.engine.config.max_num_seqs}); retry later"
+            )
         processed = self.engine.process_request(request_id, prompt, params, arrival_time, priority)
         stream = RequestStream(self, request_id)
         self._streams[request_id] = stream
@@ -157,8 +187,10 @@ class AsyncEngine:
     def _run(self) -> None:
         engine = self.engine
         self._looping = True
+        if self.iteration_timeout is not None:
+            threading.Thread(target=self._watch, name="kiln-watchdog", daemon=True).start()
         try:
-            while True:
+            while self.dead is None:
                 self._drain_commands()
                 if not engine.has_unfinished_requests():
                     if self._stopping:
@@ -167,8 +199,10 @@ class AsyncEngine:
                     self._wake.clear()
                     self._log_stats()
                     continue
+                self._step_started = time.monotonic()
                 outputs = engine.step()
-                if outputs:
+                self._step_started = None
+                if outputs and self.dead is None:
                     self._loop.call_soon_threadsafe(self._dispatch, outputs)
                 self._log_stats()
         except BaseException as exc:  # the loop must report every death, not only Exceptions
@@ -178,6 +212,21 @@ class AsyncEngine:
                 self._loop.call_soon_threadsafe(self._fail_all, exc)
         finally:
             self._looping = False
+
+    def _watch(self) -> None:
+        """Declare the engine dead when one step runs past ``iteration_timeout``."""
+        timeout = self.iteration_timeout
+        while self._looping and self.dead is None:
+            started = self._step_started
+            if started is not None and time.monotonic() - started > timeout:
+                logger.error("an engine step has run for over %.0f s: the engine is stuck", timeout)
+                self.dead = TimeoutError(f"an engine step ran past {timeout:g} s (KILN_ENGINE_ITERATION_TIMEOUT_S)")
+                if self._loop is not None:
+                    self._loop.call_soon_threadsafe(self._fail_all, self.dead)
+                if self.on_stuck is not None:
+                    self.on_stuck()
+                return
+            time.sleep(min(1.0, timeout / 4))
 
     def _drain_commands(self) -> None:
         while True:

@@ -22,9 +22,13 @@ def free_port() -> int:
 class RemoteServer:
     """Starts ``kiln serve ARGS`` on a free local port; stops that process (by its id) on exit."""
 
-    def __init__(self, args: list[str], env: dict[str, str] | None = None, timeout: float = 180.0) -> None:
+    def __init__(
+        self, args: list[str], env: dict[str, str] | None = None, timeout: float = 180.0, tls: dict | None = None
+    ) -> None:
+        """``tls``: httpx client arguments (``verify``, ``cert``) for a server started with ``--ssl-*``."""
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.tls = tls
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
         self.args = args
         self.env = {**os.environ, **(env or {})}
         self.timeout = timeout
@@ -51,7 +55,7 @@ class RemoteServer:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"kiln serve exited with {self.proc.returncode}:\n{self.output()}")
             try:
-                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                if httpx.get(self.url + "/health", timeout=1.0, **(self.tls or {})).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass

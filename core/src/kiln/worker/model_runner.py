@@ -91,6 +91,30 @@ def pick_graph_size(num_reqs: int, sizes: list[int]) -> int | None:
     return next((s for s in sizes if s >= num_reqs), None)
 
 
+def _note_unused_graph_flags(config: EngineConfig, platform: Platform, built: bool) -> None:
+    """Say in the log when graph flags change nothing: the platform has no graph mode."""
+    if built or type(platform).graph_runner is not Platform.graph_runner:
+        return  # graphs ran, or the platform has them and the flags chose eager
+    given = [
+        flag
+        for flag, set_ in (
+            ("--enforce-eager", config.enforce_eager),
+            ("--graph-sizes", config.graph_sizes is not None),
+            (
+                "--max-seq-len-to-capture",
+                config.max_seq_len_to_capture != EngineConfig.model_fields["max_seq_len_to_capture"].default,
+            ),
+        )
+        if set_
+    ]
+    if given:
+        logger.warning(
+            "the %s platform has no graph mode and always runs eagerly: %s change nothing",
+            platform.name,
+            ", ".join(given),
+        )
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, platform: Platform, model: torch.nn.Module, backend: AttentionBackend):
         self.config = config
@@ -107,6 +131,7 @@ class ModelRunner:
             logger.warning("attention backend %s has no decode-graph path; running eagerly", backend.name)
             self.graphs = None
         self.graph_sizes = sizes if self.graphs is not None else []
+        _note_unused_graph_flags(config, platform, built=self.graphs is not None)
         self.max_blocks_per_req = -(-config.max_model_len // config.block_size)
         self.graph_steps = 0  # decode steps run as graphs, for logs and tests
         self.peers = None  # tensor-parallel ranks 1..N-1 (rank 0 only): has send(StepBatch)

@@ -6,10 +6,10 @@ import argparse
 import inspect
 import json
 import logging
+import os
 import signal
 import threading
 import time
-import uuid
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -23,6 +23,7 @@ from kiln.engine.async_engine import AsyncEngine
 from kiln.engine.llm_engine import LLMEngine
 from kiln.entrypoints.openai.chat_utils import resolve_chat_template
 from kiln.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
+from kiln.entrypoints.openai.middleware import APIKeyMiddleware, BodyLimitMiddleware, RequestIdMiddleware
 from kiln.entrypoints.openai.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -34,46 +35,11 @@ from kiln.entrypoints.openai.protocol import (
 from kiln.entrypoints.openai.serving import Prompt, ServerOptions, error_message, new_id
 from kiln.entrypoints.openai.serving_chat import ChatServing
 from kiln.entrypoints.openai.serving_completion import CompletionServing
+from kiln.entrypoints.openai.tls import CertRefresher, check_tls_args
 from kiln.registry import load_ref
 from kiln.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("kiln.server")
-
-
-class APIKeyMiddleware:
-    """Requires ``Authorization: Bearer KEY`` on ``/v1`` routes (CORS preflights pass)."""
-
-    def __init__(self, app, api_key: str) -> None:
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["method"] != "OPTIONS":
-            path = scope["path"].removeprefix(scope.get("root_path", ""))
-            if path.startswith("/v1") and dict(scope["headers"]).get(b"authorization") != self.expected:
-                error = APIError("invalid or missing API key", status=401)
-                await JSONResponse(error.body(), status_code=401)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-class RequestIdMiddleware:
-    """Echoes ``X-Request-Id`` (or a new one) on every response."""
-
-    def __init__(self, app) -> None:
-        self.app = app
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        request_id = dict(scope["headers"]).get(b"x-request-id") or uuid.uuid4().hex.encode()
-
-        async def send_with_id(message):
-            if message["type"] == "http.response.start":
-                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id)]
-            await send(message)
-
-        await self.app(scope, receive, send_with_id)
 
 
 def _validation_error(exc: RequestValidationError) -> JSONResponse:
@@ -105,7 +71,7 @@ def build_app(engine: AsyncEngine, options: ServerOptions, args: argparse.Namesp
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError):
@@ -228,7 +194,9 @@ def _add_middleware(app: FastAPI, args: argparse.Namespace) -> None:
             raise ValueError(f"--middleware: {ref!r} is neither a class nor an async function")
     if args.enable_request_id_headers:
         app.add_middleware(RequestIdMiddleware)
-    if args.api_key:
+    if args.max_request_body_bytes:
+        app.add_middleware(BodyLimitMiddleware, max_bytes=args.max_request_body_bytes)
+    if args.api_key:  # outside the body limit: a client without the key is refused before its body is read
         app.add_middleware(APIKeyMiddleware, api_key=args.api_key)
     app.add_middleware(
         CORSMiddleware,
@@ -256,8 +224,10 @@ def resolve_parsers(args: argparse.Namespace) -> tuple[type | None, type | None]
     registry = plugins.registry
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice: needs --tool-call-parser")
-    if args.enable_reasoning and not args.reasoning_parser:
-        raise ValueError("--enable-reasoning: needs --reasoning-parser")
+    if args.enable_reasoning:
+        if not args.reasoning_parser:
+            raise ValueError("--enable-reasoning: needs --reasoning-parser")
+        logger.warning("--enable-reasoning is deprecated (as in vLLM): --reasoning-parser alone turns reasoning on")
     found = []
     for flag, kind, name in (
         ("--tool-call-parser", "tool_parsers", args.tool_call_parser),
@@ -274,6 +244,18 @@ def resolve_parsers(args: argparse.Namespace) -> tuple[type | None, type | None]
     return found[0], found[1]
 
 
+def _iteration_timeout() -> float | None:
+    """``KILN_ENGINE_ITERATION_TIMEOUT_S`` (vLLM's default of 60 s; 0 turns the watchdog off)."""
+    value = os.environ.get("KILN_ENGINE_ITERATION_TIMEOUT_S", "60")
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0 or seconds == float("inf"):
+        raise ValueError(f"KILN_ENGINE_ITERATION_TIMEOUT_S: expected seconds >= 0, got {value!r}")
+    return seconds or None
+
+
 def run_server(args: argparse.Namespace) -> int:
     """Load the model, then serve until SIGINT/SIGTERM (in-flight requests are drained first)."""
     import uvicorn
@@ -283,7 +265,9 @@ def run_server(args: argparse.Namespace) -> int:
     from kiln.plugins import get_plugin_manager
 
     started = time.monotonic()
-    tool_parser, reasoning_parser = resolve_parsers(args)  # a bad parser flag fails before the model loads
+    tool_parser, reasoning_parser = resolve_parsers(args)  # bad flags fail before the model loads
+    check_tls_args(args)
+    iteration_timeout = _iteration_timeout()
     config = EngineConfig.create(model=args.model_tag or args.model, **engine_kwargs(args))
     llm = LLMEngine(config)
     _warm_up(llm)
@@ -301,7 +285,25 @@ def run_server(args: argparse.Namespace) -> int:
         max_log_len=args.max_log_len,
         generation_overrides=args.override_generation_config or {},
     )
-    engine = AsyncEngine(llm, log_stats_interval=None if args.disable_log_stats else 10.0, own_thread=False)
+    http: threading.Thread | None = None
+
+    def exit_stuck() -> None:
+        # The main thread is stuck in a step: let the HTTP side answer 503s and close, then end the
+        # process non-zero so its supervisor restarts it.
+        server.should_exit = True
+        if http is not None:
+            http.join(timeout=10)
+        logger.error("exiting: the engine is stuck")
+        os._exit(1)
+
+    engine = AsyncEngine(
+        llm,
+        log_stats_interval=None if args.disable_log_stats else 10.0,
+        own_thread=False,
+        max_queued_requests=args.max_queued_requests,
+        iteration_timeout=iteration_timeout,
+        on_stuck=exit_stuck,
+    )
     app = build_app(engine, options, args)
     logger.info(
         "model loaded in %.1f s; serving %s on %s:%d",
@@ -319,9 +321,14 @@ def run_server(args: argparse.Namespace) -> int:
             ssl_keyfile=args.ssl_keyfile,
             ssl_certfile=args.ssl_certfile,
             ssl_ca_certs=args.ssl_ca_certs,
+            ssl_cert_reqs=args.ssl_cert_reqs,
             root_path=args.root_path or "",
         )
     )
+    refresher = None
+    if args.enable_ssl_refresh:
+        server.config.load()  # builds the SSLContext the refresher reloads in place
+        refresher = CertRefresher(server.config.ssl, args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs).start()
 
     def serve_http() -> None:
         try:
@@ -340,5 +347,7 @@ def run_server(args: argparse.Namespace) -> int:
     http.start()
     engine.run_loop()
     http.join()
+    if refresher is not None:
+        refresher.stop()
     llm.shutdown()  # tensor-parallel workers, if any
     return 1 if engine.dead is not None else 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import ssl
 
 import yaml
 
@@ -31,6 +32,13 @@ def _json_dict(value: str) -> dict:
     if not isinstance(parsed, dict):
         raise argparse.ArgumentTypeError(f"expected a JSON object, got {value!r}")
     return parsed
+
+
+def _positive_or_zero(value: str) -> int:
+    number = int(value)
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"expected a count >= 0, got {value}")
+    return number
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -73,7 +81,32 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--response-role", default="assistant", help="role of generated chat messages")
     server.add_argument("--ssl-keyfile", default=None, help="TLS key file")
     server.add_argument("--ssl-certfile", default=None, help="TLS certificate file")
-    server.add_argument("--ssl-ca-certs", default=None, help="CA certificates file")
+    server.add_argument("--ssl-ca-certs", default=None, help="CA certificates file (to verify client certificates)")
+    server.add_argument(
+        "--ssl-cert-reqs",
+        type=int,
+        default=ssl.CERT_NONE,
+        choices=[ssl.CERT_NONE, ssl.CERT_OPTIONAL, ssl.CERT_REQUIRED],
+        help="client certificates: 0 not asked for, 1 optional, 2 required (needs --ssl-ca-certs) (default: 0)",
+    )
+    server.add_argument(
+        "--enable-ssl-refresh",
+        action="store_true",
+        help="reload the TLS key, certificate and CA files when they change on disk (no restart)",
+    )
+    server.add_argument(
+        "--max-queued-requests",
+        type=_positive_or_zero,
+        default=None,
+        help="requests that may wait beyond the --max-num-seqs running ones; past it a 503 with Retry-After "
+        "(default: no bound)",
+    )
+    server.add_argument(
+        "--max-request-body-bytes",
+        type=_positive_or_zero,
+        default=32 * 1024 * 1024,
+        help="largest request body accepted; larger ones get a 413; 0: no limit (default: 32 MiB)",
+    )
     server.add_argument("--root-path", default=None, help="FastAPI root_path when behind a path-routing proxy")
     server.add_argument(
         "--middleware",
@@ -108,7 +141,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="a Python file whose @kiln.hookimpl register_tool_parsers adds parsers selectable by name",
     )
-    tools.add_argument("--enable-reasoning", action="store_true", help="return reasoning_content (needs a parser)")
+    tools.add_argument(
+        "--enable-reasoning",
+        action="store_true",
+        help="deprecated, as in vLLM: --reasoning-parser alone turns on reasoning_content",
+    )
     tools.add_argument("--reasoning-parser", default=None, help="a registered reasoning parser (see `kiln plugins`)")
     add_engine_args(parser)
 

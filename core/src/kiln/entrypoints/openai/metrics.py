@@ -93,6 +93,12 @@ class ServerMetrics:
             labels + ["finished_reason"],
             registry=self.registry,
         )
+        self.rejected = Counter(
+            "kiln:request_rejected",
+            "Requests refused before they were queued, by reason.",
+            labels + ["reason"],
+            registry=self.registry,
+        )
 
     def observe_finished(self, out: RequestOutput, generated: list[int]) -> None:
         """Record a finished request; ``generated`` is each completion's token count (streams send deltas)."""
@@ -112,6 +118,10 @@ class ServerMetrics:
 
     def observe_aborted(self, count: int = 1) -> None:
         self.finished.labels(self.model_name, "abort").inc(count)
+
+    def observe_rejected(self, reason: str) -> None:
+        """A request refused before it was queued (e.g. ``overloaded``: past ``--max-queued-requests``)."""
+        self.rejected.labels(self.model_name, reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

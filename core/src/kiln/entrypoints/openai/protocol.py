@@ -14,11 +14,19 @@ from pydantic import BaseModel, ConfigDict, Field
 class APIError(Exception):
     """An error returned to the client as ``{"error": {"message", "type", "param", "code"}}``."""
 
-    TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 503: "ServiceUnavailableError"}
+    TYPES = {
+        400: "BadRequestError",
+        401: "AuthenticationError",
+        404: "NotFoundError",
+        413: "RequestTooLargeError",
+        503: "ServiceUnavailableError",
+    }
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+    def __init__(
+        self, message: str, status: int = 400, param: str | None = None, headers: dict[str, str] | None = None
+    ) -> None:
         super().__init__(message)
-        self.message, self.status, self.param = message, status, param
+        self.message, self.status, self.param, self.headers = message, status, param, headers
 
     def body(self) -> dict:
         kind = self.TYPES.get(self.status, "InternalServerError" if self.status >= 500 else "BadRequestError")

@@ -14,7 +14,7 @@ from typing import Any
 
 from fastapi import Request as HTTPRequest
 
-from kiln.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from kiln.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError, RequestStream
 from kiln.entrypoints.openai.metrics import ServerMetrics
 from kiln.entrypoints.openai.protocol import APIError, SamplingFields
 from kiln.interfaces.guided import GuidedDecodingParams
@@ -207,9 +207,12 @@ class OpenAIServing:
                 inputs = {"prompt": prompt.text, "prompt_token_ids": prompt.token_ids}
                 streams.append(self.engine.add_request(rid, inputs, params, priority=priority))
                 self.log_request(rid, prompt, params)
-        except (ValueError, EngineDeadError) as exc:
+        except (ValueError, EngineDeadError, EngineOverloadedError) as exc:
             for stream in streams:
                 stream.close()
+            if isinstance(exc, EngineOverloadedError):
+                self.metrics.observe_rejected("overloaded")
+                raise APIError(str(exc), status=503, headers={"Retry-After": "1"}) from None
             if isinstance(exc, EngineDeadError):
                 raise APIError(str(exc), status=503) from None
             raise error_message(exc) from None

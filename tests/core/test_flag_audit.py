@@ -1,0 +1,84 @@
+"""Flags that once parsed and did nothing: each now acts, warns, or is refused with a message."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import ssl
+
+import pytest
+
+from kiln.config import EngineConfig
+from kiln.engine.llm_engine import LLMEngine
+from kiln.entrypoints.openai.api_server import _iteration_timeout, resolve_parsers
+from kiln.entrypoints.openai.cli_args import add_serve_args
+from kiln.entrypoints.openai.tls import check_tls_args
+
+
+def serve_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_graph_flags_on_a_platform_without_graphs_say_so(tiny_model_dir, caplog):
+    model = tiny_model_dir("llama")
+    with caplog.at_level(logging.WARNING, logger="kiln.runner"):
+        LLMEngine(EngineConfig.create(model=model, device="cpu", graph_sizes=[1, 2], max_seq_len_to_capture=64))
+    assert "no graph mode" in caplog.text
+    assert "--graph-sizes, --max-seq-len-to-capture change nothing" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kiln.runner"):
+        LLMEngine(EngineConfig.create(model=model, device="cpu"))
+    assert "no graph mode" not in caplog.text  # defaults: nothing to warn about
+
+
+def test_enable_reasoning_is_a_deprecated_alias(caplog):
+    with pytest.raises(ValueError, match="--enable-reasoning: needs --reasoning-parser"):
+        resolve_parsers(serve_args("--enable-reasoning"))
+    with caplog.at_level(logging.WARNING, logger="kiln.server"):
+        _, parser = resolve_parsers(serve_args("--enable-reasoning", "--reasoning-parser", "deepseek_r1"))
+    assert parser is not None and "deprecated" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--ssl-cert-reqs", "2"], "--ssl-cert-reqs: needs TLS (--ssl-certfile)"),
+        (["--enable-ssl-refresh"], "--enable-ssl-refresh: needs TLS"),
+        (["--ssl-ca-certs", "ca.pem"], "--ssl-ca-certs: needs TLS"),
+        (["--ssl-keyfile", "k.pem"], "--ssl-keyfile: needs --ssl-certfile"),
+        (["--ssl-certfile", "/no/such.pem"], "--ssl-certfile: no such file"),
+    ],
+)
+def test_tls_flags_are_checked_before_the_model_loads(argv, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        check_tls_args(serve_args(*argv))
+
+
+def test_client_certificates_need_a_ca(tmp_path):
+    cert = tmp_path / "cert.pem"
+    cert.write_text("x")
+    args = serve_args("--ssl-certfile", str(cert), "--ssl-cert-reqs", str(ssl.CERT_REQUIRED))
+    with pytest.raises(ValueError, match="verified against --ssl-ca-certs"):
+        check_tls_args(args)
+
+
+@pytest.mark.parametrize("value, expected", [("60", 60.0), ("0.5", 0.5), ("0", None)])
+def test_iteration_timeout(monkeypatch, value, expected):
+    monkeypatch.setenv("KILN_ENGINE_ITERATION_TIMEOUT_S", value)
+    assert _iteration_timeout() == expected
+
+
+@pytest.mark.parametrize("value", ["soon", "-1", "nan", "inf"])
+def test_bad_iteration_timeout_is_refused(monkeypatch, value):
+    monkeypatch.setenv("KILN_ENGINE_ITERATION_TIMEOUT_S", value)
+    with pytest.raises(ValueError, match="KILN_ENGINE_ITERATION_TIMEOUT_S"):
+        _iteration_timeout()
+
+
+@pytest.mark.parametrize("flag", ["--max-queued-requests", "--max-request-body-bytes"])
+def test_counts_must_not_be_negative(flag, capsys):
+    with pytest.raises(SystemExit):
+        serve_args(flag, "-1")
+    assert "expected a count >= 0" in capsys.readouterr().err
