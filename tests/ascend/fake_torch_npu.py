@@ -88,15 +88,29 @@ def npu_fused_infer_attention_score(
     num_heads: int = 1, scale: float = 1.0, input_layout: str = "BSH", num_key_value_heads: int = 0,
     sparse_mode: int = 0, inner_precise: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """BSND, non-paged; sparse_mode 3 = right-down causal (j <= i + Skv - Sq) with the 2048 mask."""
+    """BSND, non-paged, Sq > 1 (the PFA branch; Sq = 1 ignores sparse_mode, unused here).
+    sparse_mode 3: right-down causal (j <= i + Skv - Sq) with the 2048 mask.
+    sparse_mode 0: no mask, nothing masked; with a mask of shape (Sq, Skv), (B|1, Sq, Skv) or
+    (B|1, 1, Sq, Skv), True = masked, that mask (the pre/next_tokens band, not emulated, is
+    left at its all-covering default)."""
     calls.append(f"npu_fused_infer_attention_score:{inner_precise}")
-    assert input_layout == "BSND" and sparse_mode == 3 and atten_mask is not None and atten_mask.shape == (2048, 2048)
+    assert input_layout == "BSND" and query.shape[1] > 1 and sparse_mode in (0, 3)
+    if sparse_mode == 3:
+        assert atten_mask is not None and atten_mask.shape == (2048, 2048)
+    elif atten_mask is not None:
+        assert atten_mask.dtype in (torch.bool, torch.int8, torch.uint8)
+        assert atten_mask.shape[-2:] == (query.shape[1], key.shape[1]) and atten_mask.dim() in (2, 3, 4)
+        assert atten_mask.dim() < 4 or atten_mask.shape[1] == 1
     out = torch.zeros_like(query)
     for b in range(query.shape[0]):
         sq, skv = actual_seq_lengths[b], actual_seq_lengths_kv[b]
-        i = torch.arange(sq)[:, None]
-        j = torch.arange(skv)[None, :]
-        masked = j > i + (skv - sq)
+        if sparse_mode == 3:
+            masked = torch.arange(skv)[None, :] > torch.arange(sq)[:, None] + (skv - sq)
+        elif atten_mask is None:
+            masked = torch.zeros(sq, skv, dtype=torch.bool)
+        else:
+            mask = atten_mask.reshape(-1, *atten_mask.shape[-2:])  # (B or 1, Sq, Skv)
+            masked = mask[b if mask.shape[0] > 1 else 0, :sq, :skv].bool()
         out[b, :sq] = _attend(query[b, :sq], key[b, :skv], value[b, :skv], scale, masked)
     return out, torch.zeros(1)
 

@@ -29,10 +29,12 @@ from kiln_ascend import ops  # noqa: E402
 from kiln_ascend.attention import AscendAttentionBackend  # noqa: E402  (imports no torch_npu)
 
 
+@pytest.mark.parametrize("window", [None, 9, 100], ids=["full", "window9", "window100"])
 @pytest.mark.parametrize("heads", [(4, 4), (6, 2), (8, 1)], ids=["mha", "gqa3", "mqa8"])
 @pytest.mark.parametrize("block_size", [64, 128])
-def test_attention_matches_the_reference(block_size, heads):
-    """The contract's checks at the block sizes the NPU supports (the shared suite uses 16 and 32)."""
+def test_attention_matches_the_reference(block_size, heads, window):
+    """The contract's checks at the block sizes the NPU supports (the shared suite uses 16 and 32),
+    with and without a sliding window (9: the long chunk's keys start in its second block)."""
     import random
 
     from kiln.attention.torch_ref import TorchRefAttentionBackend
@@ -45,16 +47,17 @@ def test_attention_matches_the_reference(block_size, heads):
     cache = torch.randn(ref.kv_cache_shape(16, block_size))
     mine = cache.clone()
     q, k, v = torch.randn(tokens, n, 64), torch.randn(tokens, kvn, 64), torch.randn(tokens, kvn, 64)
-    expected = ref.forward(q, k, v, cache, ref.build_metadata(layout), layer_idx=0, scale=0.125)
-    got = npu.forward(q, k, v, mine, npu.build_metadata(layout), layer_idx=0, scale=0.125)
+    expected = ref.forward(q, k, v, cache, ref.build_metadata(layout), layer_idx=0, scale=0.125, sliding_window=window)
+    got = npu.forward(q, k, v, mine, npu.build_metadata(layout), layer_idx=0, scale=0.125, sliding_window=window)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(mine, cache)
     assert any(c.startswith("npu_incre_flash_attention") for c in fake_torch_npu.calls)
 
 
 class TestAscendAttentionContract(AttentionBackendContract):
-    """The shared contract's decode-graph check (at 64 and 128). Its mixed batches use block
-    sizes 16/32, which the NPU refuses; the test above runs them at 64/128."""
+    """The shared contract's decode-graph checks (at 64 and 128) and sliding-window batches (at 64).
+    Its other mixed batches use block sizes 16/32, which the NPU refuses; the test above runs them
+    at 64/128."""
 
     backend_cls = AscendAttentionBackend
     test_matches_reference = None
@@ -322,3 +325,19 @@ def test_default_model_on_the_ascend_path(default_model_dir, npu_plugins):
     tokens, preempted, cached = run_tracking(engine, prompts)
     assert preempted > 0 and cached[-1] >= 64 and engine.executor.runner.graph_steps > 0
     assert tokens == run_tracking(make_engine(npu_plugins, device="cpu", **common), prompts)[0]
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["graph", "eager"])
+def test_sliding_window_on_the_ascend_path(tiny_model_dir, npu_plugins, eager):
+    """Mistral with an 8-token window (tests/core/test_sliding_window.py matches it to transformers
+    on the CPU plugin): decodes in torchair graphs or eagerly, prefills in 64-token chunks, and a
+    prefix-cache hit of a whole 64-token block, all give the CPU plugin's tokens."""
+    from kiln.testing.engine import make_engine
+
+    prompts = PROMPTS[3:]
+    common = dict(model=tiny_model_dir("mistral", sliding_window=8), dtype="float32", max_num_seqs=4,
+                  block_size=64, max_num_batched_tokens=64)  # fmt: skip
+    engine = make_engine(npu_plugins, device="npu_emulated", enforce_eager=eager, **common)
+    tokens, _, cached = run_tracking(engine, prompts, max_tokens=16)
+    assert cached[-1] >= 64 and (engine.executor.runner.graph_steps > 0) != eager
+    assert tokens == run_tracking(make_engine(npu_plugins, device="cpu", **common), prompts, max_tokens=16)[0]

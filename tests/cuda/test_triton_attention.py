@@ -1,6 +1,6 @@
 """The Triton attention backend against the torch reference on mixed paged batches: GQA ratios
 1, 3 and 8, head sizes 64 and 128, block sizes 16 and 32, lengths that do not fill a block,
-decodes, fresh prefills and chunks on a cached prefix. On GPU where one is present, else under
+decodes, fresh prefills and chunks on a cached prefix, with and without a sliding window. On GPU where one is present, else under
 Triton's interpreter on CPU (fp32 and fp16: the interpreter's bf16 arithmetic is broken)."""
 
 import pytest
@@ -32,6 +32,10 @@ class TestTritonAttentionFloat16(AttentionBackendContract):
     def test_matches_reference(self, head_dim, batch):
         super().test_matches_reference((6, 2), head_dim, 16, batch)
 
+    @pytest.mark.parametrize("batch", [2, 3])
+    def test_sliding_window_matches_reference(self, batch):
+        super().test_sliding_window_matches_reference(batch, 7)
+
 
 class Fp8CacheContract(AttentionBackendContract):
     """``--kv-cache-dtype fp8``: K/V stored in fp8 with per-tensor scales (2 and 0.5 here, so a
@@ -50,6 +54,12 @@ class Fp8CacheContract(AttentionBackendContract):
     @pytest.mark.parametrize("block_size", [16])
     def test_decode_graph_path(self, block_size):
         super().test_decode_graph_path(block_size)
+
+    def test_sliding_window_matches_reference(self):
+        super().test_sliding_window_matches_reference(3, 17)
+
+    def test_decode_graph_path_sliding_window(self):
+        super().test_decode_graph_path_sliding_window(4)
 
 
 class TestTritonAttentionFp8E4M3(Fp8CacheContract):

@@ -8,13 +8,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kiln.interfaces.attention import AttentionBackend, BatchLayout, gather_kv, write_kv_cache
+from kiln.interfaces.attention import AttentionBackend, BatchLayout, attend_mask, gather_kv, write_kv_cache
 
 
 class TorchRefAttentionBackend(AttentionBackend):
     name = "torch_ref"
+    supports_sliding_window = True
 
-    def forward(self, q, k, v, kv_cache, metadata: BatchLayout, *, layer_idx, scale):
+    def forward(self, q, k, v, kv_cache, metadata: BatchLayout, *, layer_idx, scale, sliding_window=None):
         write_kv_cache(k, v, kv_cache, metadata.slot_mapping)
         out = torch.zeros_like(q)
         bs = metadata.block_size
@@ -25,9 +26,9 @@ class TorchRefAttentionBackend(AttentionBackend):
             context = seq_len - q_len
             num_blocks = -(-seq_len // bs)
             key, value = gather_kv(kv_cache, metadata.block_table[i, :num_blocks].long(), seq_len)
-            # Query j (position context + j) sees keys 0..context + j.
-            q_pos = torch.arange(context, seq_len, device=q.device)[:, None]
-            mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos
+            # Query j (position context + j) sees keys 0..context + j (the last w of them with a window).
+            q_pos = torch.arange(context, seq_len, device=q.device)
+            mask = attend_mask(q_pos, torch.arange(seq_len, device=q.device), sliding_window)
             o = F.scaled_dot_product_attention(
                 q[q_start:q_end].transpose(0, 1)[None],
                 key.transpose(0, 1)[None],

@@ -137,11 +137,17 @@ class AttentionBackend(ABC):
         (prefix-cache hits on blocks still being computed).
       * Query token j of request i sits at position ``context_lens[i] + j`` and sees
         keys at positions ``<= context_lens[i] + j`` (causal).
+      * With ``sliding_window=w`` (a per-layer argument of ``forward``), a query at position
+        p sees only keys at positions k with ``p - k < w``: itself and the w - 1 before it,
+        as Hugging Face's sliding-window mask. The rule is positional, so it holds alike for
+        prefills, chunks on a cached prefix and decodes. Backends that do not implement it
+        leave ``supports_sliding_window`` False; models with a window then refuse them.
       * Padding tokens (slot -1) are neither written nor attended from.
     """
 
     name: ClassVar[str]
     supports_decode_graphs: ClassVar[bool] = False  # implements ``graph_metadata``
+    supports_sliding_window: ClassVar[bool] = False  # honours ``forward(..., sliding_window=w)``
     # Cache dtypes the backend stores besides the compute dtype (``--kv-cache-dtype``): values
     # are written as ``k / k_scale`` in that dtype and read back as ``stored * k_scale``.
     cache_dtypes: ClassVar[tuple[torch.dtype, ...]] = ()
@@ -199,8 +205,11 @@ class AttentionBackend(ABC):
         *,
         layer_idx: int,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
-        """Return the attention output, shaped like ``q``."""
+        """Return the attention output, shaped like ``q``. ``sliding_window`` is this layer's
+        window, None for full causal attention; models pass it only for windowed layers, and
+        only to backends whose ``supports_sliding_window`` is True."""
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -211,6 +220,19 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slo
     flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])
     flat[0].index_copy_(0, slot_mapping, k)
     flat[1].index_copy_(0, slot_mapping, v)
+
+
+def window_start(position: int, sliding_window: int | None) -> int:
+    """The first key position a query at ``position`` sees (0 without a window)."""
+    return 0 if sliding_window is None else max(0, position - sliding_window + 1)
+
+
+def attend_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
+    """(queries, keys) bool, True where a query at ``q_pos`` attends a key at ``k_pos``:
+    causal, and within ``sliding_window`` when there is one."""
+    delta = q_pos[:, None] - k_pos[None, :]
+    mask = delta >= 0
+    return mask if sliding_window is None else mask & (delta < sliding_window)
 
 
 def gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:

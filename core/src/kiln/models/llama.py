@@ -3,6 +3,8 @@
 The model sees one flattened token stream per step (see ``BatchLayout``); q/k/v
 and gate/up projections are merged into single matmuls. Under tensor parallelism
 (``kiln.distributed``) each rank holds its heads and its slice of the MLP.
+Mistral's and Qwen's sliding windows (``kiln.models.sliding_window``) reach the
+attention backend per layer.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from kiln.distributed import TensorParallel
 from kiln.interfaces.attention import AttentionBackend
 from kiln.interfaces.model import StepContext
 from kiln.models.rope import cos_sin_cache
+from kiln.models.sliding_window import check_backend, sliding_windows
 from kiln.quantization.config import QuantConfig
 from kiln.quantization.layers import load_linear_tensor, make_linear, row_parallel_dim
 
@@ -41,9 +44,11 @@ class LlamaAttention(nn.Module):
         backend: AttentionBackend,
         tp: TensorParallel,
         quant: QuantConfig | None = None,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
+        self.sliding_window = sliding_window
         self.num_heads = tp.shard(cfg.num_attention_heads, "attention heads")
         self.num_kv_heads = tp.shard(cfg.num_key_value_heads, "key/value heads")
         self.head_dim = head_dim_of(cfg)
@@ -59,6 +64,10 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ops)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ops)
         self.scale = self.head_dim**-0.5
+        # Only windowed layers pass a window: backends written before windows existed
+        # (``forward(..., *, layer_idx, scale)``) keep serving full-attention models.
+        window = {} if sliding_window is None else {"sliding_window": sliding_window}
+        self.attn_kwargs = {"layer_idx": layer_idx, "scale": self.scale, **window}
         self.ops = ops
         self.backend = backend
         self.tp = tp
@@ -71,9 +80,7 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.ops.rotary_embedding(positions, q, k, rope_cache)
-        o = self.backend.forward(
-            q, k, v, ctx.kv_caches[self.layer_idx], ctx.attn_metadata, layer_idx=self.layer_idx, scale=self.scale
-        )
+        o = self.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.attn_metadata, **self.attn_kwargs)
         return self.tp.all_reduce(self.o_proj(o.reshape(-1, self.q_size)))
 
 
@@ -96,9 +103,18 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg, layer_idx, ops, backend, tp: TensorParallel, quant: QuantConfig | None = None) -> None:
+    def __init__(
+        self,
+        cfg,
+        layer_idx,
+        ops,
+        backend,
+        tp: TensorParallel,
+        quant: QuantConfig | None = None,
+        sliding_window: int | None = None,
+    ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_idx, ops, backend, tp, quant)
+        self.self_attn = LlamaAttention(cfg, layer_idx, ops, backend, tp, quant, sliding_window)
         self.mlp = LlamaMLP(cfg, ops, tp, f"model.layers.{layer_idx}.mlp", quant)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
@@ -130,9 +146,11 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.tp = tp
+        windows = sliding_windows(cfg, max_positions)
+        check_backend(windows, backend)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, ops, backend, tp, quant_config) for i in range(cfg.num_hidden_layers)
+            LlamaDecoderLayer(cfg, i, ops, backend, tp, quant_config, windows[i]) for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))

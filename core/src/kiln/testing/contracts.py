@@ -13,7 +13,8 @@ Plugin authors subclass a contract in their own tests, setting its knobs as clas
         ops = MyPlatform().custom_ops()
         device = "mine"
 
-* ``AttentionBackendContract``: an ``AttentionBackend`` against the torch reference on mixed paged batches.
+* ``AttentionBackendContract``: an ``AttentionBackend`` against the torch reference on mixed paged batches,
+  with and without a sliding window.
 * ``PlatformContract``: a ``Platform``'s members (config checks, memory, KV cache, graph sizes...).
 * ``OpsContract``: a platform's fused ops against the reference ops of ``kiln.interfaces.model``.
 """
@@ -62,6 +63,17 @@ BATCHES = [
     [(16, 1), (0, 19), (31, 2)],
     [(40, 1), (3, 1), (0, 33), (17, 16), (64, 5)],
 ]
+# Sliding windows for those batches: the query alone, narrower than a block, a block wide and
+# a little more, wider than most requests.
+SLIDING_WINDOWS = [1, 7, 17, 48]
+
+
+def forward_kwargs(scale: float, sliding_window: int | None) -> dict:
+    """``forward``'s keywords as a model passes them (a window only where there is one)."""
+    kwargs: dict = dict(layer_idx=0, scale=scale)
+    if sliding_window is not None:
+        kwargs["sliding_window"] = sliding_window
+    return kwargs
 
 
 class AttentionBackendContract:
@@ -122,9 +134,28 @@ class AttentionBackendContract:
     @pytest.mark.parametrize("block_size", [16, 32])
     @pytest.mark.parametrize("batch", range(len(BATCHES)))
     def test_matches_reference(self, heads, head_dim, block_size, batch):
-        num_heads, num_kv_heads = heads
         if not self.backend_cls.supports(head_dim=head_dim, dtype=self.dtype, block_size=block_size):
             pytest.skip("unsupported shape")
+        self._check_batch(heads, head_dim, block_size, batch)
+
+    @pytest.mark.parametrize("window", SLIDING_WINDOWS)
+    @pytest.mark.parametrize("batch", range(len(BATCHES)))
+    def test_sliding_window_matches_reference(self, batch, window):
+        """Each query sees only the last ``window`` positions, in decodes, fresh prefills and
+        chunks on a cached prefix alike (GQA 3, head size 64, the smallest block size it runs)."""
+        self._check_batch((6, 2), 64, self._window_block_size(), batch, sliding_window=window)
+
+    def _window_block_size(self) -> int:
+        if not self.backend_cls.supports_sliding_window:
+            pytest.skip("no sliding-window support")
+        sizes = [b for b in (16, 32, 64, 128) if self.backend_cls.supports(head_dim=64, dtype=self.dtype, block_size=b)]
+        if not sizes:
+            pytest.skip("unsupported shape")
+        return sizes[0]
+
+    def _check_batch(self, heads, head_dim, block_size, batch, sliding_window=None):
+        """``BATCHES[batch]``: the backend's output and cache against the reference's."""
+        num_heads, num_kv_heads = heads
         rng = random.Random(batch * 1000 + head_dim + block_size)
         torch.manual_seed(batch)
         num_blocks = 64
@@ -132,9 +163,9 @@ class AttentionBackendContract:
         ref, backend, ref_cache, cache, (q, k, v) = self._setup(
             num_heads, num_kv_heads, head_dim, block_size, num_blocks, num_tokens
         )
-        scale = head_dim**-0.5
-        expected = ref.forward(q, k, v, ref_cache, ref.build_metadata(layout), layer_idx=0, scale=scale)
-        got = backend.forward(q, k, v, cache, backend.build_metadata(layout), layer_idx=0, scale=scale)
+        kwargs = forward_kwargs(head_dim**-0.5, sliding_window)
+        expected = ref.forward(q, k, v, ref_cache, ref.build_metadata(layout), **kwargs)
+        got = backend.forward(q, k, v, cache, backend.build_metadata(layout), **kwargs)
         torch.testing.assert_close(got.float(), expected.float(), atol=self.atol, rtol=self.atol)
         self._assert_same_cache(backend, cache, ref_cache)
 
@@ -142,6 +173,14 @@ class AttentionBackendContract:
     def test_decode_graph_path(self, block_size):
         """``graph_metadata`` on a decode step padded with empty rows gives the reference's
         output for the real rows and writes no padding row's K/V."""
+        self._check_decode_graph(block_size)
+
+    @pytest.mark.parametrize("window", [4, 20])
+    def test_decode_graph_path_sliding_window(self, window):
+        """The decode-graph path with a window narrower than some of the requests."""
+        self._check_decode_graph(self._window_block_size(), sliding_window=window)
+
+    def _check_decode_graph(self, block_size, sliding_window=None):
         heads, kv_heads, head_dim = 6, 2, 64
         if not self.backend_cls.supports_decode_graphs:
             pytest.skip("no decode-graph path")
@@ -151,11 +190,12 @@ class AttentionBackendContract:
         num_blocks, size, max_blocks = 16, 5, 8
         layout, n = random_layout(random.Random(block_size), block_size, num_blocks, BATCHES[1], self.device)
         ref, backend, ref_cache, cache, (q, k, v) = self._setup(heads, kv_heads, head_dim, block_size, num_blocks, size)
-        expected = ref.forward(q[:n], k[:n], v[:n], ref_cache, ref.build_metadata(layout), layer_idx=0, scale=0.125)
+        kwargs = forward_kwargs(0.125, sliding_window)
+        expected = ref.forward(q[:n], k[:n], v[:n], ref_cache, ref.build_metadata(layout), **kwargs)
         ids = torch.zeros(n, dtype=torch.int64, device=self.device)
         padded = DecodeGraphInputs.pad(ids, ids, layout, size, max_blocks)
         metadata = backend.graph_metadata(padded.block_table, padded.seq_lens, padded.slot_mapping, block_size)
-        got = backend.forward(q, k, v, cache, metadata, layer_idx=0, scale=0.125)
+        got = backend.forward(q, k, v, cache, metadata, **kwargs)
         torch.testing.assert_close(got[:n].float(), expected.float(), atol=self.atol, rtol=self.atol)
         self._assert_same_cache(backend, cache, ref_cache)
 

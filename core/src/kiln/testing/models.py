@@ -16,9 +16,13 @@ TINY_CONFIGS: dict[str, dict] = {
 }
 
 
-def build_tiny_model(model_type: str, path: str | os.PathLike, tokenizer_dir: str, *, seed: int = 0) -> str:
+def build_tiny_model(
+    model_type: str, path: str | os.PathLike, tokenizer_dir: str, *, seed: int = 0, **overrides: object
+) -> str:
     """Save a 2-layer, hidden-64 ``model_type`` model with random fp32 weights and the
-    tokenizer from ``tokenizer_dir`` into ``path``; returns the folder."""
+    tokenizer from ``tokenizer_dir`` into ``path``; returns the folder. ``overrides`` replace
+    config entries (e.g. ``sliding_window=8``); those that add no parameters leave the
+    weights as they are without them."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -39,7 +43,7 @@ def build_tiny_model(model_type: str, path: str | os.PathLike, tokenizer_dir: st
         tie_word_embeddings=model_type in ("qwen2", "qwen3"),
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
-        **TINY_CONFIGS[model_type],
+        **{**TINY_CONFIGS[model_type], **overrides},
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -1,7 +1,7 @@
 """Kiln's pytest plugin (entry point ``pytest11``): fixtures and device markers.
 
 * ``default_model_dir``: the embedded default model as a cached Hugging Face folder.
-* ``tiny_model_dir(model_type)``: a tiny random-weight model of that type.
+* ``tiny_model_dir(model_type, **config_overrides)``: a tiny random-weight model of that type.
 * ``kiln_plugins``: a ``PluginManager`` without auto-loaded entry points, for
   registering plugins under test.
 * Tests marked ``cuda`` / ``npu`` are skipped unless that device is available.
@@ -49,8 +49,9 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: 
 
     root = tmp_path_factory.mktemp("tiny-models")
 
-    def make(model_type: str = "llama") -> str:
-        return build_tiny_model(model_type, root / model_type, default_model_dir)
+    def make(model_type: str = "llama", **overrides: object) -> str:
+        name = "-".join([model_type, *(f"{k}={v}" for k, v in sorted(overrides.items()))])
+        return build_tiny_model(model_type, root / name, default_model_dir, **overrides)
 
     return make
 

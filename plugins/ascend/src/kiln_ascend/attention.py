@@ -8,6 +8,11 @@
 * Prefills and chunks: ``npu_fused_infer_attention_score`` per request on its gathered K/V, with
   the right-down causal mode (``sparse_mode=3`` and the 2048x2048 mask), which also covers
   chunked prefill and prefix-cache hits (queries attend to the whole cached context).
+* Sliding windows (no op above takes one for paged decodes: IFA has no band, ATB's paged op no
+  mask): decodes read a compact copy of each request's last ``w`` keys, left-aligned in blocks
+  of their own (``window_cache``), through the same ops, so the graph path stays tensors-only;
+  prefills pass FIA an explicit banded ``(Sq, Skv)`` mask (``sparse_mode=0``) over K/V gathered
+  from the first block any query's window reaches. Out-of-window blocks are never freed.
 Precision arguments come from ``kiln_ascend.precision``.
 """
 
@@ -17,9 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kiln.interfaces.attention import AttentionBackend, BatchLayout
+from kiln.interfaces.attention import AttentionBackend, BatchLayout, attend_mask, window_start
 from kiln_ascend.precision import PrecisionModes
 
+FULL_MASK = 0  # sparse_mode 0: the (Sq, Skv) atten_mask as given
 RIGHT_DOWN_CAUSAL = 3
 MASK_SIZE = 2048
 
@@ -45,6 +51,7 @@ class AscendAttentionBackend(AttentionBackend):
 
     name = "ascend"
     supports_decode_graphs = True
+    supports_sliding_window = True
 
     def __init__(
         self,
@@ -73,29 +80,39 @@ class AscendAttentionBackend(AttentionBackend):
             self._mask = torch.triu(torch.ones(MASK_SIZE, MASK_SIZE, dtype=torch.bool, device=device), diagonal=1)
         return self._mask
 
-    def forward(self, q, k, v, kv_cache, metadata: AscendMetadata | AscendGraphMetadata, *, layer_idx, scale):
+    def forward(
+        self, q, k, v, kv_cache, metadata: AscendMetadata | AscendGraphMetadata, *, layer_idx, scale,
+        sliding_window=None,
+    ):  # fmt: skip
         import torch_npu
 
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        num_blocks, bs = key_cache.shape[:2]
+        bs = key_cache.shape[1]
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         torch_npu._npu_reshape_and_cache(k.contiguous(), v.contiguous(), key_cache, value_cache, metadata.slots)
         out = torch.empty_like(q)
         if isinstance(metadata, AscendGraphMetadata):
-            torch_npu._npu_paged_attention(
-                q.contiguous(), key_cache, value_cache, kv_heads, heads, scale,
-                metadata.block_table, metadata.seq_lens, out,
-            )  # fmt: skip
+            keys, values, table, lens = key_cache, value_cache, metadata.block_table, metadata.seq_lens
+            if sliding_window is not None:
+                keys, values, table, lens = window_cache(keys, values, table, lens, sliding_window)
+            torch_npu._npu_paged_attention(q.contiguous(), keys, values, kv_heads, heads, scale, table, lens, out)
             return out
         layout = metadata.layout
         nd = layout.num_decode_reqs
         if nd:
+            decode_keys, decode_values, table = key_cache, value_cache, layout.block_table[:nd]
+            lens = layout.seq_lens_cpu[:nd]
+            if sliding_window is not None:
+                decode_keys, decode_values, table, _ = window_cache(
+                    key_cache, value_cache, table, layout.seq_lens[:nd], sliding_window
+                )
+                lens = [min(s, sliding_window) for s in lens]
             decoded = torch_npu.npu_incre_flash_attention(
                 q[:nd].reshape(nd, 1, heads, dim),
-                key_cache.view(num_blocks, bs, kv_heads * dim),
-                value_cache.view(num_blocks, bs, kv_heads * dim),
-                block_table=layout.block_table[:nd],
-                actual_seq_lengths=layout.seq_lens_cpu[:nd],
+                decode_keys.flatten(2),  # (blocks, bs, kv_heads * dim)
+                decode_values.flatten(2),
+                block_table=table,
+                actual_seq_lengths=lens,
                 num_heads=heads,
                 scale_value=scale,
                 input_layout="BSND",
@@ -107,22 +124,50 @@ class AscendAttentionBackend(AttentionBackend):
         starts = layout.query_start_loc.tolist()
         for i in range(nd, layout.num_reqs):
             seq_len, n = layout.seq_lens_cpu[i], layout.query_lens_cpu[i]
-            blocks = layout.block_table[i, : -(-seq_len // bs)].long()
-            keys = key_cache[blocks].flatten(0, 1)[:seq_len]
-            values = value_cache[blocks].flatten(0, 1)[:seq_len]
+            first = window_start(seq_len - n, sliding_window) // bs  # the first block any query's window reaches
+            blocks = layout.block_table[i, first : -(-seq_len // bs)].long()
+            kv_len = seq_len - first * bs
+            keys = key_cache[blocks].flatten(0, 1)[:kv_len]
+            values = value_cache[blocks].flatten(0, 1)[:kv_len]
+            if sliding_window is None:
+                mask, mode = self.causal_mask(q.device), RIGHT_DOWN_CAUSAL
+            else:
+                q_pos = torch.arange(seq_len - n, seq_len, device=q.device)
+                k_pos = torch.arange(first * bs, seq_len, device=q.device)
+                mask, mode = ~attend_mask(q_pos, k_pos, sliding_window), FULL_MASK
             attended, _ = torch_npu.npu_fused_infer_attention_score(
                 q[starts[i] : starts[i + 1]].unsqueeze(0),
                 keys.unsqueeze(0),
                 values.unsqueeze(0),
-                atten_mask=self.causal_mask(q.device),
+                atten_mask=mask,
                 actual_seq_lengths=[n],
-                actual_seq_lengths_kv=[seq_len],
+                actual_seq_lengths_kv=[kv_len],
                 num_heads=heads,
                 num_key_value_heads=kv_heads,
                 scale=scale,
                 input_layout="BSND",
-                sparse_mode=RIGHT_DOWN_CAUSAL,
+                sparse_mode=mode,
                 inner_precise=self.precision.prefill(on_cached_prefix=seq_len > n),
             )
             out[starts[i] : starts[i + 1]] = attended[0]
         return out
+
+
+def window_cache(
+    key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, window: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For decodes under a sliding window: each request's last ``min(seq_len, window)`` keys and
+    values copied, left-aligned, into blocks of their own (request b owns blocks
+    ``b * per_req ...``), with the block table and lengths (int32) to read them by. Tensor ops
+    only, so it runs inside a decode graph."""
+    reqs, bs = block_table.shape[0], key_cache.shape[1]
+    per_req = -(-window // bs)
+    lens = seq_lens.clamp(max=window).to(torch.int32)
+    offsets = torch.arange(per_req * bs, device=seq_lens.device)
+    # Key t of request b sits at position seq_len - len + t; the padding past len repeats the last key.
+    pos = torch.minimum((seq_lens - lens)[:, None] + offsets, (seq_lens - 1)[:, None]).long()
+    blocks = block_table.long().gather(1, pos // bs)
+    shape = (reqs * per_req, bs, *key_cache.shape[2:])
+    keys, values = key_cache[blocks, pos % bs].view(shape), value_cache[blocks, pos % bs].view(shape)
+    table = torch.arange(reqs * per_req, dtype=torch.int32, device=seq_lens.device).view(reqs, per_req)
+    return keys, values, table, lens

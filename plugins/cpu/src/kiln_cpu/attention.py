@@ -14,16 +14,19 @@ through and that gathers turn straight into SDPA's (heads, len, dim) shape.
   head become that head's "query length".
 * Prefills with nothing cached use the new K/V directly (causal SDPA); chunks
   that continue a cached prefix gather their context from the cache.
+* A sliding window (Mistral, some Qwen layers) masks keys more than ``w - 1``
+  positions back; the C kernel and cached-prefix chunks skip blocks wholly
+  before the window. Blocks are never freed for it: the cache holds every token.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from kiln.interfaces.attention import AttentionBackend, BatchLayout
+from kiln.interfaces.attention import AttentionBackend, BatchLayout, attend_mask, window_start
 from kiln_cpu import native
 
 
@@ -31,13 +34,25 @@ from kiln_cpu import native
 class CpuMetadata:
     layout: BatchLayout
     decode_blocks: torch.Tensor | None  # (num_decodes, max_blocks) int64
-    decode_mask: torch.Tensor | None  # (num_decodes, 1, 1, max_len) bool, True = attend
     prefills: list[tuple[int, int, int, int, torch.Tensor]]  # q_start, q_end, context, seq_len, block ids
+    # Torch decode path: (num_decodes, 1, 1, max_len) bool, True = attend, per sliding window.
+    decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+
+    def decode_mask(self, sliding_window: int | None) -> torch.Tensor:
+        """Built once per step for each window the model's layers use."""
+        mask = self.decode_masks.get(sliding_window)
+        if mask is None:
+            nd, width = self.decode_blocks.shape
+            last = self.layout.seq_lens[:nd].cpu() - 1  # each decode's query position
+            keys = torch.arange(width * self.layout.block_size)
+            mask = self.decode_masks[sliding_window] = attend_mask(last, keys, sliding_window).view(nd, 1, 1, -1)
+        return mask
 
 
 class CpuAttentionBackend(AttentionBackend):
     name = "cpu"
     cache_dtypes = (torch.bfloat16,)
+    supports_sliding_window = True
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -52,13 +67,10 @@ class CpuAttentionBackend(AttentionBackend):
 
     def build_metadata(self, layout: BatchLayout) -> CpuMetadata:
         nd, bs = layout.num_decode_reqs, layout.block_size
-        decode_blocks = decode_mask = None
+        decode_blocks = None
         if nd:
-            lens = layout.seq_lens_cpu[:nd]
-            max_len = max(lens)
-            width = -(-max_len // bs)
+            width = -(-max(layout.seq_lens_cpu[:nd]) // bs)
             decode_blocks = layout.block_table[:nd, :width].long()
-            decode_mask = (torch.arange(width * bs) < layout.seq_lens[:nd, None].cpu()).view(nd, 1, 1, -1)
         starts = layout.query_start_loc.tolist()
         prefills = []
         for i in range(nd, layout.num_reqs):
@@ -66,9 +78,9 @@ class CpuAttentionBackend(AttentionBackend):
             context = seq_len - layout.query_lens_cpu[i]
             blocks = layout.block_table[i, : -(-seq_len // bs)].long() if context else None
             prefills.append((starts[i], starts[i + 1], context, seq_len, blocks))
-        return CpuMetadata(layout, decode_blocks, decode_mask, prefills)
+        return CpuMetadata(layout, decode_blocks, prefills)
 
-    def forward(self, q, k, v, kv_cache, metadata: CpuMetadata, *, layer_idx, scale):
+    def forward(self, q, k, v, kv_cache, metadata: CpuMetadata, *, layer_idx, scale, sliding_window=None):
         self._write(k, v, kv_cache, metadata.layout)
         out = torch.empty_like(q)
         if metadata.decode_blocks is not None:
@@ -76,34 +88,40 @@ class CpuAttentionBackend(AttentionBackend):
             if self.native is not None:
                 layout = metadata.layout
                 native.paged_decode_attention(
-                    out[:nd], q[:nd], kv_cache[0], kv_cache[1], layout.block_table[:nd], layout.seq_lens[:nd], scale
-                )
+                    out[:nd], q[:nd], kv_cache[0], kv_cache[1], layout.block_table[:nd], layout.seq_lens[:nd], scale,
+                    sliding_window,
+                )  # fmt: skip
             else:
-                out[:nd] = self._decode(q[:nd], kv_cache, metadata, scale)
+                out[:nd] = self._decode(q[:nd], kv_cache, metadata, scale, sliding_window)
+        bs = metadata.layout.block_size
         for q_start, q_end, context, seq_len, blocks in metadata.prefills:
             # NOTE: 4-D inputs take torch's CPU flash kernel; 3-D ones fall back to the
             # (several times slower) math path.
             qi = q[q_start:q_end].transpose(0, 1)
+            q_pos = torch.arange(context, seq_len)
             if context == 0:
-                key, value, mask = k[q_start:q_end].transpose(0, 1), v[q_start:q_end].transpose(0, 1), None
+                key, value, k_pos = k[q_start:q_end].transpose(0, 1), v[q_start:q_end].transpose(0, 1), q_pos
             else:
-                kv = kv_cache[:, blocks].transpose(1, 2).flatten(2, 3)[:, :, :seq_len]  # (2, heads, len, dim)
-                key, value = kv[0].to(q.dtype), kv[1].to(q.dtype)
-                mask = torch.arange(seq_len)[None, :] <= torch.arange(context, seq_len)[:, None]
+                skip = window_start(context, sliding_window) // bs  # blocks wholly before every query's window
+                kv = kv_cache[:, blocks[skip:]].transpose(1, 2).flatten(2, 3)[:, :, : seq_len - skip * bs]
+                key, value = kv[0].to(q.dtype), kv[1].to(q.dtype)  # (heads, len, dim)
+                k_pos = torch.arange(skip * bs, seq_len)
+            causal = context == 0 and sliding_window is None
+            mask = None if causal else attend_mask(q_pos, k_pos, sliding_window)
             o = F.scaled_dot_product_attention(
-                qi[None], key[None], value[None], attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+                qi[None], key[None], value[None], attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
             )
             out[q_start:q_end] = o[0].transpose(0, 1)
         return out
 
-    def _decode(self, q, kv_cache, metadata: CpuMetadata, scale):
+    def _decode(self, q, kv_cache, metadata: CpuMetadata, scale, sliding_window):
         nd = q.shape[0]
         hkv, d = self.num_kv_heads, self.head_dim
         group = self.num_heads // hkv
         kv = kv_cache[:, metadata.decode_blocks].transpose(2, 3).flatten(3, 4)  # (2, nd, hkv, len, d)
         key, value = kv[0].to(q.dtype), kv[1].to(q.dtype)
         o = F.scaled_dot_product_attention(
-            q.view(nd, hkv, group, d), key, value, attn_mask=metadata.decode_mask, scale=scale
+            q.view(nd, hkv, group, d), key, value, attn_mask=metadata.decode_mask(sliding_window), scale=scale
         )
         return o.reshape(nd, self.num_heads, d)
 

@@ -59,7 +59,7 @@ def load_kernels() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(str(target))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     for fn in (lib.paged_decode_attention_f32, lib.paged_decode_attention_bf16, lib.paged_decode_attention_f32_bf16):
-        fn.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float]
+        fn.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float, i64]
         fn.restype = ctypes.c_int
     f32 = ctypes.c_float
     for dt in ("f32", "bf16"):
@@ -96,8 +96,10 @@ def paged_decode_attention(
     block_table: torch.Tensor,  # (reqs, width) int32, contiguous rows
     seq_lens: torch.Tensor,  # (reqs,) int32
     scale: float,
+    sliding_window: int | None = None,
 ) -> None:
-    """Decode attention into ``out``; computed in fp32."""
+    """Decode attention into ``out`` over each request's last ``sliding_window`` keys (all
+    without one); computed in fp32."""
     suffix = _ATTENTION_KERNELS.get((q.dtype, k_cache.dtype))
     num_reqs, num_heads, head_dim = q.shape
     if q.stride(2) != 1 or q.stride(1) != head_dim or not out.is_contiguous() or suffix is None:
@@ -118,6 +120,7 @@ def paged_decode_attention(
         head_dim,
         k_cache.shape[2],  # block size
         scale,
+        sliding_window or 0,  # 0: no window
     )
     if status != 0:
         raise ValueError(f"native decode attention does not support head_dim={head_dim}, heads={num_heads}")

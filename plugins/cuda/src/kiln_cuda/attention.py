@@ -15,6 +15,8 @@ TILE = 32
 # Split-KV decode: slices per sequence, used while decodes x kv heads leave the GPU idle.
 SPLITS = 8
 SPLIT_KV_MAX_WORK = 128
+# The kernels' window where a layer has none: wider than any position.
+NO_WINDOW = 2**30
 
 
 @dataclass(slots=True)
@@ -33,6 +35,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     name = "triton"
     supports_decode_graphs = True
+    supports_sliding_window = True
     cache_dtypes = (torch.float8_e4m3fn, torch.float8_e5m2)
 
     @classmethod
@@ -56,7 +59,7 @@ class TritonAttentionBackend(AttentionBackend):
         token_seq = torch.arange(seq_lens.shape[0], dtype=torch.int32, device=seq_lens.device)
         return TritonMetadata(slot_mapping, block_table, seq_lens, token_seq, seq_lens - 1, block_size, True)
 
-    def forward(self, q, k, v, kv_cache, metadata: TritonMetadata, *, layer_idx, scale):
+    def forward(self, q, k, v, kv_cache, metadata: TritonMetadata, *, layer_idx, scale, sliding_window=None):
         tokens = q.shape[0]
         block_d = triton.next_power_of_2(self.head_dim)
         if tokens:
@@ -66,13 +69,14 @@ class TritonAttentionBackend(AttentionBackend):
             )  # fmt: skip
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         scale = scale * self.k_scale  # scores of stored keys; v_scale applies to the output below
+        window = sliding_window or NO_WINDOW
         if tokens and metadata.all_decode and tokens * self.num_kv_heads <= SPLIT_KV_MAX_WORK:
-            self._split_kv_decode(q, kv_cache, out, metadata, scale, block_d)
+            self._split_kv_decode(q, kv_cache, out, metadata, scale, window, block_d)
         elif tokens:
             kernels.paged_attention_kernel[(tokens, self.num_heads)](
                 q, kv_cache, out, metadata.token_seq, metadata.token_pos, metadata.block_table,
                 metadata.block_table.stride(0), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-                kv_cache.stride(0), scale,
+                kv_cache.stride(0), scale, window,
                 KVN=self.num_kv_heads, GROUP=self.num_heads // self.num_kv_heads, D=self.head_dim,
                 BLOCK_D=block_d, BS=metadata.block_size, TILE=TILE,
             )  # fmt: skip
@@ -80,7 +84,9 @@ class TritonAttentionBackend(AttentionBackend):
             out.mul_(self.v_scale)
         return out
 
-    def _split_kv_decode(self, q, kv_cache, out, metadata: TritonMetadata, scale: float, block_d: int) -> None:
+    def _split_kv_decode(
+        self, q, kv_cache, out, metadata: TritonMetadata, scale: float, window: int, block_d: int
+    ) -> None:
         """Flash-decoding for small decode batches: one program per (decode, head, slice), then a reduction."""
         tokens, heads = q.shape[0], self.num_heads
         part_acc = torch.empty(tokens, heads, SPLITS, block_d, dtype=torch.float32, device=q.device)
@@ -88,7 +94,7 @@ class TritonAttentionBackend(AttentionBackend):
         part_sum = torch.empty_like(part_max)
         kernels.paged_decode_split_kernel[(tokens, heads, SPLITS)](
             q, kv_cache, metadata.seq_lens, metadata.block_table, part_acc, part_max, part_sum,
-            metadata.block_table.stride(0), q.stride(0), q.stride(1), kv_cache.stride(0), scale,
+            metadata.block_table.stride(0), q.stride(0), q.stride(1), kv_cache.stride(0), scale, window,
             H=heads, KVN=self.num_kv_heads, GROUP=heads // self.num_kv_heads, D=self.head_dim,
             BLOCK_D=block_d, BS=metadata.block_size, TILE=TILE, SPLITS=SPLITS,
         )  # fmt: skip

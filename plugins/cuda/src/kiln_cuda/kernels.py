@@ -50,13 +50,15 @@ def _attend_tile(q, cache_ptr, table_row_ptr, plane_stride, scale, j, jmask, d, 
 @triton.jit
 def paged_attention_kernel(
     q_ptr, cache_ptr, out_ptr, token_seq_ptr, token_pos_ptr, block_table_ptr,
-    bt_stride, q_stride_t, q_stride_h, o_stride_t, o_stride_h, plane_stride, scale,
+    bt_stride, q_stride_t, q_stride_h, o_stride_t, o_stride_h, plane_stride, scale, window,
     KVN: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BS: tl.constexpr, TILE: tl.constexpr,
 ):  # fmt: skip
     """Grid (tokens, heads): prefill chunks and decodes alike. Token t of request ``seq`` at
-    absolute position ``pos`` attends to cache positions 0..pos (causal within the new tokens,
-    full over the cached context), reading K/V through the block table, with online softmax."""
+    absolute position ``pos`` attends to cache positions pos - window + 1..pos (from 0 where that
+    is negative; ``window`` is the sliding window, or larger than any position without one):
+    causal within the new tokens, over the cached context as far as the window reaches, reading
+    K/V through the block table, with online softmax. Keys before the window are not read."""
     t = tl.program_id(0)
     n = tl.program_id(1)
     kvh = n // GROUP
@@ -68,7 +70,7 @@ def paged_attention_kernel(
     m = tl.zeros([], dtype=tl.float32) - float("inf")
     denom = tl.zeros([], dtype=tl.float32)
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for start in range(0, pos + 1, TILE):
+    for start in range(tl.maximum(pos + 1 - window, 0), pos + 1, TILE):
         j = start + tl.arange(0, TILE)
         m, denom, acc = _attend_tile(
             q, cache_ptr, block_table_ptr + seq * bt_stride, plane_stride, scale, j, j <= pos, d, dmask, kvh,
@@ -140,19 +142,21 @@ def silu_and_mul_kernel(x_ptr, out_ptr, d, BLOCK: tl.constexpr):
 @triton.jit
 def paged_decode_split_kernel(
     q_ptr, cache_ptr, seq_lens_ptr, block_table_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
-    bt_stride, q_stride_t, q_stride_h, plane_stride, scale,
+    bt_stride, q_stride_t, q_stride_h, plane_stride, scale, window,
     H: tl.constexpr, KVN: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BS: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr,
 ):  # fmt: skip
     """Split-KV decode (flash-decoding), grid (decodes, heads, SPLITS): each program covers one
-    slice of the sequence and leaves its unnormalised output, max and sum for the reduction."""
+    slice of the sequence's last ``window`` keys (all of them where it is the longer) and leaves
+    its unnormalised output, max and sum for the reduction."""
     r = tl.program_id(0)
     n = tl.program_id(1)
     split = tl.program_id(2)
     kvh = n // GROUP
     seq_len = tl.load(seq_lens_ptr + r)
-    chunk = tl.cdiv(seq_len, SPLITS)
-    start = split * chunk
+    first = tl.maximum(seq_len - window, 0)
+    chunk = tl.cdiv(seq_len - first, SPLITS)
+    start = first + split * chunk
     end = tl.minimum(start + chunk, seq_len)
     d = tl.arange(0, BLOCK_D)
     dmask = d < D

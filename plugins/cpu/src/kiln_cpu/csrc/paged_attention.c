@@ -8,9 +8,11 @@
  * one head's rows in one block are contiguous. One query token per request. K and
  * V are read in place through the block table (no gathered copy). Work is split
  * by (request, kv head); the query heads sharing a kv head (the GQA group) reuse
- * every K/V vector they load:
+ * every K/V vector they load. With a sliding window w (0: none) the query, at
+ * position seq_len - 1, sees only the last w keys: first = max(0, seq_len - w),
+ * and blocks wholly before it are not read.
  *
- *   s[g][t] = scale * q[g] . K[t]      t < seq_len
+ *   s[g][t] = scale * q[g] . K[t]      first <= t < seq_len
  *   p[g][t] = exp(s[g][t] - max_t s[g][t])
  *   out[g]  = sum_t p[g][t] * V[t] / sum_t p[g][t]
  *
@@ -56,28 +58,30 @@ static inline const float *widen_bf16(const uint16_t *src, float *tmp, int64_t n
     return tmp;
 }
 
-/* One (request, kv head): out[g][:] for the G query heads of the group. k and v point at
- * this head's rows in block 0; `row` is the stride between blocks / block_size; scores
- * has room for G rows of `padded` floats, tmp for block_size rows of D. G is a loop
+/* One (request, kv head): out[g][:] for the G query heads of the group, over keys
+ * first..len-1. k and v point at this head's rows in block 0; `row` is the stride between
+ * blocks / block_size; keys are read from `base` (first rounded down to a block) on, and
+ * score t - base of each of the G rows of `padded` floats in scores is key t's; tmp has
+ * room for block_size rows of D. G is a loop
  * outside the unrolled ones over D: each pass over a block re-reads it from L1 (a
  * block is a few KB), not from memory.
  *   QK: eight keys at a time, one accumulator per key, summed across lanes together.
  *   PV: per head, 64 output dims at a time held in eight accumulators. */
 #define DEFINE_HEAD(NAME, T, LOAD, STORE, KT, WIDEN, D)                                                          \
     static void head_##NAME##_##D(T *out, const T *q, const KT *k, const KT *v, const int32_t *table,            \
-                                  int64_t len, int64_t row, int64_t block_size, float scale, float *scores,      \
-                                  int64_t padded, int64_t G, float *tmp) {                                       \
+                                  int64_t first, int64_t base, int64_t len, int64_t row, int64_t block_size,     \
+                                  float scale, float *scores, int64_t padded, int64_t G, float *tmp) {           \
         float qf[8 * D], acc[8 * D];                                                                             \
         for (int64_t i = 0; i < G * D; i += 8) {                                                                 \
             store8(qf + i, LOAD(q + i) * splat(scale));                                                          \
             store8(acc + i, splat(0.0f));                                                                        \
         }                                                                                                        \
-        for (int64_t t0 = 0; t0 < len; t0 += block_size) {                                                       \
+        for (int64_t t0 = base; t0 < len; t0 += block_size) {                                                    \
             const int64_t n = len - t0 < block_size ? len - t0 : block_size;                                     \
             const float *kb = WIDEN(k + (int64_t)table[t0 / block_size] * block_size * row, tmp, n * D);          \
             for (int64_t g = 0; g < G; g++) {                                                                    \
                 const float *qg = qf + g * D;                                                                    \
-                float *s = scores + g * padded + t0;                                                             \
+                float *s = scores + g * padded + (t0 - base);                                                    \
                 int64_t j = 0;                                                                                   \
                 for (; j + 8 <= n; j += 8) {                                                                     \
                     v8 a[8];                                                                                     \
@@ -97,14 +101,15 @@ static inline const float *widen_bf16(const uint16_t *src, float *tmp, int64_t n
         }                                                                                                        \
         float inv[8];                                                                                            \
         for (int64_t g = 0; g < G; g++) {                                                                        \
-            for (int64_t t = len; t < padded; t++) scores[g * padded + t] = -INFINITY;                           \
+            for (int64_t t = 0; t < first - base; t++) scores[g * padded + t] = -INFINITY;                       \
+            for (int64_t t = len - base; t < padded; t++) scores[g * padded + t] = -INFINITY;                    \
             inv[g] = 1.0f / softmax_numerators(scores + g * padded, padded);                                    \
         }                                                                                                        \
-        for (int64_t t0 = 0; t0 < len; t0 += block_size) {                                                       \
+        for (int64_t t0 = base; t0 < len; t0 += block_size) {                                                    \
             const int64_t n = len - t0 < block_size ? len - t0 : block_size;                                     \
             const float *vb = WIDEN(v + (int64_t)table[t0 / block_size] * block_size * row, tmp, n * D);          \
             for (int64_t g = 0; g < G; g++) {                                                                    \
-                const float *p = scores + g * padded + t0;                                                       \
+                const float *p = scores + g * padded + (t0 - base);                                              \
                 for (int c0 = 0; c0 < D; c0 += 64) {                                                             \
                     float *og = acc + g * D + c0;                                                                \
                     v8 o[8];                                                                                     \
@@ -130,12 +135,13 @@ static inline const float *widen_bf16(const uint16_t *src, float *tmp, int64_t n
                                       const KT *v_cache,                                                         \
                                       const int32_t *block_table, int64_t table_stride, const int32_t *seq_lens, \
                                       int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads,                 \
-                                      int64_t head_dim, int64_t block_size, float scale) {                       \
+                                      int64_t head_dim, int64_t block_size, float scale, int64_t window) {       \
         const int64_t group = num_heads / num_kv_heads;                                                          \
         if (group < 1 || group > 8 || group * num_kv_heads != num_heads) return -1;                              \
         if (head_dim != 64 && head_dim != 128) return -1;                                                        \
-        void (*fn)(T *, const T *, const KT *, const KT *, const int32_t *, int64_t, int64_t, int64_t, float,     \
-                   float *, int64_t, int64_t, float *) = head_dim == 64 ? head_##NAME##_64 : head_##NAME##_128;             \
+        void (*fn)(T *, const T *, const KT *, const KT *, const int32_t *, int64_t, int64_t, int64_t, int64_t,   \
+                   int64_t, float, float *, int64_t, int64_t, float *) =                                         \
+            head_dim == 64 ? head_##NAME##_64 : head_##NAME##_128;                                               \
         const int64_t row = num_kv_heads * head_dim;                                                             \
         _Pragma("omp parallel") {                                                                                \
             float *tmp = (float *)malloc(block_size * head_dim * sizeof(float));                                 \
@@ -143,7 +149,9 @@ static inline const float *widen_bf16(const uint16_t *src, float *tmp, int64_t n
             int64_t capacity = 0;                                                                                \
             _Pragma("omp for collapse(2) schedule(dynamic, 4)") for (int64_t r = 0; r < num_reqs; r++) {         \
                 for (int64_t h = 0; h < num_kv_heads; h++) {                                                     \
-                    const int64_t len = seq_lens[r], padded = (len + 7) / 8 * 8;                                 \
+                    const int64_t len = seq_lens[r];                                                             \
+                    const int64_t start = window > 0 && len > window ? len - window : 0;                         \
+                    const int64_t base = start / block_size * block_size, padded = (len - base + 7) / 8 * 8;    \
                     if (padded * group > capacity) {                                                             \
                         free(scores);                                                                            \
                         capacity = padded * group;                                                               \
@@ -151,7 +159,8 @@ static inline const float *widen_bf16(const uint16_t *src, float *tmp, int64_t n
                     }                                                                                            \
                     const int64_t first = (r * num_heads + h * group) * head_dim, kv = h * block_size * head_dim; \
                     fn(out + first, q + r * q_stride + h * group * head_dim, k_cache + kv, v_cache + kv,         \
-                       block_table + r * table_stride, len, row, block_size, scale, scores, padded, group, tmp); \
+                       block_table + r * table_stride, start, base, len, row, block_size, scale, scores, padded,  \
+                       group, tmp);                                                                              \
                 }                                                                                                \
             }                                                                                                    \
             free(scores);                                                                                        \
