@@ -133,3 +133,11 @@ def test_json_object_regex_choice_grammar(client):
             else:
                 texts = [c.text for c in client.completions.create(**kwargs).choices]
             assert all(check(t) for t in texts), (extra, texts)
+
+
+def test_structured_outputs_equals_the_legacy_field(client):
+    kwargs = dict(model=MODEL, prompt="The character:", max_tokens=200, temperature=0)
+    legacy = client.completions.create(**kwargs, extra_body={"guided_json": CHARACTER_SCHEMA})
+    current = client.completions.create(**kwargs, extra_body={"structured_outputs": {"json": CHARACTER_SCHEMA}})
+    assert current.choices[0].text == legacy.choices[0].text
+    jsonschema.validate(json.loads(current.choices[0].text), CHARACTER_SCHEMA)

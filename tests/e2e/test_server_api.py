@@ -274,3 +274,14 @@ def test_32_concurrent_streaming_clients(client, async_client):
     results = asyncio.run(run())
     assert all(usage == 16 and reason == "length" and text for text, usage, reason in results)
     assert [r[0] for r in results[:4]] == expected  # batched with 31 others, same greedy text
+
+
+def test_model_card_fingerprint_and_suffix(client):
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+    completion = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2)
+    assert completion.system_fingerprint == chat.system_fingerprint and completion.system_fingerprint.startswith("fp_")
+    with pytest.raises(openai.BadRequestError, match="fill-in-the-middle"):  # SmolLM2's tokenizer has no FIM tokens
+        client.completions.create(model=MODEL, prompt="def f(", suffix="\n    return x", max_tokens=8)

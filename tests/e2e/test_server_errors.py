@@ -32,7 +32,7 @@ BAD = [
     ("/v1/completions", {**COMPLETION, "guided_grammar": "root ::= ("}, 400, "guided_grammar"),
     ("/v1/completions", {**COMPLETION, "guided_json": "{not json"}, 400, "guided_json"),
     ("/v1/completions", {**COMPLETION, "guided_choice": []}, 400, "guided_choice"),
-    ("/v1/completions", {**COMPLETION, "guided_json": {"type": "object"}, "guided_regex": "a"}, 400, "response_format"),
+    ("/v1/completions", {**COMPLETION, "guided_json": {"type": "object"}, "guided_regex": "a"}, 400, "guided_json"),
     ("/v1/completions", {**COMPLETION, "guided_regex": "(?i)a", "guided_decoding_backend": "xgrammar:no-fallback"},
      400, "guided"),
     ("/v1/completions", {**COMPLETION, "guided_regex": "a", "guided_whitespace_pattern": " "}, 400, "guided"),
@@ -48,7 +48,7 @@ BAD = [
     ("/v1/chat/completions", {**CHAT, "response_format": {"type": "xml"}}, 400, "response_format"),
     ("/v1/chat/completions", {**CHAT, "tool_choice": "required", "tools": []}, 400, "tool_choice"),
     ("/v1/chat/completions", {**CHAT, "continue_final_message": True}, 400, "continue_final_message"),
-    ("/v1/chat/completions", {**CHAT, "chat_template": "{{ raise_exception('no') }}"}, 400, "messages"),
+    ("/v1/chat/completions", {**CHAT, "chat_template": "{{ raise_exception('no') }}"}, 400, "chat_template"),
     ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
     ("/tokenize", {}, 400, "prompt"),
 ]  # fmt: skip

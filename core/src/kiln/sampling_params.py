@@ -2,8 +2,20 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, fields
 from enum import Enum
+from numbers import Integral, Real
+
+from kiln.interfaces.guided import GuidedDecodingParams
+
+# Integer fields end up in int64 tensors and torch generators: anything wider would crash a step.
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_INTS = ("n", "best_of", "top_k", "min_tokens")
+_OPTIONAL_INTS = ("seed", "max_tokens", "logprobs", "prompt_logprobs", "truncate_prompt_tokens")
+_FLOATS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p")
+_BOOLS = ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens")
+_LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a bias
 
 
 class RequestOutputKind(Enum):
@@ -42,19 +54,47 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY
     # Filled by the engine from the tokenizer (bad_words) and guided decoding.
-    guided_decoding: object | None = None
+    guided_decoding: GuidedDecodingParams | None = None
     _bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.top_k == -1:
-            self.top_k = 0
+        self.stop = _list_of("stop", self.stop or [], str)
+        self.stop_token_ids = _list_of("stop_token_ids", self.stop_token_ids or [], Integral)
+        if self.bad_words is not None:
+            self.bad_words = _list_of("bad_words", self.bad_words, str)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _list_of("allowed_token_ids", self.allowed_token_ids, Integral)
+        if self.logit_bias is not None:
+            self.logit_bias = _logit_bias(self.logit_bias)
         if self.best_of is None:
             self.best_of = self.n
+        self._check_types()
+        if self.top_k == -1:
+            self.top_k = 0
         self._validate()
+
+    def _check_types(self) -> None:
+        """Types and finiteness, for callers that bypass a typed front end (``/generate``, overrides)."""
+        for name in _INTS + _OPTIONAL_INTS:
+            value = getattr(self, name)
+            if value is None and name in _OPTIONAL_INTS:
+                continue
+            if isinstance(value, bool) or not isinstance(value, Integral):
+                raise ValueError(f"{name} must be an integer, got {_shown(value)}.")
+            if not _INT64_MIN <= value <= _INT64_MAX:
+                raise ValueError(f"{name} must fit in 64 bits, got {_shown(value)}.")
+            setattr(self, name, int(value))
+        for name in _FLOATS:
+            setattr(self, name, _finite(name, getattr(self, name)))
+        for name in _BOOLS:
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean, got {_shown(getattr(self, name))}.")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {_shown(self.output_kind)}.")
+        if self.guided_decoding is not None and not isinstance(self.guided_decoding, GuidedDecodingParams):
+            raise ValueError(f"guided_decoding must be a GuidedDecodingParams, got {_shown(self.guided_decoding)}.")
 
     def _validate(self) -> None:
         def bad(name: str, why: str) -> None:
@@ -94,9 +134,61 @@ class SamplingParams:
             bad("stop", "cannot contain an empty string.")
         if self.allowed_token_ids is not None and len(self.allowed_token_ids) == 0:
             bad("allowed_token_ids", "must not be empty.")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad("seed", f"must be an integer, got {self.seed!r}.")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+
+REQUEST_FIELDS = frozenset(f.name for f in fields(SamplingParams) if not f.name.startswith("_")) - {"output_kind"}
+"""The fields a caller may set (``/generate``'s body, ``--override-generation-config``)."""
+
+
+def _shown(value: object) -> str:
+    """A bad value for an error message: short, and printable whatever the client sent."""
+    try:
+        text = repr(value)
+    except ValueError:  # an integer past Python's digit limit for str()
+        return "an integer too large to print"
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _finite(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise ValueError(f"{name} must be a number, got {_shown(value)}.")
+    try:
+        number = float(value)
+    except OverflowError:  # an integer past float range
+        number = math.inf
+    if not math.isfinite(number):
+        raise ValueError(f"{name} must be a finite number, got {_shown(value)}.")
+    return number
+
+
+def _list_of(name: str, value: object, kind: type) -> list:
+    if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__"):
+        raise ValueError(f"{name} must be a list, got {_shown(value)}.")
+    items = list(value)
+    for item in items:
+        if isinstance(item, bool) or not isinstance(item, kind):
+            raise ValueError(f"{name} must hold only {'strings' if kind is str else 'integers'}, got {_shown(item)}.")
+    return items
+
+
+def _logit_bias(value: object) -> dict[int, float]:
+    """Token id (an int, or its decimal text as JSON keys are) to a finite bias in [-100, 100]."""
+    if not isinstance(value, dict):
+        raise ValueError(f"logit_bias must map token ids to biases, got {_shown(value)}.")
+    out = {}
+    for key, bias in value.items():
+        try:
+            token = int(key) if not isinstance(key, (bool, float)) else None
+        except ValueError:
+            token = None
+        if token is None:
+            raise ValueError(f"logit_bias keys must be token ids, got {_shown(key)}.")
+        bias = _finite("logit_bias", bias)
+        if not -_LOGIT_BIAS_LIMIT <= bias <= _LOGIT_BIAS_LIMIT:
+            raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token}.")
+        out[token] = bias
+    return out

@@ -93,7 +93,7 @@ class InputProcessor:
                 priority=priority,
                 cache_salt=request_id if fanned_out else None,
                 seed=None if params.seed is None else params.seed + i,
-                matcher=None if guide is None else guide.matcher(),
+                matcher=None if guide is None else self.guided.matcher(guide, self.model.eos_token_ids),
             )
             requests.append(req)
             detok = IncrementalDetokenizer(self.tokenizer, ids, params)

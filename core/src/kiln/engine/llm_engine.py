@@ -59,7 +59,7 @@ class LLMEngine:
         )
         self.model_info = ModelInfo(
             files.name, files.path, tokenizer, hf_config.vocab_size, config.max_model_len, config.max_num_seqs,
-            frozenset(eos), defaults,
+            frozenset(eos), defaults, str(self.dtype).removeprefix("torch."), config.quantization,
         )  # fmt: skip
         guided = GuidedManager(registry, tokenizer, hf_config.vocab_size, config.guided_decoding_backend)
         self.executor = Executor(

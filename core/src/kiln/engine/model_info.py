@@ -17,3 +17,5 @@ class ModelInfo:
     max_num_seqs: int
     eos_token_ids: frozenset[int]
     generation_defaults: dict[str, Any] = field(default_factory=dict)  # generation_config.json, as SamplingParams
+    dtype: str = "auto"  # the resolved weights dtype, e.g. "float32"
+    quantization: str | None = None

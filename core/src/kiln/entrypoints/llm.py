@@ -7,6 +7,7 @@ from typing import Any
 
 from kiln.config import EngineConfig
 from kiln.engine.llm_engine import LLMEngine, PromptInput
+from kiln.entrypoints.chat_rendering import render_chat_template
 from kiln.outputs import RequestOutput
 from kiln.sampling_params import SamplingParams
 
@@ -84,19 +85,19 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict] | None = None,
     ) -> list[int]:
-        if continue_final_message and add_generation_prompt:
-            raise ValueError("continue_final_message: cannot be combined with add_generation_prompt")
+        """The conversation's prompt tokens: rendered as the server renders it (in the bounded sandbox).
+
+        Raises ``ChatTemplateError`` (a ``ValueError``) when the template fails or exceeds a bound.
+        """
         tok = self.engine.model_info.tokenizer
-        if chat_template is None and tok.chat_template is None:
-            raise ValueError("chat_template: the tokenizer has none; pass chat_template")
-        text = tok.apply_chat_template(
+        text = render_chat_template(
+            tok,
             messages,
-            chat_template=chat_template,
+            chat_template,
             tools=tools,
-            tokenize=False,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
-            **(chat_template_kwargs or {}),
+            variables=chat_template_kwargs,
         )
         return tok.encode(text, add_special_tokens=False)
 

@@ -7,8 +7,8 @@ constrained sequence's matcher to fill one row of a token bitmask (int32,
 ``ceil(vocab / 32)`` words per row, bit 1 = allowed, xgrammar's layout), applies
 the mask to the logits before temperature / top-k / top-p, and feeds the sampled
 token back with ``accept``. A matcher that reports ``is_terminated`` ends its
-sequence with finish_reason ``"stop"``. The engine side (compile cache, fallback)
-is ``kiln.engine.guided_manager``.
+sequence with finish_reason ``"stop"``. The engine side (compile cache, fallback,
+limits, matchers that cannot break a step) is ``kiln.engine.guided_manager``.
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ class GuidedDecodingParams:
     ``json`` is a JSON schema (a dict or its text); ``grammar`` is EBNF as xgrammar
     reads it; ``structural_tag`` is xgrammar's structural-tag JSON (tool calling uses
     it); ``backend`` names a registered ``GuidedBackend`` (with ``:no-fallback`` to
-    refuse falling back); ``whitespace_pattern`` is a regex for the whitespace
-    allowed between JSON tokens.
+    refuse falling back; ``disable_fallback`` refuses it whichever backend is used);
+    ``whitespace_pattern`` is a regex for the whitespace allowed between JSON tokens;
+    ``disable_any_whitespace`` asks for JSON without free whitespace between tokens.
     """
 
     json: str | dict | None = None
@@ -43,6 +44,8 @@ class GuidedDecodingParams:
     structural_tag: str | None = None
     backend: str | None = None
     whitespace_pattern: str | None = None
+    disable_any_whitespace: bool = False
+    disable_fallback: bool = False
 
     def __post_init__(self) -> None:
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
@@ -57,6 +60,8 @@ class GuidedDecodingParams:
                 object.__setattr__(self, "json", json.loads(self.json))
             except json.JSONDecodeError as exc:
                 raise ValueError(f"guided_json: not valid JSON: {exc}") from None
+            except RecursionError:
+                raise ValueError("guided_json: nested too deeply to read") from None
         if self.json is not None and not isinstance(self.json, (dict, bool)):
             raise ValueError("guided_json: a JSON schema must be an object")
 
@@ -69,7 +74,7 @@ class GuidedDecodingParams:
         spec = getattr(self, self.kind)
         if isinstance(spec, dict):
             spec = json.dumps(spec, sort_keys=True)
-        return self.kind, spec, self.whitespace_pattern
+        return self.kind, spec, self.whitespace_pattern, self.disable_any_whitespace
 
 
 class GuideMatcher(ABC):
@@ -99,6 +104,10 @@ class CompiledGuide(ABC):
     def matcher(self) -> GuideMatcher:
         """A fresh matcher at the start of the constraint."""
 
+    def memory_bytes(self) -> int:
+        """About how much memory the compiled form holds, for the compile cache's budget; 0 if unknown."""
+        return 0
+
 
 class GuidedBackend(ABC):
     """A guided-decoding backend, registered through ``register_guided_backends``.
@@ -107,7 +116,9 @@ class GuidedBackend(ABC):
     may exceed ``len(tokenizer)``). ``compile`` must raise ``ValueError`` with the
     compiler's message for an invalid constraint (the server returns it as a 400)
     and ``UnsupportedConstraint`` for a valid one it cannot handle (the engine then
-    tries the fallback backend). It may be called from several threads.
+    tries the fallback backend). It may be called from several threads. Each new
+    constraint is first compiled in a worker process that is killed past a time limit
+    (``kiln.engine.guided_sandbox``), there from a backend built by the same reference.
     """
 
     name: str = ""

@@ -73,6 +73,8 @@ class LMFormatEnforcerBackend(GuidedBackend):
     def compile(self, params: GuidedDecodingParams) -> CompiledGuide:
         if params.whitespace_pattern is not None:
             raise UnsupportedConstraint("guided_whitespace_pattern is not supported by lm-format-enforcer")
+        if params.disable_any_whitespace:
+            raise UnsupportedConstraint("disable_any_whitespace is not supported by lm-format-enforcer")
         try:
             if params.kind == "json":
                 return LMFEGuide(self, JsonSchemaParser(params.json))

@@ -1,5 +1,5 @@
-"""The ``xgrammar`` backend: grammars compiled by xgrammar's compiler (its own cache underneath
-Kiln's), one ``GrammarMatcher`` per sequence, and xgrammar's CPU kernel to apply the mask."""
+"""The ``xgrammar`` backend: grammars compiled by xgrammar's compiler (cached by Kiln, within a
+budget), one ``GrammarMatcher`` per sequence, and xgrammar's CPU kernel to apply the mask."""
 
 from __future__ import annotations
 
@@ -53,6 +53,9 @@ class XGrammarGuide(CompiledGuide):
     def matcher(self) -> GuideMatcher:
         return XGrammarMatcher(self.compiled)
 
+    def memory_bytes(self) -> int:
+        return self.compiled.memory_size_bytes
+
 
 class XGrammarBackend(GuidedBackend):
     name = "xgrammar"
@@ -60,7 +63,8 @@ class XGrammarBackend(GuidedBackend):
     def __init__(self, tokenizer, vocab_size: int) -> None:
         super().__init__(tokenizer, vocab_size)
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
-        self.compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=True)
+        # Kiln's compile cache (bounded) sits above this one, which would only grow without bound.
+        self.compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
 
     def compile(self, params: GuidedDecodingParams) -> CompiledGuide:
         if params.whitespace_pattern is not None:
@@ -69,9 +73,11 @@ class XGrammarBackend(GuidedBackend):
         try:
             if kind in ("json", "json_object"):  # json_object: any object, as OpenAI and vLLM mean it
                 schema = params.json if kind == "json" else {"type": "object"}
-                compiled = self.compiler.compile_json_schema(
-                    json.dumps(schema), any_whitespace=True, max_whitespace_cnt=MAX_WHITESPACE
-                )
+                if params.disable_any_whitespace:  # compact JSON: no whitespace at all between tokens
+                    layout = {"any_whitespace": False, "separators": (",", ":")}
+                else:
+                    layout = {"any_whitespace": True, "max_whitespace_cnt": MAX_WHITESPACE}
+                compiled = self.compiler.compile_json_schema(json.dumps(schema), **layout)
             elif kind == "regex":
                 compiled = self.compiler.compile_regex(params.regex)
             elif kind == "choice":

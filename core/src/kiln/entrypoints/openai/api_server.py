@@ -35,9 +35,12 @@ from kiln.entrypoints.openai.protocol import (
 from kiln.entrypoints.openai.serving import Prompt, ServerOptions, error_message, new_id
 from kiln.entrypoints.openai.serving_chat import ChatServing
 from kiln.entrypoints.openai.serving_completion import CompletionServing
+from kiln.entrypoints.openai.serving_responses import add_routes as add_responses_routes
+from kiln.entrypoints.openai.structured_outputs import structured_outputs_constraint
 from kiln.entrypoints.openai.tls import CertRefresher, check_tls_args
+from kiln.entrypoints.openai.validation import ValidatedJSONRoute, check_generation_overrides
 from kiln.registry import load_ref
-from kiln.sampling_params import RequestOutputKind, SamplingParams
+from kiln.sampling_params import REQUEST_FIELDS, RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("kiln.server")
 
@@ -68,6 +71,7 @@ def build_app(engine: AsyncEngine, options: ServerOptions, args: argparse.Namesp
 
     docs = {} if not args.disable_fastapi_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="Kiln", version=kiln.__version__, lifespan=lifespan, **docs)  # uvicorn sets root_path
+    app.router.route_class = ValidatedJSONRoute  # every route added below checks its JSON body first
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
@@ -99,21 +103,25 @@ def build_app(engine: AsyncEngine, options: ServerOptions, args: argparse.Namesp
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    def model_card(name: str) -> dict:
+        return {
+            "id": name,
+            "object": "model",
+            "created": created,
+            "owned_by": "kiln",
+            "root": model.path,
+            "parent": None,
+            "max_model_len": model.max_model_len,
+        }
+
     @app.get("/v1/models")
     async def models() -> dict:
-        data = [
-            {
-                "id": name,
-                "object": "model",
-                "created": created,
-                "owned_by": "kiln",
-                "root": model.path,
-                "parent": None,
-                "max_model_len": model.max_model_len,
-            }
-            for name in options.served_model_names
-        ]
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": [model_card(name) for name in options.served_model_names]}
+
+    @app.get("/v1/models/{model_id:path}")  # served names may hold slashes ("org/model")
+    async def retrieve_model(model_id: str) -> dict:
+        completions.check_model(model_id)
+        return model_card(model_id)
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, raw: Request):
@@ -122,6 +130,8 @@ def build_app(engine: AsyncEngine, options: ServerOptions, args: argparse.Namesp
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request):
         return await chat.create(body, raw)
+
+    add_responses_routes(app, chat)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
@@ -152,11 +162,16 @@ def build_app(engine: AsyncEngine, options: ServerOptions, args: argparse.Namesp
     async def generate(body: GenerateRequest, raw: Request):
         """vLLM's simple API: ``{"prompt", "stream", ...SamplingParams}`` → ``{"text": [prompt + output]}``."""
         fields = dict(body.model_extra or {})
+        if "guided_decoding" in fields:  # an engine-side field: clients give the constraint as structured_outputs
+            raise APIError("guided_decoding: give the constraint as structured_outputs", param="guided_decoding")
+        unknown = sorted(set(fields) - REQUEST_FIELDS)
+        if unknown:
+            raise APIError(f"{unknown[0]}: not a sampling parameter", param=unknown[0])
         kind = RequestOutputKind.CUMULATIVE if body.stream else RequestOutputKind.FINAL_ONLY
         try:
             params = SamplingParams(**fields, output_kind=kind)
-        except TypeError as exc:
-            raise APIError(f"unknown sampling parameter: {exc}") from None
+            if body.structured_outputs is not None:
+                params.guided_decoding = structured_outputs_constraint(body.structured_outputs)
         except ValueError as exc:
             raise error_message(exc) from None
         if isinstance(body.prompt, str):
@@ -267,6 +282,7 @@ def run_server(args: argparse.Namespace) -> int:
     started = time.monotonic()
     tool_parser, reasoning_parser = resolve_parsers(args)  # bad flags fail before the model loads
     check_tls_args(args)
+    check_generation_overrides(args.override_generation_config or {})
     iteration_timeout = _iteration_timeout()
     config = EngineConfig.create(model=args.model_tag or args.model, **engine_kwargs(args))
     llm = LLMEngine(config)
@@ -279,6 +295,7 @@ def run_server(args: argparse.Namespace) -> int:
         response_role=args.response_role,
         chat_template=resolve_chat_template(args.chat_template, get_plugin_manager().registry),
         chat_template_content_format=args.chat_template_content_format,
+        trust_request_chat_template=args.trust_request_chat_template,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         disable_log_requests=args.disable_log_requests,

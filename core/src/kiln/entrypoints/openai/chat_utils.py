@@ -5,13 +5,16 @@ from __future__ import annotations
 import os
 from typing import Any, Literal
 
-import jinja2
 import jinja2.nodes
 
+from kiln.entrypoints.chat_rendering import render_chat_template
+from kiln.entrypoints.chat_template_sandbox import ChatTemplateError, parse_template
 from kiln.entrypoints.openai.protocol import APIError
 from kiln.registry import Registry, load_ref
 
 ContentFormat = Literal["string", "openai"]
+# Renderer arguments chat_template_kwargs may override (vLLM lets them), given --trust-request-chat-template.
+REQUEST_OVERRIDABLE = ("chat_template", "add_generation_prompt", "continue_final_message", "tools", "documents")
 
 
 def resolve_chat_template(value: str | None, registry: Registry) -> str | None:
@@ -43,11 +46,11 @@ def _template_source(registered: Any) -> str:
 
 def detect_content_format(template: str | None) -> ContentFormat:
     """``openai`` when the template loops over a message's ``content`` (a list of parts), else ``string``."""
-    if not template:
+    if not isinstance(template, str) or not template:
         return "string"
     try:
-        ast = jinja2.Environment().parse(template)
-    except jinja2.TemplateSyntaxError:
+        ast = parse_template(template)
+    except Exception:  # not parseable (syntax, nesting): rendering reports it
         return "string"
     for loop in ast.find_all(jinja2.nodes.For):
         for node in loop.iter.find_all((jinja2.nodes.Getattr, jinja2.nodes.Getitem)):
@@ -84,6 +87,43 @@ def normalize_messages(messages: list[Any], content_format: ContentFormat) -> li
     return out
 
 
+def request_render_args(req: Any, trusted: bool) -> dict[str, Any]:
+    """What a chat (or ``/tokenize``) request asks the renderer for: its fields, overridden by
+    ``chat_template_kwargs`` as in vLLM, plus the rest of those kwargs as template variables.
+
+    A per-request template, or kwargs that override the template or the renderer's arguments,
+    is code and settings from the client: refused (400) unless the server runs with
+    ``--trust-request-chat-template``.
+    """
+    variables = dict(req.chat_template_kwargs or {})
+    overrides = {name: variables.pop(name) for name in REQUEST_OVERRIDABLE if name in variables}
+    if "messages" in variables:
+        raise APIError("chat_template_kwargs: 'messages' cannot be set here", param="chat_template_kwargs")
+    if not trusted:
+        if req.chat_template is not None:
+            raise APIError(
+                "chat_template: this server does not accept chat templates in requests "
+                "(start it with --trust-request-chat-template to allow them)",
+                param="chat_template",
+            )
+        if overrides:
+            raise APIError(
+                f"chat_template_kwargs: {', '.join(sorted(overrides))} would override the chat template or its "
+                "arguments; this server does not allow that (start it with --trust-request-chat-template)",
+                param="chat_template_kwargs",
+            )
+    if not isinstance(overrides.get("chat_template", ""), str):
+        raise APIError("chat_template_kwargs: chat_template must be a string", param="chat_template_kwargs")
+    args = {
+        "chat_template": req.chat_template,
+        "add_generation_prompt": req.add_generation_prompt,
+        "continue_final_message": req.continue_final_message,
+        "tools": req.tools,
+        "documents": getattr(req, "documents", None),
+    }
+    return {**args, **overrides, "kwargs": variables}
+
+
 def render_chat(
     tokenizer,
     messages: list[dict[str, Any]],
@@ -95,25 +135,23 @@ def render_chat(
     documents: list[dict] | None = None,
     kwargs: dict[str, Any] | None = None,
 ) -> str:
-    """Apply the chat template; template errors (e.g. ``raise_exception`` on bad roles) become a 400."""
+    """Render the conversation in the bounded sandbox; any template failure is a 400."""
     if continue_final_message and add_generation_prompt:
         raise APIError(
             "continue_final_message: cannot be combined with add_generation_prompt=true", param="continue_final_message"
         )
     if continue_final_message and messages[-1].get("role") != "assistant":
         raise APIError("continue_final_message: the last message must be an assistant message", param="messages")
-    if template is None and tokenizer.chat_template is None:
-        raise APIError("chat_template: the model's tokenizer has no chat template; pass one", param="chat_template")
     try:
-        return tokenizer.apply_chat_template(
+        return render_chat_template(
+            tokenizer,
             messages,
-            chat_template=template,
+            template,
             tools=tools,
             documents=documents,
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-            **(kwargs or {}),
+            add_generation_prompt=bool(add_generation_prompt),
+            continue_final_message=bool(continue_final_message),
+            variables=kwargs,
         )
-    except (jinja2.TemplateError, ValueError, TypeError, KeyError) as exc:
-        raise APIError(f"chat template: {exc}", param="messages") from None
+    except ChatTemplateError as exc:
+        raise APIError(str(exc), param=exc.param) from None

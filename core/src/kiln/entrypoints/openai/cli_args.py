@@ -78,6 +78,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         choices=["auto", "string", "openai"],
         help="render message content as a string or as OpenAI parts (auto: detect from the template)",
     )
+    server.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="accept a chat template from requests (chat_template, or chat_template_kwargs overriding it or the "
+        "renderer's arguments); every template renders in a bounded sandbox either way",
+    )
     server.add_argument("--response-role", default="assistant", help="role of generated chat messages")
     server.add_argument("--ssl-keyfile", default=None, help="TLS key file")
     server.add_argument("--ssl-certfile", default=None, help="TLS certificate file")

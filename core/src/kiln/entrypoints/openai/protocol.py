@@ -34,7 +34,8 @@ class APIError(Exception):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+    # allow_inf_nan: "NaN" / "Infinity" given as strings would otherwise become floats
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -43,7 +44,7 @@ class StreamOptions(_Strict):
 
 
 class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    model_config = ConfigDict(extra="allow", populate_by_name=True, allow_inf_nan=False)
     name: str | None = None
     description: str | None = None
     json_schema: dict[str, Any] | None = Field(None, alias="schema")
@@ -51,8 +52,30 @@ class JsonSchemaFormat(BaseModel):
 
 
 class ResponseFormat(_Strict):
-    type: Literal["text", "json_object", "json_schema"]
+    """OpenAI's ``response_format``; vLLM's ``structural_tag`` type carries xgrammar's structural tag
+    (``format``, or the older ``structures`` with ``triggers``)."""
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    format: dict[str, Any] | None = None
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[str] | None = None
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's ``structured_outputs``: one constraint (``json``, ``regex``, ``choice``, ``grammar``,
+    ``json_object`` or ``structural_tag``) and the options that shape it."""
+
+    json_: str | dict[str, Any] | None = Field(None, alias="json")  # ``json`` would shadow BaseModel.json
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | dict[str, Any] | None = None
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
 
 
 class SamplingFields(_Strict):
@@ -100,6 +123,7 @@ class SamplingFields(_Strict):
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
+    structured_outputs: StructuredOutputs | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -113,7 +137,7 @@ class CompletionRequest(SamplingFields):
 class ChatMessage(BaseModel):
     """A chat message; extra keys (``name``, ``tool_calls``, ``tool_call_id``...) go to the template as given."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     role: str
     content: str | list[dict[str, Any]] | None = None
 
@@ -155,6 +179,7 @@ class DetokenizeRequest(_Strict):
 class GenerateRequest(BaseModel):
     """vLLM's simple ``/generate``: a prompt plus any ``SamplingParams`` field."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     prompt: str | list[int]
     stream: bool = False
+    structured_outputs: StructuredOutputs | None = None

@@ -4,6 +4,7 @@ logprobs, usage, and the plumbing between engine streams and HTTP responses."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import time
@@ -14,9 +15,12 @@ from typing import Any
 
 from fastapi import Request as HTTPRequest
 
+import kiln
 from kiln.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError, RequestStream
+from kiln.engine.model_info import ModelInfo
 from kiln.entrypoints.openai.metrics import ServerMetrics
 from kiln.entrypoints.openai.protocol import APIError, SamplingFields
+from kiln.entrypoints.openai.structured_outputs import request_constraint
 from kiln.interfaces.guided import GuidedDecodingParams
 from kiln.outputs import PositionLogprobs, RequestOutput
 from kiln.sampling_params import RequestOutputKind, SamplingParams
@@ -32,6 +36,7 @@ class ServerOptions:
     response_role: str = "assistant"
     chat_template: str | None = None
     chat_template_content_format: str = "auto"
+    trust_request_chat_template: bool = False  # accept chat_template (and overrides) from requests
     enable_prompt_tokens_details: bool = False
     return_tokens_as_token_ids: bool = False
     disable_log_requests: bool = False
@@ -46,6 +51,13 @@ class ServerOptions:
 class Prompt:
     text: str | None
     token_ids: list[int]
+
+
+def system_fingerprint(model: ModelInfo) -> str:
+    """OpenAI's ``system_fingerprint``: ``fp_`` and a hash of what decides the outputs (Kiln's version,
+    the model folder, dtype and quantization), so one server build of one model always sends the same."""
+    build = "|".join(map(str, (kiln.__version__, model.path, model.dtype, model.quantization)))
+    return "fp_" + hashlib.sha256(build.encode()).hexdigest()[:12]
 
 
 def error_message(exc: ValueError) -> APIError:
@@ -64,6 +76,8 @@ class OpenAIServing:
         self.metrics = metrics
         self.max_model_len = self.model.max_model_len
         self.model_name = options.served_model_names[0]
+        self.system_fingerprint = system_fingerprint(self.model)
+        self.priority_scheduling = engine.engine.config.scheduling_policy == "priority"
 
     # ------------------------------------------------------------ validation
     def check_model(self, model: str | None) -> None:
@@ -77,39 +91,16 @@ class OpenAIServing:
             raise APIError(
                 "length_penalty: it applies to beam search only, which is not supported yet", param="length_penalty"
             )
+        if req.stream_options is not None and not req.stream:
+            raise APIError("stream_options: only allowed when stream is true", param="stream_options")
         best_of = req.best_of or req.n
-        limit = self.model.max_num_seqs
-        if max(req.n, best_of) > limit:
-            name = "n" if req.n > limit else "best_of"
-            raise APIError(f"{name}: at most {limit} sequences per request (--max-num-seqs)", param=name)
         if req.stream and best_of > req.n:
             raise APIError("best_of: values above n are not supported when streaming", param="best_of")
 
     def guided_params(self, req: SamplingFields) -> GuidedDecodingParams | None:
-        """The request's constraint from vLLM's ``guided_*`` fields or OpenAI's ``response_format``."""
-        given: dict[str, Any] = {}
-        for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_grammar", "grammar")):
-            if getattr(req, name) is not None:
-                given[key] = getattr(req, name)
-        if req.guided_choice is not None:
-            given["choice"] = tuple(req.guided_choice)
-        fmt = req.response_format
-        if fmt is not None and fmt.type == "json_object":
-            given["json_object"] = True
-        elif fmt is not None and fmt.type == "json_schema":
-            if fmt.json_schema is None or fmt.json_schema.json_schema is None:
-                raise APIError("response_format: json_schema needs a 'schema'", param="response_format")
-            given["json"] = fmt.json_schema.json_schema
-        if not given:
-            return None
-        if len(given) > 1:
-            raise APIError(
-                f"guided decoding: give one constraint, got {', '.join(sorted(given))}", param="response_format"
-            )
+        """The request's constraint (``structured_outputs``, ``guided_*`` or ``response_format``)."""
         try:
-            return GuidedDecodingParams(
-                **given, backend=req.guided_decoding_backend, whitespace_pattern=req.guided_whitespace_pattern
-            )
+            return request_constraint(req)
         except ValueError as exc:
             raise error_message(exc) from None
 
@@ -155,10 +146,6 @@ class OpenAIServing:
                 "Please reduce the length of the input or the completion.",
                 param="max_tokens",
             )
-        try:
-            logit_bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
-        except ValueError:
-            raise APIError("logit_bias: keys must be token ids", param="logit_bias") from None
         given = {
             "n": req.n,
             "best_of": req.best_of,
@@ -181,7 +168,7 @@ class OpenAIServing:
             "prompt_logprobs": prompt_logprobs,
             "skip_special_tokens": req.skip_special_tokens,
             "spaces_between_special_tokens": req.spaces_between_special_tokens,
-            "logit_bias": logit_bias or None,
+            "logit_bias": req.logit_bias or None,
             "allowed_token_ids": req.allowed_token_ids,
             "truncate_prompt_tokens": req.truncate_prompt_tokens,
         }
@@ -200,6 +187,13 @@ class OpenAIServing:
         self, request_id: str, items: Sequence[tuple[Prompt, SamplingParams]], priority: int = 0
     ) -> list[RequestStream]:
         """Queue one engine request per prompt; if any is refused, none stays queued."""
+        if priority != 0 and not self.priority_scheduling:
+            raise APIError("priority: only allowed with --scheduling-policy priority", param="priority")
+        limit = self.model.max_num_seqs
+        for _, params in items:
+            if params.best_of > limit:
+                name = "n" if params.n > limit else "best_of"
+                raise APIError(f"{name}: at most {limit} sequences per request (--max-num-seqs)", param=name)
         streams: list[RequestStream] = []
         try:
             for i, (prompt, params) in enumerate(items):
@@ -295,7 +289,11 @@ class OpenAIServing:
             return f"token_id:{token_id}"
         return decoded if decoded is not None else self.tokenizer.decode([token_id])
 
-    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    def usage(
+        self, prompt_tokens: int, completion_tokens: int, cached_tokens: int, reasoning_tokens: int | None = None
+    ) -> dict:
+        """OpenAI's usage; ``reasoning_tokens`` (given where a reasoning parser reads the output) goes
+        in ``completion_tokens_details``."""
         usage: dict[str, Any] = {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
@@ -303,6 +301,8 @@ class OpenAIServing:
         }
         if self.options.enable_prompt_tokens_details:
             usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+        if reasoning_tokens is not None:
+            usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
         return usage
 
     def top_entries(self, position: PositionLogprobs, k: int) -> list[tuple[int, Any]]:

@@ -2,56 +2,39 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import AsyncIterator, Sequence
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from kiln.engine.async_engine import EngineDeadError, RequestStream
-from kiln.entrypoints.openai.chat_utils import detect_content_format, normalize_messages, render_chat
+from kiln.entrypoints.openai.chat_utils import (
+    detect_content_format,
+    normalize_messages,
+    render_chat,
+    request_render_args,
+)
 from kiln.entrypoints.openai.protocol import APIError, ChatCompletionRequest, TokenizeRequest
 from kiln.entrypoints.openai.serving import OpenAIServing, Prompt, new_id, now, sse
 from kiln.entrypoints.openai.tool_calling import ChoiceOutput, ToolSetup, messages_for_template, tool_setup
 from kiln.outputs import PositionLogprobs
+from kiln.sampling_params import SamplingParams
 
 
 class ChatServing(OpenAIServing):
     def render(self, req: ChatCompletionRequest | TokenizeRequest) -> str:
         """The conversation as the chat template renders it (shared with ``/tokenize``)."""
-        template = req.chat_template or self.options.chat_template
+        args = request_render_args(req, self.options.trust_request_chat_template)
+        template = args.pop("chat_template") or self.options.chat_template
         content_format = self.options.chat_template_content_format
         if content_format == "auto":
             content_format = detect_content_format(template or self.tokenizer.chat_template)
-        return render_chat(
-            self.tokenizer,
-            messages_for_template(normalize_messages(req.messages, content_format)),
-            template,
-            add_generation_prompt=req.add_generation_prompt,
-            continue_final_message=req.continue_final_message,
-            tools=req.tools,
-            documents=getattr(req, "documents", None),
-            kwargs=req.chat_template_kwargs,
-        )
+        messages = messages_for_template(normalize_messages(req.messages, content_format))
+        return render_chat(self.tokenizer, messages, template, **args)
 
     async def create(self, req: ChatCompletionRequest, raw: HTTPRequest):
-        self.check_model(req.model)
-        self.check_unsupported(req)
-        options = self.options
-        setup = tool_setup(
-            req, self.tokenizer, options.tool_parser, options.enable_auto_tool_choice, options.reasoning_parser
-        )
-        if req.top_logprobs is not None and not req.logprobs:
-            raise APIError("top_logprobs: needs logprobs=true", param="top_logprobs")
-        text = self.render(req)
-        prompt = self.truncate(Prompt(text, self.tokenize(text, req.add_special_tokens)), req)
-        top = (req.top_logprobs or 0) if req.logprobs else None
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = self.sampling_params(req, len(prompt.token_ids), max_tokens, top, req.prompt_logprobs)
-        if setup.guided is not None:
-            if params.guided_decoding is not None:
-                raise APIError("tool_choice: cannot be combined with another constraint", param="tool_choice")
-            params.guided_decoding = setup.guided
-        await self.compile_guide(params)
+        prompt, params, setup = await self.prepare(req)
         request_id = new_id("chatcmpl", req.request_id)
         streams = self.start(request_id, [(prompt, params)], req.priority)
         echo = self.echo_text(req)
@@ -63,9 +46,11 @@ class ChatServing(OpenAIServing):
         choices = []
         for c in out.outputs:
             reasoning, content, calls = ChoiceOutput(setup).whole(c.text)
+            text = echo + (content or "")
             message = {
                 "role": self.options.response_role,
-                "content": echo + (content or "") if echo or content else None,
+                # null only when the parsers took it all (reasoning, tool calls); an empty answer is ""
+                "content": text if text or (content is not None and not calls) else None,
                 "reasoning_content": reasoning,
                 "tool_calls": [call.to_openai() for call in calls],
             }
@@ -83,14 +68,63 @@ class ChatServing(OpenAIServing):
             "object": "chat.completion",
             "created": now(),
             "model": self.model_name,
+            "system_fingerprint": self.system_fingerprint,
             "choices": choices,
             "usage": self.usage(
-                len(prompt.token_ids), sum(len(c.token_ids) for c in out.outputs), out.num_cached_tokens
+                len(prompt.token_ids),
+                sum(len(c.token_ids) for c in out.outputs),
+                out.num_cached_tokens,
+                self.reasoning_tokens(setup, [(c.text, c.token_ids) for c in out.outputs], req.skip_special_tokens),
             ),
         }
         if req.prompt_logprobs is not None:
             body["prompt_logprobs"] = self.prompt_logprobs_json(out)
         return JSONResponse(body)
+
+    async def prepare(self, req: ChatCompletionRequest) -> tuple[Prompt, SamplingParams, ToolSetup]:
+        """Validate, render and tokenize the conversation; its sampling parameters, tool constraint
+        included and compiled (shared with ``/v1/responses``)."""
+        self.check_model(req.model)
+        self.check_unsupported(req)
+        options = self.options
+        setup = tool_setup(
+            req, self.tokenizer, options.tool_parser, options.enable_auto_tool_choice, options.reasoning_parser
+        )
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError("top_logprobs: needs logprobs=true", param="top_logprobs")
+        text = await asyncio.to_thread(self.render, req)  # bounded (2 s), but off the event loop all the same
+        prompt = self.truncate(Prompt(text, self.tokenize(text, req.add_special_tokens)), req)
+        top = (req.top_logprobs or 0) if req.logprobs else None
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = self.sampling_params(req, len(prompt.token_ids), max_tokens, top, req.prompt_logprobs)
+        if setup.guided is not None:
+            if params.guided_decoding is not None:
+                raise APIError("tool_choice: cannot be combined with another constraint", param="tool_choice")
+            params.guided_decoding = setup.guided
+        await self.compile_guide(params)
+        return prompt, params, setup
+
+    def reasoning_tokens(
+        self, setup: ToolSetup, outputs: list[tuple[str, Sequence[int]]], skip_special_tokens: bool
+    ) -> int | None:
+        """``completion_tokens_details.reasoning_tokens`` over the choices' (text, token ids); None
+        without a reasoning parser. A choice's reasoning tokens are the fewest leading tokens whose text
+        reaches its answer (the parsers' answer is the tail of the text), markers included."""
+        if setup.make_reasoning_parser is None:
+            return None
+        total = 0
+        for text, ids in outputs:
+            _, answer = setup.make_reasoning_parser().extract_reasoning(text)
+            reach = len(text) - len(answer or "")
+            lo, hi = 0, len(ids)
+            while lo < hi:  # decoded prefixes only grow: bisect for the first that reaches the answer
+                mid = (lo + hi) // 2
+                if len(self.tokenizer.decode(ids[:mid], skip_special_tokens=skip_special_tokens)) >= reach:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            total += lo
+        return total
 
     def echo_text(self, req: ChatCompletionRequest) -> str:
         """``echo``: the last message's content, when it is the role being answered (continued)."""
@@ -129,19 +163,24 @@ class ChatServing(OpenAIServing):
         created, role = now(), self.options.response_role
         readers = [ChoiceOutput(setup) for _ in range(req.n)]
         counts = [0] * req.n
+        # With a reasoning parser, the whole outputs are kept to count reasoning tokens for the final usage.
+        thinking = setup.make_reasoning_parser is not None
+        texts: list[list[str]] = [[] for _ in range(req.n)]
+        token_ids: list[list[int]] = [[] for _ in range(req.n)]
         options = req.stream_options
         cached = 0
 
-        def chunk(choices: list[dict], usage: bool) -> str:
+        def chunk(choices: list[dict], usage: bool, reasoning_tokens: int | None = None) -> str:
             body = {
                 "id": request_id,
                 "object": "chat.completion.chunk",
                 "created": created,
                 "model": self.model_name,
+                "system_fingerprint": self.system_fingerprint,
                 "choices": choices,
             }
             if usage:
-                body["usage"] = self.usage(len(prompt.token_ids), sum(counts), cached)
+                body["usage"] = self.usage(len(prompt.token_ids), sum(counts), cached, reasoning_tokens)
             return sse(body)
 
         continuous = bool(options and options.continuous_usage_stats)
@@ -153,6 +192,9 @@ class ChatServing(OpenAIServing):
                 cached = out.num_cached_tokens
                 for c in out.outputs:
                     counts[c.index] += len(c.token_ids)
+                    if thinking:
+                        texts[c.index].append(c.text)
+                        token_ids[c.index].extend(c.token_ids)
                     reader = readers[c.index]
                     delta = reader.delta(c.text, final=c.finish_reason is not None)
                     if delta is None and c.finish_reason is None and not (c.token_ids and req.logprobs):
@@ -180,7 +222,8 @@ class ChatServing(OpenAIServing):
                 if out.finished:
                     self.metrics.observe_finished(out, counts)
             if options and options.include_usage:
-                yield chunk([], True)
+                outputs = [("".join(t), ids) for t, ids in zip(texts, token_ids)]
+                yield chunk([], True, self.reasoning_tokens(setup, outputs, req.skip_special_tokens))
         except EngineDeadError as exc:
             yield sse(APIError(str(exc), status=503).body())
         finally:

@@ -1,7 +1,8 @@
-"""``POST /v1/completions`` (legacy logprobs shape, echo, several prompts per request)."""
+"""``POST /v1/completions`` (legacy logprobs shape, echo, fill-in-the-middle, several prompts per request)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncIterator
 
 from fastapi import Request as HTTPRequest
@@ -12,14 +13,22 @@ from kiln.entrypoints.openai.protocol import APIError, CompletionRequest
 from kiln.entrypoints.openai.serving import OpenAIServing, Prompt, new_id, now, sse
 from kiln.outputs import PositionLogprobs, RequestOutput
 
+# Fill-in-the-middle marker tokens (prefix, suffix, middle) of the tokenizer families that have them.
+FIM_MARKERS = (
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),  # StarCoder, SantaCoder, SmolLM (v1)
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),  # Qwen2.5-Coder, Qwen3
+    ("<\uff5cfim\u2581begin\uff5c>", "<\uff5cfim\u2581hole\uff5c>", "<\uff5cfim\u2581end\uff5c>"),  # DeepSeek-Coder
+)
+
 
 class CompletionServing(OpenAIServing):
     async def create(self, req: CompletionRequest, raw: HTTPRequest):
         self.check_model(req.model)
         self.check_unsupported(req)
+        prompts = self.prompts(req)
         if req.suffix is not None:
-            raise APIError("suffix: not supported yet", param="suffix")
-        prompts = [self.truncate(p, req) for p in self.prompts(req)]
+            prompts = self.fill_in_the_middle(req, prompts)
+        prompts = [self.truncate(p, req) for p in prompts]
         prompt_logprobs = req.prompt_logprobs
         if req.echo and req.logprobs is not None:
             prompt_logprobs = max(prompt_logprobs or 0, req.logprobs)
@@ -58,6 +67,7 @@ class CompletionServing(OpenAIServing):
                 "object": "text_completion",
                 "created": now(),
                 "model": self.model_name,
+                "system_fingerprint": self.system_fingerprint,
                 "choices": choices,
                 "usage": usage,
             }
@@ -71,13 +81,35 @@ class CompletionServing(OpenAIServing):
             raw = [raw]
         if not raw:
             raise APIError("prompt: must not be empty", param="prompt")
+        add_special_tokens = req.add_special_tokens and req.suffix is None  # FIM places them itself
         prompts = []
         for item in raw:
             if isinstance(item, str):
-                prompts.append(Prompt(item, self.tokenize(item, req.add_special_tokens)))
+                prompts.append(Prompt(item, self.tokenize(item, add_special_tokens)))
             else:
                 prompts.append(Prompt(None, list(item)))
         return prompts
+
+    @functools.cached_property
+    def fim_token_ids(self) -> tuple[int, int, int] | None:
+        """The tokenizer's (prefix, suffix, middle) FIM token ids; None if it has no FIM markers."""
+        vocab = self.tokenizer.get_vocab()
+        for markers in FIM_MARKERS:
+            if all(m in vocab for m in markers):
+                return vocab[markers[0]], vocab[markers[1]], vocab[markers[2]]
+        return None
+
+    def fill_in_the_middle(self, req: CompletionRequest, prompts: list[Prompt]) -> list[Prompt]:
+        """``suffix``: each prompt becomes ``<prefix>{prompt}<suffix>{suffix}<middle>`` (PSM order), after
+        the tokenizer's leading special tokens for a text prompt; the completion is the middle."""
+        if self.fim_token_ids is None:
+            raise APIError("suffix: this model's tokenizer has no fill-in-the-middle tokens", param="suffix")
+        if req.echo:
+            raise APIError("suffix: cannot be combined with echo", param="suffix")
+        prefix, suffix, middle = self.fim_token_ids
+        lead = self.tokenize("", req.add_special_tokens)  # what the tokenizer puts before any text (BOS)
+        tail = [suffix, *self.tokenize(req.suffix, False), middle]
+        return [Prompt(None, [*(lead if p.text is not None else []), prefix, *p.token_ids, *tail]) for p in prompts]
 
     def with_echo(self, req, prompt: Prompt, out: RequestOutput, text, ids, positions):
         """With ``echo``, the prompt (and its logprobs) come first."""
@@ -158,6 +190,7 @@ class CompletionServing(OpenAIServing):
                         "object": "text_completion",
                         "created": created,
                         "model": self.model_name,
+                        "system_fingerprint": self.system_fingerprint,
                         "choices": [choice],
                     }
                     if options and options.continuous_usage_stats:
@@ -172,6 +205,7 @@ class CompletionServing(OpenAIServing):
                         "object": "text_completion",
                         "created": created,
                         "model": self.model_name,
+                        "system_fingerprint": self.system_fingerprint,
                         "choices": [],
                         "usage": usage(),
                     }
