@@ -82,3 +82,19 @@ def test_counts_must_not_be_negative(flag, capsys):
     with pytest.raises(SystemExit):
         serve_args(flag, "-1")
     assert "expected a count >= 0" in capsys.readouterr().err
+
+
+def test_priority_needs_the_priority_policy_offline_too(tiny_model_dir):
+    from kiln import LLM, SamplingParams
+
+    llm = LLM(model=tiny_model_dir("llama"), device="cpu")
+    with pytest.raises(ValueError, match="priority: only allowed with --scheduling-policy priority"):
+        llm.generate(["hi"], SamplingParams(max_tokens=2), priority=[1])
+    assert llm.generate(["hi"], SamplingParams(max_tokens=2), priority=[0])[0].outputs[0].token_ids
+
+
+def test_null_generation_defaults_are_no_defaults(tmp_path):
+    from kiln.models.loader import load_generation_defaults
+
+    (tmp_path / "generation_config.json").write_text('{"temperature": null, "top_p": 0.9, "eos_token_id": 2}')
+    assert load_generation_defaults(str(tmp_path), "auto") == {"top_p": 0.9, "eos_token_ids": [2]}

@@ -115,6 +115,8 @@ class LLMEngine:
         """Tokenize and validate without queueing (safe off the engine's thread)."""
         if request_id is not None and request_id in self.output_processor.groups:
             raise ValueError(f"request_id: {request_id!r} is already running")
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise ValueError("priority: only allowed with --scheduling-policy priority (vLLM refuses it under fcfs)")
         return self.input_processor.process(request_id, prompt, params, arrival_time, priority)
 
     def add_processed(self, processed: ProcessedRequest) -> None:

@@ -147,7 +147,7 @@ def load_generation_defaults(path: str, setting: str | None) -> dict:
     with open(file) as f:
         raw = json.load(f)
     keys = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-    defaults = {k: raw[k] for k in keys if k in raw}
+    defaults = {k: raw[k] for k in keys if raw.get(k) is not None}  # null: the model sets no default
     if raw.get("max_new_tokens"):
         defaults["max_tokens"] = raw["max_new_tokens"]
     eos = raw.get("eos_token_id")

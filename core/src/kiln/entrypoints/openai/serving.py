@@ -77,7 +77,6 @@ class OpenAIServing:
         self.max_model_len = self.model.max_model_len
         self.model_name = options.served_model_names[0]
         self.system_fingerprint = system_fingerprint(self.model)
-        self.priority_scheduling = engine.engine.config.scheduling_policy == "priority"
 
     # ------------------------------------------------------------ validation
     def check_model(self, model: str | None) -> None:
@@ -187,8 +186,6 @@ class OpenAIServing:
         self, request_id: str, items: Sequence[tuple[Prompt, SamplingParams]], priority: int = 0
     ) -> list[RequestStream]:
         """Queue one engine request per prompt; if any is refused, none stays queued."""
-        if priority != 0 and not self.priority_scheduling:
-            raise APIError("priority: only allowed with --scheduling-policy priority", param="priority")
         limit = self.model.max_num_seqs
         for _, params in items:
             if params.best_of > limit:
