@@ -14,6 +14,7 @@ from kiln import hookimpl
 from kiln.platforms.base import PlatformSpec
 from kiln.platforms.select import select_platform
 from kiln.plugins import PluginManager
+from kiln.testing.plugins import registered_attention_backend
 
 
 def test_builtins_register_through_the_same_hooks(kiln_plugins):
@@ -150,7 +151,6 @@ def test_update_engine_config_hook_sees_the_config(tiny_model_dir, monkeypatch):
 
 def test_a_plugin_attention_backend_is_used_by_the_engine(tiny_model_dir):
     from kiln import LLM, SamplingParams
-    from kiln.attention.base import AttentionBackendSpec
     from kiln.attention.torch_ref import TorchRefAttentionBackend
 
     calls = []
@@ -162,18 +162,7 @@ def test_a_plugin_attention_backend_is_used_by_the_engine(tiny_model_dir):
             calls.append(kwargs["layer_idx"])
             return super().forward(*args, **kwargs)
 
-    plugin = types.SimpleNamespace()
-
-    @hookimpl
-    def register_attention_backends(register):
-        register(AttentionBackendSpec("counting", lambda: CountingBackend, ("cpu",)))
-
-    plugin.register_attention_backends = register_attention_backends
-    from kiln import plugins
-
-    pm = plugins.get_plugin_manager()
-    pm.register(plugin, name="counting-plugin")
-    try:
+    with registered_attention_backend("counting", CountingBackend):
         params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
         counted = LLM(tiny_model_dir("llama"), attention_backend="counting", max_model_len=64)
         plain = LLM(tiny_model_dir("llama"), max_model_len=64)
@@ -182,8 +171,6 @@ def test_a_plugin_attention_backend_is_used_by_the_engine(tiny_model_dir):
             == plain.generate("abc", params)[0].outputs[0].token_ids
         )
         assert calls and set(calls) == {0, 1}
-    finally:
-        pm.unregister("counting-plugin")
     with pytest.raises(ValueError, match="--attention-backend"):
         LLM(tiny_model_dir("llama"), attention_backend="counting", max_model_len=64)
 

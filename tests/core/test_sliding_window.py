@@ -5,8 +5,6 @@ past the window), and a refusal at start-up by a backend that cannot apply one."
 
 from __future__ import annotations
 
-import types
-
 import pytest
 from transformers import AutoConfig
 
@@ -14,6 +12,7 @@ from kiln import LLM, SamplingParams
 from kiln.attention.torch_ref import TorchRefAttentionBackend
 from kiln.models.sliding_window import sliding_windows
 from kiln.testing.models import hf_greedy
+from kiln.testing.plugins import registered_attention_backend
 
 NEW_TOKENS = 24
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0)
@@ -96,22 +95,8 @@ def test_a_backend_without_windows_is_refused_at_start(tiny_model_dir):
         name = "full_only"
         supports_sliding_window = False
 
-    from kiln import hookimpl, plugins
-    from kiln.registry import AttentionBackendSpec
-
-    plugin = types.SimpleNamespace()
-
-    @hookimpl
-    def register_attention_backends(register):
-        register(AttentionBackendSpec("full_only", lambda: FullOnlyBackend, ("cpu",)))
-
-    plugin.register_attention_backends = register_attention_backends
-    pm = plugins.get_plugin_manager()
-    pm.register(plugin, name="full-only-plugin")
-    try:
+    with registered_attention_backend("full_only", FullOnlyBackend):
         with pytest.raises(ValueError, match="sliding window of 8 tokens.*'full_only' cannot apply"):
             LLM(tiny_model_dir("mistral", **MODELS["mistral"]), attention_backend="full_only", max_model_len=64)
         # At most the window long, the window cuts nothing: the backend serves the model.
         LLM(tiny_model_dir("mistral", **MODELS["mistral"]), attention_backend="full_only", max_model_len=8)
-    finally:
-        pm.unregister("full-only-plugin")
