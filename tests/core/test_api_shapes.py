@@ -236,8 +236,9 @@ def test_suffix_builds_the_prefix_suffix_middle_prompt(fim_engine):
             fim = complete(client, prompt=prompt, suffix=suffix, max_tokens=12, ignore_eos=True)
             assert fim["usage"]["prompt_tokens"] == len(layout)
             assert fim["choices"][0]["text"] == by_hand["choices"][0]["text"]
-        echo = client.post("/v1/completions", json={**GREEDY, "suffix": suffix, "echo": True})
-        assert echo.status_code == 400 and echo.json()["error"]["param"] == "suffix"
+        for refused in ({"echo": True}, {"truncate_prompt_tokens": 4}):
+            r = client.post("/v1/completions", json={**GREEDY, "suffix": suffix, **refused})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "suffix"
 
 
 # ------------------------------------------------------------------ completion_tokens_details

@@ -235,6 +235,8 @@ OUT_OF_RANGE = [
     ("stop_token_ids", ["a"]),
     ("allowed_token_ids", []),
     ("bad_words", [3]),
+    ("stop", [f"s{i}" for i in range(1025)]),  # past MAX_STRINGS: checked at every token
+    ("bad_words", [f"w{i}" for i in range(1025)]),
     ("ignore_eos", "maybe"),
 ]
 
@@ -338,16 +340,25 @@ def test_wrong_types_in_every_field_never_fail_the_server(client, path):
             assert_clean(post(client, path, {**spec.body, name: value}))
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/generate"])
+def test_json_nested_inside_a_string_is_bounded_too(client, path):
+    deep = "[" * 100_000  # JSON text in a string field escapes the body's depth check
+    for constraint in ({"structural_tag": deep}, {"json": deep}):
+        r = post(client, path, {**ENDPOINTS[path].body, "structured_outputs": constraint})
+        assert_clean(r)
+        assert r.status_code == 400
+
+
 def test_large_but_valid_requests_are_served(client):
     body = ENDPOINTS["/v1/completions"].body
     for extra in (
-        {"stop": [f"stop {i}" for i in range(5000)]},
+        {"stop": [f"stop {i}" for i in range(1024)]},
         {"stop": ["x" * 100_000]},
         {"logit_bias": {str(i): 0.5 for i in range(2000)}},
         {"n": 8, "max_tokens": 2},
         {"prompt": [[7] * 8] * 8, "max_tokens": 2},
         {"allowed_token_ids": list(range(2000))},
-        {"bad_words": [f"w{i}" for i in range(200)]},
+        {"bad_words": [f"w{i}" for i in range(1024)]},
     ):
         r = post(client, "/v1/completions", {**body, **extra})
         assert r.status_code == 200, (list(extra), r.text[:300])

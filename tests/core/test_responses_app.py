@@ -151,6 +151,16 @@ def test_store_drops_the_least_recently_used():
         store.get("b")
 
 
+def test_store_is_bounded_in_bytes_too():
+    store = ResponseStore(capacity=100, max_bytes=3000)
+    for i in range(10):
+        store.put(f"r{i}", StoredResponse({"id": f"r{i}"}, [{"role": "assistant", "content": "x" * 1000}]))
+    assert store.bytes <= 3000 and len(store) == 2
+    assert store.get("r9").body == {"id": "r9"}
+    store.delete("r9")
+    assert len(store) == 1 and 0 < store.bytes <= 1500
+
+
 def test_input_items_become_chat_messages():
     req = ResponsesRequest(
         input=[

@@ -137,7 +137,7 @@ def test_dead_end_ends_the_sequence_and_spares_the_batch(llm):
     prompts = ["One", "Two", "Three"]
     alone = [llm.generate(p, s)[0].outputs[0] for p, s in zip(prompts[1:], [regex, free])]
     batch = [o.outputs[0] for o in llm.generate(prompts, [dead, regex, free])]
-    assert batch[0].text == "a" and batch[0].finish_reason == "stop"
+    assert batch[0].text == "a" and batch[0].finish_reason == "length"
     assert [(o.text, o.token_ids) for o in batch[1:]] == [(o.text, o.token_ids) for o in alone]
 
 
@@ -146,6 +146,11 @@ def test_dead_end_through_chat_keeps_the_text(client, llm):
     response, _ = chat(client, guided_grammar=DEAD_END, logit_bias={str(a): 100}, temperature=0)
     choice = response.json()["choices"][0]
     assert response.status_code == 200 and choice["message"]["content"] == "a"
+    assert choice["finish_reason"] == "length"
+    # With the stop tokens banned too (min_tokens), the sequence still ends on its text, not garbage.
+    response, _ = chat(client, guided_grammar=DEAD_END, logit_bias={str(a): 100}, temperature=0, min_tokens=5)
+    choice = response.json()["choices"][0]
+    assert (choice["message"]["content"], choice["finish_reason"]) == ("a", "length")
 
 
 class FailingMatcher(GuideMatcher):

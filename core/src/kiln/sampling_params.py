@@ -16,6 +16,7 @@ _OPTIONAL_INTS = ("seed", "max_tokens", "logprobs", "prompt_logprobs", "truncate
 _FLOATS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p")
 _BOOLS = ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens")
 _LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a bias
+MAX_STRINGS = 1024  # stop strings and bad words per request
 
 
 class RequestOutputKind(Enum):
@@ -100,6 +101,9 @@ class SamplingParams:
         def bad(name: str, why: str) -> None:
             raise ValueError(f"{name} {why}")
 
+        for name in ("stop", "bad_words"):
+            if len(getattr(self, name) or ()) > MAX_STRINGS:
+                bad(name, f"holds at most {MAX_STRINGS} strings (each is checked at every generated token).")
         if self.n < 1:
             bad("n", f"must be at least 1, got {self.n}.")
         if self.best_of < self.n:

@@ -135,6 +135,11 @@ class AsyncEngine:
         return self.engine.get_stats()
 
     @property
+    def event_loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop the engine posts outputs to (the HTTP server's), once started."""
+        return self._loop
+
+    @property
     def is_healthy(self) -> bool:
         return self.dead is None and self._looping
 

@@ -41,8 +41,8 @@ class GuidedLimits:
                 parsed = default if value in (None, "") else kind(value)
             except ValueError:
                 raise ValueError(f"{name}: expected a number, got {value!r}") from None
-            if parsed < 0:
-                raise ValueError(f"{name}: must not be negative, got {value!r}")
+            if not 0 <= parsed < float("inf"):  # also refuses nan, which would turn the bound off
+                raise ValueError(f"{name}: expected a finite number >= 0, got {value!r}")
             return parsed
 
         return cls(

@@ -166,9 +166,10 @@ class GuardedMatcher(GuideMatcher):
     A backend that raises, or a constraint that reaches a state allowing no token (a rule that
     cannot end, reached after a valid prefix; a sampled token the matcher rejects), would leave the
     sampler with every logit at -inf and the step with an exception or garbage. Instead the matcher
-    goes "dead": from then on its row allows only the stop tokens, so the sequence ends at once with
-    the text it has (``finish_reason`` "stop", or "length" if a stop token is not allowed yet), and
-    the other sequences in the batch never notice.
+    goes "dead": the scheduler then ends the sequence with the text it has (``finish_reason``
+    "length", as for any constraint that cannot complete) and drops the token sampled meanwhile
+    (its row allows only the stop tokens, so that the sampler has a finite row), and the other
+    sequences in the batch never notice.
     """
 
     def __init__(self, inner: GuideMatcher, stop_token_ids: Sequence[int], vocab_size: int) -> None:

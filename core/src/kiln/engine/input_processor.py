@@ -125,10 +125,10 @@ class InputProcessor:
             raise ValueError("logit_bias: token ids out of the vocabulary")
 
     def _bad_words_ids(self, words: Sequence[str]) -> list[list[int]]:
-        out = []
+        out: dict[tuple[int, ...], None] = {}  # ordered and de-duplicated in linear time
         for word in words:
             for variant in (word, " " + word.lstrip()):
                 ids = self.tokenizer.encode(variant, add_special_tokens=False)
-                if ids and ids not in out:
-                    out.append(ids)
-        return out
+                if ids:
+                    out[tuple(ids)] = None
+        return [list(ids) for ids in out]

@@ -168,6 +168,10 @@ class OutputProcessor:
                 if self._update(group.params, seq, out, now):
                     to_abort.append(seq.request_id)
                 touched[group.request_id] = group
+            elif out.finish_reason is not None:  # ended without a token (a dead guided constraint)
+                seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
+                seq.metrics.finished_time = now
+                touched[group.request_id] = group
         request_outputs = []
         for group in touched.values():
             output = group.make_output()

@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kiln.engine.guided_manager import GuardedMatcher
 from kiln.engine.request import EngineCoreOutput, Request, RequestStatus, TopLogprobs
 
 if TYPE_CHECKING:
@@ -163,6 +164,16 @@ class Scheduler:
                             num_cached_tokens=req.num_cached_tokens or 0,
                         )
                     )
+                continue
+            if isinstance(req.matcher, GuardedMatcher) and req.matcher.dead:
+                # Its constraint allows no token: end with the text it has, as a constraint that
+                # cannot complete does ("length"), and drop the token sampled from no real choice.
+                self._finish(req, RequestStatus.FINISHED_LENGTH)
+                outputs.append(
+                    EngineCoreOutput(
+                        req.request_id, [], None, new_prompt_logprobs, "length", None, req.num_cached_tokens or 0
+                    )
+                )
                 continue
             req.append_output_token(token.token_id)
             if req.matcher is not None and not req.matcher.accept(token.token_id):

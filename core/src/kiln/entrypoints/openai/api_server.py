@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import json
 import logging
@@ -12,6 +13,7 @@ import threading
 import time
 from contextlib import asynccontextmanager
 
+import psutil
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
@@ -207,12 +209,12 @@ def _add_middleware(app: FastAPI, args: argparse.Namespace) -> None:
             app.middleware("http")(imported)
         else:
             raise ValueError(f"--middleware: {ref!r} is neither a class nor an async function")
-    if args.enable_request_id_headers:
-        app.add_middleware(RequestIdMiddleware)
     if args.max_request_body_bytes:
         app.add_middleware(BodyLimitMiddleware, max_bytes=args.max_request_body_bytes)
     if args.api_key:  # outside the body limit: a client without the key is refused before its body is read
         app.add_middleware(APIKeyMiddleware, api_key=args.api_key)
+    if args.enable_request_id_headers:  # outside both, so their 401s and 413s carry the id too
+        app.add_middleware(RequestIdMiddleware)
     app.add_middleware(
         CORSMiddleware,
         allow_origins=args.allowed_origins,
@@ -311,6 +313,11 @@ def run_server(args: argparse.Namespace) -> int:
         if http is not None:
             http.join(timeout=10)
         logger.error("exiting: the engine is stuck")
+        # os._exit skips atexit: stop the children (tensor-parallel ranks, likely stuck in the same
+        # collective, and guided compile workers) here, so a restart finds the devices free.
+        for child in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                child.kill()
         os._exit(1)
 
     engine = AsyncEngine(
@@ -345,7 +352,9 @@ def run_server(args: argparse.Namespace) -> int:
     refresher = None
     if args.enable_ssl_refresh:
         server.config.load()  # builds the SSLContext the refresher reloads in place
-        refresher = CertRefresher(server.config.ssl, args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs).start()
+        refresher = CertRefresher(
+            server.config.ssl, args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs, lambda: engine.event_loop
+        ).start()
 
     def serve_http() -> None:
         try:

@@ -63,7 +63,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     server.add_argument(
         "--api-key",
         default=os.environ.get("KILN_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $KILN_API_KEY)",
+        help="require 'Authorization: Bearer KEY' on every route but /health, /version, /metrics and the docs "
+        "(default: $KILN_API_KEY)",
     )
     server.add_argument(
         "--served-model-name",

@@ -10,6 +10,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +27,14 @@ from kiln.outputs import PositionLogprobs, RequestOutput
 from kiln.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("kiln.server")
+
+
+# Constraint compiles get threads of their own: a burst of slow ones (each bounded by
+# KILN_GUIDED_COMPILE_TIMEOUT_S) then waits here instead of holding every thread of asyncio's
+# default pool, which chat rendering uses; past MAX_PENDING_COMPILES waiting, a 503.
+_COMPILE_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kiln-guided-compile")
+MAX_PENDING_COMPILES = 64
+_compiles_pending = 0  # read and written on the event loop only
 
 
 @dataclass
@@ -108,10 +117,21 @@ class OpenAIServing:
         everything else goes on. Later lookups hit the cache; errors become a 400."""
         if params.guided_decoding is None:
             return
+        global _compiles_pending
+        if _compiles_pending >= MAX_PENDING_COMPILES:
+            raise APIError(
+                f"guided decoding: {_compiles_pending} constraints are already compiling; retry later",
+                status=503,
+                headers={"Retry-After": "1"},
+            )
+        _compiles_pending += 1
         try:
-            await asyncio.to_thread(self.engine.input_processor.compile_guide, params)
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(_COMPILE_POOL, self.engine.input_processor.compile_guide, params)
         except ValueError as exc:
             raise error_message(exc) from None
+        finally:
+            _compiles_pending -= 1
 
     def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)

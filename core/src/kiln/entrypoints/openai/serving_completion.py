@@ -106,6 +106,8 @@ class CompletionServing(OpenAIServing):
             raise APIError("suffix: this model's tokenizer has no fill-in-the-middle tokens", param="suffix")
         if req.echo:
             raise APIError("suffix: cannot be combined with echo", param="suffix")
+        if req.truncate_prompt_tokens is not None:  # cutting the left would drop the prefix marker
+            raise APIError("suffix: cannot be combined with truncate_prompt_tokens", param="suffix")
         prefix, suffix, middle = self.fim_token_ids
         lead = self.tokenize("", req.add_special_tokens)  # what the tokenizer puts before any text (BOS)
         tail = [suffix, *self.tokenize(req.suffix, False), middle]

@@ -48,6 +48,7 @@ from kiln.interfaces.parsers import DeltaMessage, ToolCallDelta
 from kiln.sampling_params import SamplingParams
 
 DEFAULT_STORE_SIZE = 1000
+DEFAULT_STORE_BYTES = 256 << 20  # a response can hold a whole conversation: bound the bytes too
 INPUT_ITEMS = TypeAdapter(list[InputItem])  # validates output items as the input items they become
 # Errors from the chat path name chat fields; a Responses client knows these names instead.
 _PARAMS = {
@@ -67,31 +68,39 @@ class StoredResponse:
 
 
 class ResponseStore:
-    """Stored responses, least recently used dropped first past ``capacity`` (one event loop: no lock)."""
+    """Stored responses, least recently used dropped first past ``capacity`` responses or
+    ``max_bytes`` of their JSON (one event loop: no lock)."""
 
-    def __init__(self, capacity: int = DEFAULT_STORE_SIZE) -> None:
-        self.capacity = capacity
-        self._items: OrderedDict[str, StoredResponse] = OrderedDict()
+    def __init__(self, capacity: int = DEFAULT_STORE_SIZE, max_bytes: int = DEFAULT_STORE_BYTES) -> None:
+        self.capacity, self.max_bytes = capacity, max_bytes
+        self._items: OrderedDict[str, tuple[StoredResponse, int]] = OrderedDict()
+        self.bytes = 0
 
     def __len__(self) -> int:
         return len(self._items)
 
     def put(self, response_id: str, stored: StoredResponse) -> None:
-        self._items[response_id] = stored
-        self._items.move_to_end(response_id)
-        while len(self._items) > self.capacity:
-            self._items.popitem(last=False)
+        if response_id in self._items:
+            self.delete(response_id)
+        size = len(json.dumps(stored.body)) + len(json.dumps(stored.conversation))
+        self._items[response_id] = (stored, size)
+        self.bytes += size
+        while len(self._items) > self.capacity or (self.bytes > self.max_bytes and len(self._items) > 1):
+            _, (_, dropped) = self._items.popitem(last=False)
+            self.bytes -= dropped
 
     def get(self, response_id: str, param: str = "response_id") -> StoredResponse:
-        stored = self._items.get(response_id)
-        if stored is None:
+        entry = self._items.get(response_id)
+        if entry is None:
             raise APIError(f"Response with id {response_id!r} not found.", status=404, param=param)
         self._items.move_to_end(response_id)
-        return stored
+        return entry[0]
 
     def delete(self, response_id: str) -> None:
-        if self._items.pop(response_id, None) is None:
+        entry = self._items.pop(response_id, None)
+        if entry is None:
             raise APIError(f"Response with id {response_id!r} not found.", status=404, param="response_id")
+        self.bytes -= entry[1]
 
 
 # ------------------------------------------------------- input → chat request

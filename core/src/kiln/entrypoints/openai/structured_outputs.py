@@ -93,7 +93,7 @@ def structural_tag_json(spec: str | dict) -> str:
     if isinstance(spec, str):
         try:
             spec = json.loads(spec)
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, RecursionError) as exc:  # RecursionError: nested past Python's stack
             raise ValueError(f"structural_tag: not valid JSON: {exc}") from None
     if isinstance(spec, dict) and "structures" in spec:
         try:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import ssl
 import threading
+from collections.abc import Callable
 
 logger = logging.getLogger("kiln.server")
 
@@ -37,7 +39,11 @@ def check_tls_args(args: argparse.Namespace) -> None:
 class CertRefresher:
     """Polls the key, certificate and CA files (``--enable-ssl-refresh``) and loads them into the
     server's live ``SSLContext`` when one changes: new connections get the new certificate, open
-    ones keep theirs. A half-written file is retried at the next poll, the old one stays in use."""
+    ones keep theirs. A half-written file is retried at the next poll, the old one stays in use.
+
+    The reload runs on ``event_loop()`` (the loop that does the handshakes) when there is one:
+    loading a certificate and then its key are two steps, and no handshake may fall between them.
+    CA certificates are added to those trusted; dropping one takes a restart."""
 
     def __init__(
         self,
@@ -45,9 +51,11 @@ class CertRefresher:
         certfile: str,
         keyfile: str | None,
         ca_certs: str | None,
+        event_loop: Callable[[], asyncio.AbstractEventLoop | None] = lambda: None,
         interval: float = 1.0,
     ) -> None:
         self.context, self.certfile, self.keyfile, self.ca_certs = context, certfile, keyfile, ca_certs
+        self.event_loop = event_loop
         self.interval = interval
         self._seen = self._stamps()
         self._stop = threading.Event()
@@ -77,12 +85,22 @@ class CertRefresher:
             if stamps == self._seen:
                 continue
             try:
-                self.context.load_cert_chain(self.certfile, self.keyfile)
-                if self.ca_certs:
-                    self.context.load_verify_locations(self.ca_certs)
+                loop = self.event_loop()
+                if loop is None:
+                    self._reload()
+                else:
+                    asyncio.run_coroutine_threadsafe(self._reload_on_loop(), loop).result()
             except (OSError, ssl.SSLError) as exc:
                 logger.warning("TLS files changed but do not load yet (%s); keeping the old ones", exc)
                 continue
             self._seen = stamps
             self.reloads += 1
             logger.info("reloaded the TLS certificate files")
+
+    def _reload(self) -> None:
+        self.context.load_cert_chain(self.certfile, self.keyfile)
+        if self.ca_certs:
+            self.context.load_verify_locations(self.ca_certs)
+
+    async def _reload_on_loop(self) -> None:
+        self._reload()
