@@ -62,11 +62,13 @@ def render_chat_template(
     override the tokenizer's special tokens, as in transformers). Raises :class:`ChatTemplateError`.
     """
     if continue_final_message and add_generation_prompt:
-        raise ChatTemplateError("continue_final_message cannot be combined with add_generation_prompt")
+        raise ChatTemplateError("cannot be combined with add_generation_prompt=true", "continue_final_message")
     if not messages:
         raise ChatTemplateError("the conversation is empty", param="messages")
     if not all(isinstance(m, Mapping) for m in messages):
         raise ChatTemplateError("each message must be a dict", param="messages")
+    if continue_final_message and messages[-1].get("role") != "assistant":
+        raise ChatTemplateError("continue_final_message needs an assistant message last", param="messages")
     source = select_template(tokenizer.chat_template, template, tools)
     clashing = RENDERER_ARGUMENTS.intersection(variables or {})
     if clashing:

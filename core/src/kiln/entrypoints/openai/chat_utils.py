@@ -136,12 +136,6 @@ def render_chat(
     kwargs: dict[str, Any] | None = None,
 ) -> str:
     """Render the conversation in the bounded sandbox; any template failure is a 400."""
-    if continue_final_message and add_generation_prompt:
-        raise APIError(
-            "continue_final_message: cannot be combined with add_generation_prompt=true", param="continue_final_message"
-        )
-    if continue_final_message and messages[-1].get("role") != "assistant":
-        raise APIError("continue_final_message: the last message must be an assistant message", param="messages")
     try:
         return render_chat_template(
             tokenizer,

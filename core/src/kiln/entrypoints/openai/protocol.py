@@ -33,12 +33,14 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.status}}
 
 
-class _Strict(BaseModel):
-    # allow_inf_nan: "NaN" / "Infinity" given as strings would otherwise become floats
+class StrictModel(BaseModel):
+    """A request body: unknown fields refused; allow_inf_nan off, or "NaN" / "Infinity" given as
+    strings would become floats."""
+
     model_config = ConfigDict(extra="forbid", protected_namespaces=(), allow_inf_nan=False)
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
@@ -51,7 +53,7 @@ class JsonSchemaFormat(BaseModel):
     strict: bool | None = None
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(StrictModel):
     """OpenAI's ``response_format``; vLLM's ``structural_tag`` type carries xgrammar's structural tag
     (``format``, or the older ``structures`` with ``triggers``)."""
 
@@ -62,7 +64,7 @@ class ResponseFormat(_Strict):
     triggers: list[str] | None = None
 
 
-class StructuredOutputs(_Strict):
+class StructuredOutputs(StrictModel):
     """vLLM's ``structured_outputs``: one constraint (``json``, ``regex``, ``choice``, ``grammar``,
     ``json_object`` or ``structural_tag``) and the options that shape it."""
 
@@ -78,7 +80,7 @@ class StructuredOutputs(_Strict):
     whitespace_pattern: str | None = None
 
 
-class SamplingFields(_Strict):
+class SamplingFields(StrictModel):
     """Fields shared by ``/v1/completions`` and ``/v1/chat/completions`` (OpenAI's and vLLM's extras)."""
 
     model: str | None = None
@@ -158,7 +160,7 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(StrictModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -171,7 +173,7 @@ class TokenizeRequest(_Strict):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(StrictModel):
     model: str | None = None
     tokens: list[int]
 

@@ -12,21 +12,19 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
+from pydantic import ConfigDict, Discriminator, Field, Tag, field_validator
+
+from kiln.entrypoints.openai.protocol import StrictModel
 
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, protected_namespaces=())
-
-
-class InputText(_Strict):
+class InputText(StrictModel):
     type: Literal["input_text"]
     text: str
 
 
-class OutputText(_Strict):
+class OutputText(StrictModel):
     """Assistant text as the server returned it (annotations and logprobs do not reach the model)."""
 
     type: Literal["output_text"]
@@ -43,7 +41,7 @@ def _text_or(tag: str):
     return Discriminator(lambda value: "text" if isinstance(value, str) else tag)
 
 
-class MessageItem(_Strict):
+class MessageItem(StrictModel):
     """A message; ``type`` may be left out (OpenAI's "easy" input message)."""
 
     type: Literal["message"] = "message"
@@ -53,7 +51,7 @@ class MessageItem(_Strict):
     status: ItemStatus | None = None
 
 
-class FunctionCallItem(_Strict):
+class FunctionCallItem(StrictModel):
     type: Literal["function_call"]
     call_id: str
     name: str
@@ -62,7 +60,7 @@ class FunctionCallItem(_Strict):
     status: ItemStatus | None = None
 
 
-class FunctionCallOutputItem(_Strict):
+class FunctionCallOutputItem(StrictModel):
     type: Literal["function_call_output"]
     call_id: str
     output: Annotated[Annotated[str, Tag("text")] | Annotated[list[InputText], Tag("parts")], _text_or("parts")]
@@ -70,17 +68,17 @@ class FunctionCallOutputItem(_Strict):
     status: ItemStatus | None = None
 
 
-class SummaryText(_Strict):
+class SummaryText(StrictModel):
     type: Literal["summary_text"]
     text: str
 
 
-class ReasoningText(_Strict):
+class ReasoningText(StrictModel):
     type: Literal["reasoning_text"]
     text: str
 
 
-class ReasoningItem(_Strict):
+class ReasoningItem(StrictModel):
     type: Literal["reasoning"]
     summary: list[SummaryText] = Field(default_factory=list)
     content: list[ReasoningText] | None = None
@@ -109,7 +107,7 @@ InputItem = Annotated[
 ]
 
 
-class FunctionTool(_Strict):
+class FunctionTool(StrictModel):
     """A function tool in the Responses' flat shape (no nested ``function`` object)."""
 
     type: Literal["function"]
@@ -119,20 +117,20 @@ class FunctionTool(_Strict):
     strict: bool | None = None
 
 
-class ToolChoiceFunction(_Strict):
+class ToolChoiceFunction(StrictModel):
     type: Literal["function"]
     name: str
 
 
-class TextFormatText(_Strict):
+class TextFormatText(StrictModel):
     type: Literal["text"]
 
 
-class TextFormatJsonObject(_Strict):
+class TextFormatJsonObject(StrictModel):
     type: Literal["json_object"]
 
 
-class TextFormatJsonSchema(_Strict):
+class TextFormatJsonSchema(StrictModel):
     model_config = ConfigDict(populate_by_name=True)
     type: Literal["json_schema"]
     name: str | None = None
@@ -141,13 +139,13 @@ class TextFormatJsonSchema(_Strict):
     strict: bool | None = None
 
 
-class TextConfig(_Strict):
+class TextConfig(StrictModel):
     format: Annotated[TextFormatText | TextFormatJsonObject | TextFormatJsonSchema, Field(discriminator="type")] = (
         Field(default_factory=lambda: TextFormatText(type="text"))
     )
 
 
-class ReasoningConfig(_Strict):
+class ReasoningConfig(StrictModel):
     """``effort`` goes to the chat template as ``reasoning_effort`` (templates that read it use it).
     The reasoning item carries the whole reasoning as ``content``; ``summary`` stays empty, as in vLLM."""
 
@@ -155,7 +153,7 @@ class ReasoningConfig(_Strict):
     summary: Literal["auto", "concise", "detailed"] | None = None
 
 
-class ResponsesRequest(_Strict):
+class ResponsesRequest(StrictModel):
     model: str | None = None
     input: Annotated[
         Annotated[str, Tag("text")] | Annotated[list[InputItem], Tag("items"), Field(min_length=1)], _text_or("items")
