@@ -14,10 +14,10 @@ Environment (read when an engine starts):
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kiln.envs import env_number
 from kiln.interfaces.guided import allocate_bitmask
 
 if TYPE_CHECKING:
@@ -35,21 +35,11 @@ class GuidedLimits:
 
     @classmethod
     def from_env(cls) -> GuidedLimits:
-        def read(name: str, default, kind):
-            value = os.environ.get(name)
-            try:
-                parsed = default if value in (None, "") else kind(value)
-            except ValueError:
-                raise ValueError(f"{name}: expected a number, got {value!r}") from None
-            if not 0 <= parsed < float("inf"):  # also refuses nan, which would turn the bound off
-                raise ValueError(f"{name}: expected a finite number >= 0, got {value!r}")
-            return parsed
-
         return cls(
-            read("KILN_GUIDED_COMPILE_TIMEOUT_S", cls.compile_timeout_s, float),
-            read("KILN_GUIDED_MAX_BYTES", cls.max_bytes, int),
-            read("KILN_GUIDED_MAX_DEPTH", cls.max_depth, int),
-            read("KILN_GUIDED_CACHE_MB", cls.cache_mb, int),
+            env_number("KILN_GUIDED_COMPILE_TIMEOUT_S", cls.compile_timeout_s, float),
+            env_number("KILN_GUIDED_MAX_BYTES", cls.max_bytes, int),
+            env_number("KILN_GUIDED_MAX_DEPTH", cls.max_depth, int),
+            env_number("KILN_GUIDED_CACHE_MB", cls.cache_mb, int),
         )
 
     def check(self, params: GuidedDecodingParams) -> tuple:

@@ -41,6 +41,7 @@ from kiln.entrypoints.openai.serving_responses import add_routes as add_response
 from kiln.entrypoints.openai.structured_outputs import structured_outputs_constraint
 from kiln.entrypoints.openai.tls import CertRefresher, check_tls_args
 from kiln.entrypoints.openai.validation import ValidatedJSONRoute, check_generation_overrides
+from kiln.envs import env_number
 from kiln.registry import load_ref
 from kiln.sampling_params import REQUEST_FIELDS, RequestOutputKind, SamplingParams
 
@@ -263,14 +264,7 @@ def resolve_parsers(args: argparse.Namespace) -> tuple[type | None, type | None]
 
 def _iteration_timeout() -> float | None:
     """``KILN_ENGINE_ITERATION_TIMEOUT_S`` (vLLM's default of 60 s; 0 turns the watchdog off)."""
-    value = os.environ.get("KILN_ENGINE_ITERATION_TIMEOUT_S", "60")
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = -1.0
-    if not seconds >= 0 or seconds == float("inf"):
-        raise ValueError(f"KILN_ENGINE_ITERATION_TIMEOUT_S: expected seconds >= 0, got {value!r}")
-    return seconds or None
+    return env_number("KILN_ENGINE_ITERATION_TIMEOUT_S", 60.0) or None
 
 
 def run_server(args: argparse.Namespace) -> int:
