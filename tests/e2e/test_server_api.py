@@ -10,6 +10,8 @@ import openai
 import pytest
 from tests.e2e.conftest import MODEL
 
+from kiln.testing.server import metric_value
+
 pytestmark = pytest.mark.slow
 
 CHAT = [{"role": "user", "content": "Name three colours."}]
@@ -23,15 +25,6 @@ def sse_events(response) -> list:
             data = line[len("data: ") :]
             events.append(data if data == "[DONE]" else json.loads(data))
     return events
-
-
-def metric(text: str, name: str, **labels) -> float:
-    for line in text.splitlines():
-        if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            head = line.split(" ")[0]
-            if head == name or head.startswith(name + "{"):
-                return float(line.rsplit(" ", 1)[1])
-    raise KeyError(name)
 
 
 def test_health_version_models(http, client):
@@ -224,25 +217,25 @@ def test_disconnect_mid_stream_frees_blocks(server, http):
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         text = http.get("/metrics").text
-        if metric(text, "kiln:num_requests_running") == 0 and metric(text, "kiln:kv_cache_usage_perc") == 0:
+        if metric_value(text, "kiln:num_requests_running") == 0 and metric_value(text, "kiln:kv_cache_usage_perc") == 0:
             break
         time.sleep(0.2)
-    assert metric(text, "kiln:num_requests_running") == 0
-    assert metric(text, "kiln:kv_cache_usage_perc") == 0
-    assert metric(text, "kiln:request_success_total", finished_reason="abort") >= 1
+    assert metric_value(text, "kiln:num_requests_running") == 0
+    assert metric_value(text, "kiln:kv_cache_usage_perc") == 0
+    assert metric_value(text, "kiln:request_success_total", finished_reason="abort") >= 1
     assert http.post("/v1/completions", json={"model": MODEL, "prompt": "Still there?", "max_tokens": 2}).is_success
 
 
 def test_metrics_after_requests(client, http):
     client.completions.create(model=MODEL, prompt="Metrics", max_tokens=3, extra_body={"ignore_eos": True})
     text = http.get("/metrics").text
-    assert metric(text, "kiln:time_to_first_token_seconds_count") >= 1
-    assert metric(text, "kiln:e2e_request_latency_seconds_count") >= 1
-    assert metric(text, "kiln:time_per_output_token_seconds_count") >= 1
-    assert metric(text, "kiln:generation_tokens_total") >= 3
-    assert metric(text, "kiln:prompt_tokens_total") >= 1
-    assert metric(text, "kiln:request_success_total", finished_reason="length") >= 1
-    assert metric(text, "kiln:prefix_cache_queries_total") >= metric(text, "kiln:prefix_cache_hits_total")
+    assert metric_value(text, "kiln:time_to_first_token_seconds_count") >= 1
+    assert metric_value(text, "kiln:e2e_request_latency_seconds_count") >= 1
+    assert metric_value(text, "kiln:time_per_output_token_seconds_count") >= 1
+    assert metric_value(text, "kiln:generation_tokens_total") >= 3
+    assert metric_value(text, "kiln:prompt_tokens_total") >= 1
+    assert metric_value(text, "kiln:request_success_total", finished_reason="length") >= 1
+    assert metric_value(text, "kiln:prefix_cache_queries_total") >= metric_value(text, "kiln:prefix_cache_hits_total")
 
 
 def test_32_concurrent_streaming_clients(client, async_client):

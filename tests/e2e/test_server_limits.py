@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import re
 import shutil
 import ssl
 import subprocess
@@ -18,19 +17,9 @@ import time
 import httpx
 import pytest
 
-from kiln.testing.server import RemoteServer
+from kiln.testing.server import RemoteServer, metric_value
 
 BASE_ARGS = ["--dtype", "float32", "--max-model-len", "512", "--disable-log-requests", "--disable-log-stats"]
-
-
-def metric(text: str, name: str, **labels: str) -> float:
-    """The sum of a Prometheus sample's values over the series that carry ``labels``."""
-    total = 0.0
-    for line in text.splitlines():
-        match = re.match(rf"^{re.escape(name)}(?:\{{(.*)\}})? (\S+)$", line)
-        if match and all(f'{k}="{v}"' in (match.group(1) or "") for k, v in labels.items()):
-            total += float(match.group(2))
-    return total
 
 
 def assert_openai_error(response: httpx.Response, status: int) -> dict:
@@ -76,8 +65,8 @@ def test_overload_gets_clean_503s_and_metrics_count_every_request(busy_server):
         assert "--max-queued-requests" in error["message"]
         assert r.headers["retry-after"] == "1"
     text = httpx.get(busy_server.url + "/metrics").text
-    assert metric(text, "kiln:request_success_total", finished_reason="length") == len(done)
-    assert metric(text, "kiln:request_rejected_total", reason="overloaded") == len(refused)
+    assert metric_value(text, "kiln:request_success_total", finished_reason="length") == len(done)
+    assert metric_value(text, "kiln:request_rejected_total", reason="overloaded") == len(refused)
 
 
 def test_dropped_streams_leave_nothing_running(busy_server):
@@ -104,16 +93,19 @@ def test_dropped_streams_leave_nothing_running(busy_server):
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         text = httpx.get(busy_server.url + "/metrics").text
-        if metric(text, "kiln:num_requests_running") == 0 and metric(text, "kiln:num_requests_waiting") == 0:
+        if (
+            metric_value(text, "kiln:num_requests_running") == 0
+            and metric_value(text, "kiln:num_requests_waiting") == 0
+        ):
             break
         time.sleep(0.2)
-    assert metric(text, "kiln:num_requests_running") == 0
-    assert metric(text, "kiln:num_requests_waiting") == 0
-    ended = metric(text, "kiln:request_success_total") - metric(before, "kiln:request_success_total")
+    assert metric_value(text, "kiln:num_requests_running") == 0
+    assert metric_value(text, "kiln:num_requests_waiting") == 0
+    ended = metric_value(text, "kiln:request_success_total") - metric_value(before, "kiln:request_success_total", 0.0)
     assert ended == 30  # every dropped stream is accounted for (as an abort)
     assert (
-        metric(text, "kiln:request_success_total", finished_reason="abort")
-        - metric(before, "kiln:request_success_total", finished_reason="abort")
+        metric_value(text, "kiln:request_success_total", finished_reason="abort")
+        - metric_value(before, "kiln:request_success_total", 0.0, finished_reason="abort")
         == 30
     )
 

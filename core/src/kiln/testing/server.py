@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -84,3 +85,18 @@ class RemoteServer:
     def __exit__(self, *exc) -> None:
         self.stop()
         self.log.close()
+
+
+def metric_value(text: str, name: str, default: float | None = None, **labels: str) -> float:
+    """The sum of Prometheus sample ``name``'s values in ``text`` (``/metrics``) over its series
+    that carry ``labels``; ``default`` when no series does (``KeyError`` without one)."""
+    total, found = 0.0, False
+    for line in text.splitlines():
+        match = re.match(rf"^{re.escape(name)}(?:\{{(.*)\}})? (\S+)$", line)
+        if match and all(f'{k}="{v}"' in (match.group(1) or "") for k, v in labels.items()):
+            total, found = total + float(match.group(2)), True
+    if found:
+        return total
+    if default is None:
+        raise KeyError(name)
+    return default
