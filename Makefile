@@ -37,6 +37,8 @@ bench: setup
 	$(PY) bench/serve_compare.py
 	$(PY) bench/guided_compare.py
 	$(PY) bench/quantization.py
+	$(PY) bench/embeddings.py
+	$(PY) bench/beam_search.py
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -5,12 +5,14 @@ that would do nothing. Every answer is a 4xx with an OpenAI-style error body or 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
 
 import pytest
 from fastapi.testclient import TestClient
+from tests.core.test_pooling_server import pooling_clients  # noqa: F401  (a fixture)
 from tests.core.test_server_app import engine, make_app, serve_args  # noqa: F401  (engine is a fixture)
 
 from kiln.config import EngineConfig
@@ -42,15 +44,42 @@ SAMPLING_NUMBERS = (
 @dataclass(frozen=True)
 class Endpoint:
     """A JSON endpoint: a valid body, its top-level numeric fields, and places a hostile value can go
-    (an override with ``X`` somewhere in it, and the ``param`` the error must name)."""
+    (an override with ``X`` somewhere in it, and the ``param`` the error must name). ``server``: the
+    model that answers it, "generate" or a pooling one of ``pooling_clients`` ("embed", "score")."""
 
     body: dict
     numbers: tuple[str, ...]
     slots: tuple[tuple[dict, str], ...]
+    server: str = "generate"
 
 
 CHAT_MESSAGES = [{"role": "user", "content": "hello there"}]
 TOOL = {"type": "function", "function": {"name": "f", "description": X, "parameters": {"type": "object"}}}
+EMBED = Endpoint(
+    {"model": "tiny", "input": "hello there"},
+    ("dimensions", "truncate_prompt_tokens", "priority"),
+    (
+        ({"input": X}, "input"),
+        ({"input": ["fine", X]}, "input"),
+        ({"input": [1, X]}, "input"),
+        ({"model": X}, "model"),
+        ({"user": X}, "user"),
+        ({"input": None, "messages": [{"role": "user", "content": X}]}, "messages"),
+    ),
+    "embed",
+)
+SCORE = Endpoint(
+    {"model": "tiny", "text_1": "hello", "text_2": ["there", "world"]},
+    ("truncate_prompt_tokens", "priority"),
+    (({"text_1": X}, "text_1"), ({"text_2": ["fine", X]}, "text_2")),
+    "score",
+)
+RERANK = Endpoint(
+    {"model": "tiny", "query": "hello", "documents": ["there", "world"]},
+    ("top_n", "truncate_prompt_tokens", "priority"),
+    (({"query": X}, "query"), ({"documents": ["fine", X]}, "documents"), ({"documents": [{"text": X}]}, "documents")),
+    "score",
+)
 
 # Every endpoint that takes a JSON body: a new one (pooling, ...) is one entry here.
 ENDPOINTS = {
@@ -117,6 +146,19 @@ ENDPOINTS = {
             ({"metadata": {"k": X}}, "metadata"),
         ),
     ),
+    "/v1/embeddings": EMBED,
+    "/pooling": EMBED,
+    "/classify": Endpoint(
+        {"model": "tiny", "input": "hello there"},
+        ("truncate_prompt_tokens", "priority"),
+        (({"input": X}, "input"), ({"input": ["fine", X]}, "input"), ({"user": X}, "user")),
+        "score",
+    ),
+    "/score": SCORE,  # on a cross-encoder; the /v1 spellings on an embedding model
+    "/v1/score": dataclasses.replace(SCORE, server="embed"),
+    "/rerank": RERANK,
+    "/v1/rerank": dataclasses.replace(RERANK, server="embed"),
+    "/v2/rerank": RERANK,
 }
 SAMPLING_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/generate")  # every SamplingParams field
 NON_FINITE = ("NaN", "Infinity", "-Infinity", "1e999", '"NaN"', '"Infinity"', '"-inf"', '"1e999"')
@@ -135,9 +177,12 @@ def server(engine):  # noqa: F811
         yield Server(client, greedy_answers(client))
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return server.client
+@pytest.fixture
+def client(request, server):
+    """The generation server's client, or the pooling model's that answers the test's ``path``."""
+    path = request.node.callspec.params.get("path") if hasattr(request.node, "callspec") else None
+    kind = ENDPOINTS[path].server if path in ENDPOINTS else "generate"
+    return server.client if kind == "generate" else request.getfixturevalue("pooling_clients")[kind]
 
 
 def greedy_answers(client) -> list[str]:

@@ -113,3 +113,23 @@ def test_engine_through_triton_kernels_matches_the_cpu_plugin(tiny_model_dir, ki
     common = dict(model=tiny_model_dir("llama"), dtype="float32", block_size=16)
     triton_run = greedy_tokens(kiln_plugins, prompts, device="cpu_triton", **common)
     assert triton_run == greedy_tokens(kiln_plugins, prompts, device="cpu", **common)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the interpreter path on CPU")
+def test_beam_search_through_triton_kernels_matches_the_cpu_plugin(tiny_model_dir, kiln_plugins):
+    """Forked beams decode on shared blocks, and their partial blocks are copied, in the
+    Triton backend's cache as in the CPU plugin's."""
+    import kiln_cpu.plugin
+    import kiln_cuda.plugin
+    from kiln.testing.engine import make_engine, run_beam_search
+
+    for module, name in ((kiln_cpu.plugin, "cpu"), (kiln_cuda.plugin, "cuda"), (sys.modules[__name__], "test")):
+        kiln_plugins.register(module, name=name)
+    prompts = [list(range(100, 119))]  # a block and a tail: every fork copies the partial block
+    common = dict(model=tiny_model_dir("llama"), dtype="float32", block_size=16)
+    beams = {
+        device: run_beam_search(make_engine(kiln_plugins, device=device, **common), prompts, 2, 4, ignore_eos=True)
+        for device in ("cpu_triton", "cpu")
+    }
+    assert [[t for t, _ in b] for b in beams["cpu_triton"]] == [[t for t, _ in b] for b in beams["cpu"]]
+    assert [lp for _, lp in beams["cpu_triton"][0]] == pytest.approx([lp for _, lp in beams["cpu"][0]], abs=1e-3)

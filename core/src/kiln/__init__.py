@@ -14,20 +14,34 @@ from kiln.hookspecs import hookimpl
 if TYPE_CHECKING:
     from kiln.config import EngineConfig
     from kiln.entrypoints.llm import LLM
-    from kiln.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-    from kiln.sampling_params import RequestOutputKind, SamplingParams
+    from kiln.outputs import BeamSearchOutput, CompletionOutput, Logprob, RequestMetrics, RequestOutput
+    from kiln.pooling_outputs import (
+        ClassificationRequestOutput,
+        EmbeddingRequestOutput,
+        PoolingRequestOutput,
+        ScoringRequestOutput,
+    )
+    from kiln.pooling_params import PoolingParams
+    from kiln.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 __version__ = "0.1.0"
 
 _LAZY = {
     "LLM": "kiln.entrypoints.llm",
     "EngineConfig": "kiln.config",
+    "BeamSearchOutput": "kiln.outputs",
+    "BeamSearchParams": "kiln.sampling_params",
     "CompletionOutput": "kiln.outputs",
     "Logprob": "kiln.outputs",
     "RequestMetrics": "kiln.outputs",
     "RequestOutput": "kiln.outputs",
     "RequestOutputKind": "kiln.sampling_params",
     "SamplingParams": "kiln.sampling_params",
+    "PoolingParams": "kiln.pooling_params",
+    "PoolingRequestOutput": "kiln.pooling_outputs",
+    "EmbeddingRequestOutput": "kiln.pooling_outputs",
+    "ClassificationRequestOutput": "kiln.pooling_outputs",
+    "ScoringRequestOutput": "kiln.pooling_outputs",
 }
 
 __all__ = ["hookimpl", *_LAZY]

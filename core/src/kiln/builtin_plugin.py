@@ -6,6 +6,15 @@ from kiln.hookspecs import hookimpl
 from kiln.registry import AttentionBackendSpec
 
 LLAMA = "kiln.models.llama:LlamaForCausalLM"
+# Architecture -> class in kiln.models.bert (RoBERTa is XLM-RoBERTa's network).
+ENCODERS = {
+    "BertModel": "BertModel",
+    "BertForSequenceClassification": "BertForSequenceClassification",
+    "XLMRobertaModel": "XLMRobertaModel",
+    "XLMRobertaForSequenceClassification": "XLMRobertaForSequenceClassification",
+    "RobertaModel": "XLMRobertaModel",
+    "RobertaForSequenceClassification": "XLMRobertaForSequenceClassification",
+}
 
 
 @hookimpl
@@ -17,3 +26,5 @@ def register_attention_backends(register):
 def register_models(register):
     for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         register(arch, LLAMA)
+    for arch, cls in ENCODERS.items():
+        register(arch, f"kiln.models.bert:{cls}")

@@ -8,7 +8,7 @@ until ``LLMEngine`` resolves them.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -58,6 +58,17 @@ class EngineConfig(BaseModel):
         "auto-detected from the checkpoint's quantization_config",
     )
     trust_remote_code: bool = False
+    task: Literal["auto", "generate", "embed", "score", "classify", "reward"] = Field(
+        "auto", description="what the model serves; auto: generate for *ForCausalLM, embed for encoders, "
+        "score/classify for *ForSequenceClassification"
+    )
+    runner: Literal["auto", "generate", "pooling"] = Field("auto", description="vLLM's newer spelling of --task")
+    convert: Literal["auto", "none", "embed", "classify", "reward"] = Field(
+        "auto", description="with --runner pooling: serve the model as this pooling task"
+    )
+    override_pooler_config: dict[str, Any] | None = Field(
+        None, description='JSON pooling over the model\'s, e.g. \'{"pooling_type": "MEAN", "normalize": true}\''
+    )
 
     @field_validator("quantization")
     @classmethod
@@ -66,6 +77,13 @@ class EngineConfig(BaseModel):
 
         normalize_flag(value)
         return value
+
+    @field_validator("override_pooler_config", mode="before")
+    @classmethod
+    def _pooler_overrides(cls, value: object) -> object:
+        from kiln.pooling_params import parse_pooler_overrides
+
+        return parse_pooler_overrides(value)
 
     @field_validator("block_size")
     @classmethod

@@ -60,3 +60,23 @@ class RequestOutput:
     error_code: int | None = None
     error_msg: str | None = None
     lora_request: None = field(default=None, repr=False)
+
+
+@dataclass(slots=True)
+class BeamSearchSequence:
+    """One hypothesis of ``LLM.beam_search`` (vLLM's shape): ``tokens`` and ``text`` cover the
+    prompt and the generated tokens; ``cum_logprob`` sums the generated tokens' log-probabilities."""
+
+    tokens: list[int]
+    logprobs: list[PositionLogprobs]
+    cum_logprob: float
+    text: str | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass(slots=True)
+class BeamSearchOutput:
+    """``LLM.beam_search``'s result for one prompt: its hypotheses, best first."""
+
+    sequences: list[BeamSearchSequence]

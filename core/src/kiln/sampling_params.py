@@ -13,10 +13,27 @@ from kiln.interfaces.guided import GuidedDecodingParams
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _INTS = ("n", "best_of", "top_k", "min_tokens")
 _OPTIONAL_INTS = ("seed", "max_tokens", "logprobs", "prompt_logprobs", "truncate_prompt_tokens")
-_FLOATS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p")
-_BOOLS = ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens")
+_FLOATS = (
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "temperature",
+    "top_p",
+    "min_p",
+    "length_penalty",
+)
+_BOOLS = (
+    "include_stop_str_in_output",
+    "ignore_eos",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "use_beam_search",
+)
 _LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a bias
 MAX_STRINGS = 1024  # stop strings and bad words per request
+# What reshapes the sampling distribution: beam search refuses these in a request, and a
+# server drops them from the model's generation defaults for beam-search requests.
+SAMPLING_SHAPERS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "top_p", "top_k", "min_p")
 
 
 class RequestOutputKind(Enum):
@@ -53,6 +70,10 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
+    # Beam search (``kiln.engine.beam_search``): ``best_of`` beams, the best ``n`` returned.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False  # True, False or "never", as transformers
     output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY
     # Filled by the engine from the tokenizer (bad_words) and guided decoding.
     guided_decoding: GuidedDecodingParams | None = None
@@ -138,10 +159,67 @@ class SamplingParams:
             bad("stop", "cannot contain an empty string.")
         if self.allowed_token_ids is not None and len(self.allowed_token_ids) == 0:
             bad("allowed_token_ids", "must not be empty.")
+        if self.early_stopping not in (True, False, "never"):
+            bad("early_stopping", f"must be true, false or 'never', got {_shown(self.early_stopping)}.")
+        if self.use_beam_search:
+            self._validate_beam_search()
+        else:
+            for name, default in (("length_penalty", 1.0), ("early_stopping", False)):
+                if getattr(self, name) != default:
+                    bad(name, "applies to beam search only: set use_beam_search.")
+
+    def _validate_beam_search(self) -> None:
+        """Beams are ranked by the model's own log-probabilities (as transformers' beam search
+        without sampling), so parameters that reshape or constrain sampling are refused, not
+        ignored; ``temperature`` and ``seed`` play no part."""
+        defaults = SamplingParams.__dataclass_fields__
+        refused = {
+            "stop": bool(self.stop),
+            "bad_words": bool(self.bad_words),
+            "logit_bias": bool(self.logit_bias),
+            "allowed_token_ids": self.allowed_token_ids is not None,
+            "logprobs": self.logprobs is not None,
+            **{name: getattr(self, name) != defaults[name].default for name in SAMPLING_SHAPERS},
+        }
+        for name, given in refused.items():
+            if given:
+                raise ValueError(
+                    f"{name} is not supported with beam search (use_beam_search); each beam's "
+                    "cumulative_logprob is returned instead of per-token logprobs."
+                    if name == "logprobs"
+                    else f"{name} is not supported with beam search (use_beam_search)."
+                )
 
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+
+@dataclass(slots=True)
+class BeamSearchParams:
+    """``LLM.beam_search``'s parameters (vLLM's names). ``beam_width`` beams are kept and all of
+    them returned, best first; ``temperature`` is accepted for vLLM's signature and plays no
+    part (beams are ranked by the model's log-probabilities). ``early_stopping`` is
+    transformers' (True, False or "never")."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    early_stopping: bool | str = False
+
+    def to_sampling_params(self) -> SamplingParams:
+        return SamplingParams(
+            n=self.beam_width,
+            use_beam_search=True,
+            max_tokens=self.max_tokens,
+            ignore_eos=self.ignore_eos,
+            length_penalty=self.length_penalty,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            early_stopping=self.early_stopping,
+        )
 
 
 REQUEST_FIELDS = frozenset(f.name for f in fields(SamplingParams) if not f.name.startswith("_")) - {"output_kind"}

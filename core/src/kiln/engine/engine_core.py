@@ -1,4 +1,5 @@
-"""``EngineCore``: one step is schedule → execute → bitmask → sample → update.
+"""``EngineCore``: one step is schedule → execute → bitmask → sample → update (pooling requests
+end with their pooled output instead: ``kiln.engine.pooling``).
 
 It takes ``Request`` objects from the input processor and returns token-level
 ``EngineCoreOutput``s (ids, logprob ids, finish reasons) for the output processor;
@@ -12,6 +13,7 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from kiln.engine.pooling import finish_pooled
 from kiln.engine.request import EngineCoreOutput, Request, RequestStatus
 
 if TYPE_CHECKING:
@@ -45,6 +47,7 @@ class EngineCore:
         self.num_prompt_tokens += scheduled.num_prompt_tokens
         self.num_generation_tokens += len(sampled)
         outputs = self.scheduler.update_from_output(scheduled, sampled, output.prompt_logprobs)
+        outputs += finish_pooled(self.scheduler, output.pooled)
         step_time = time.perf_counter() - t0
         for req, _ in scheduled.scheduled:
             req.metrics.model_forward_time += output.forward_time

@@ -80,6 +80,8 @@ class InputProcessor:
             ids = ids[-params.truncate_prompt_tokens :]
         if params.bad_words:
             params._bad_words_token_ids = self._bad_words_ids(params.bad_words)
+        if params.use_beam_search:
+            return self._beam_search(request_id, text, ids, params, arrival, priority)
         guide = self.compile_guide(params)
         fanned_out = params.best_of > 1
         requests, sequences = [], []
@@ -99,6 +101,29 @@ class InputProcessor:
             detok = IncrementalDetokenizer(self.tokenizer, ids, params)
             sequences.append(SequenceState(req.request_id, detok, req.metrics))
         return ProcessedRequest(requests, RequestGroup(request_id, text, ids, params, sequences))
+
+    def _beam_search(
+        self, request_id: str, text: str | None, ids: list[int], params: SamplingParams, arrival: float, priority: int
+    ) -> ProcessedRequest:
+        """One core sequence, the first beam (the scheduler forks the rest), and ``n`` output
+        sequences for the best hypotheses; the first shares the request's id, which is how
+        the core reports the search."""
+        if params.guided_decoding is not None:
+            raise ValueError("guided decoding is not supported with beam search (use_beam_search).")
+        if params.best_of > self.model.max_num_seqs:
+            raise ValueError(
+                f"best_of: a beam width of {params.best_of} is more than --max-num-seqs {self.model.max_num_seqs}"
+            )
+        req = Request(request_id, ids, params, self.model.eos_token_ids, arrival, priority)
+        sequences = [
+            SequenceState(
+                request_id if i == 0 else f"{i}_{request_id}",
+                IncrementalDetokenizer(self.tokenizer, ids, params),
+                req.metrics,
+            )
+            for i in range(params.n)
+        ]
+        return ProcessedRequest([req], RequestGroup(request_id, text, ids, params, sequences))
 
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:

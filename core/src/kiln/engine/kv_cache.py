@@ -124,6 +124,7 @@ class KVCacheManager:
         self.num_blocks = num_blocks
         self.prefix_queries = 0  # prompt tokens of admitted requests looked up in the cache
         self.prefix_hits = 0  # of which found cached
+        self.pending_copies: list[tuple[int, int]] = []  # (src, dst) block copies for the next step
 
     def _caches(self, req: CachedSequence) -> bool:
         # Without prefix caching, sequences fanned out from one prompt (n > 1) still share.
@@ -203,6 +204,33 @@ class KVCacheManager:
     def free(self, req: CachedSequence) -> None:
         self.pool.free(req.blocks)
         req.blocks = []
+
+    def fork(self, parent: CachedSequence, child: CachedSequence) -> None:
+        """Share ``parent``'s computed blocks with ``child`` (a beam forked from it) by reference.
+
+        A partly filled last block would be written by both, so the child gets its own copy
+        (``pending_copies``, done on the device before the next step's forward). With no block
+        free for it, the child keeps only the full blocks and recomputes the rest instead.
+        """
+        bs = self.block_size
+        full = parent.num_computed_tokens // bs
+        partial = parent.num_computed_tokens % bs != 0
+        shared = parent.blocks[:full]
+        self.pool.touch(shared)
+        child.blocks = list(shared)
+        if not partial:
+            return
+        if self.pool.num_free == 0:
+            child.num_computed_tokens = full * bs
+            return
+        copy = self.pool.get_new_blocks(1)[0]
+        self.pending_copies.append((parent.blocks[full].block_id, copy.block_id))
+        child.blocks.append(copy)
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The block copies forks asked for since the last call."""
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
 
     @property
     def usage(self) -> float:

@@ -20,12 +20,16 @@ from kiln.engine.input_processor import InputProcessor, ProcessedRequest, Prompt
 from kiln.engine.kv_cache import KVCacheManager
 from kiln.engine.model_info import ModelInfo
 from kiln.engine.output_processor import OutputProcessor
+from kiln.engine.pooling import PoolingInputProcessor, PoolingOutputProcessor
 from kiln.engine.request import RequestStatus
 from kiln.engine.scheduler import Scheduler
+from kiln.models.bert import position_offset
 from kiln.models.loader import load_generation_defaults, resolve_model
+from kiln.models.pooler import setup_pooling
 from kiln.outputs import RequestOutput
 from kiln.platforms.select import select_platform
 from kiln.plugins import PluginManager, get_plugin_manager
+from kiln.pooling_params import PoolingParams, check_task
 from kiln.sampling_params import SamplingParams
 from kiln.worker.builder import resolve_dtype
 from kiln.worker.executor import Executor
@@ -47,6 +51,7 @@ class LLMEngine:
         files = resolve_model(config.model, config.load_format)
         config.model = files.path  # later readers (tensor-parallel ranks, platforms) get the local folder
         hf_config = AutoConfig.from_pretrained(files.path, trust_remote_code=config.trust_remote_code)
+        pooling = setup_pooling(config, hf_config, registry, files.path)  # resolves --task
         _resolve_lengths(config, hf_config)
         self.plugins.update_engine_config(config)
         self.dtype = resolve_dtype(config, self.platform, hf_config)
@@ -59,7 +64,7 @@ class LLMEngine:
         )
         self.model_info = ModelInfo(
             files.name, files.path, tokenizer, hf_config.vocab_size, config.max_model_len, config.max_num_seqs,
-            frozenset(eos), defaults, str(self.dtype).removeprefix("torch."), config.quantization,
+            frozenset(eos), defaults, str(self.dtype).removeprefix("torch."), config.quantization, config.task,
         )  # fmt: skip
         guided = GuidedManager(registry, tokenizer, hf_config.vocab_size, config.guided_decoding_backend)
         self.executor = Executor(
@@ -70,8 +75,12 @@ class LLMEngine:
             num_blocks, config.block_size, config.enable_prefix_caching, self.platform.kv_memory_on_first_write
         )
         self.core = EngineCore(Scheduler(config, self.kv), self.executor)
-        self.input_processor = InputProcessor(self.model_info, guided, config.max_logprobs)
-        self.output_processor = OutputProcessor(tokenizer)
+        if pooling is None:
+            self.input_processor = InputProcessor(self.model_info, guided, config.max_logprobs)
+            self.output_processor = OutputProcessor(tokenizer)
+        else:  # a pooling model takes PoolingParams requests (kiln.engine.pooling)
+            self.input_processor = PoolingInputProcessor(self.model_info, pooling)
+            self.output_processor = PoolingOutputProcessor()
         logger.info(
             "engine ready: model=%s platform=%s dtype=%s attention=%s kv_blocks=%d x %d tokens",
             files.name,
@@ -95,7 +104,7 @@ class LLMEngine:
         self,
         request_id: str | None,
         prompt: PromptInput,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
         priority: int = 0,
     ) -> str:
@@ -108,11 +117,12 @@ class LLMEngine:
         self,
         request_id: str | None,
         prompt: PromptInput,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
         priority: int = 0,
     ) -> ProcessedRequest:
         """Tokenize and validate without queueing (safe off the engine's thread)."""
+        check_task(self.model_info.task, params)
         if request_id is not None and request_id in self.output_processor.groups:
             raise ValueError(f"request_id: {request_id!r} is already running")
         if priority != 0 and self.config.scheduling_policy != "priority":
@@ -160,7 +170,8 @@ class LLMEngine:
 
 def _resolve_lengths(cfg: EngineConfig, hf_config) -> None:
     """Fill ``max_model_len`` and ``max_num_batched_tokens`` from the model, or check them."""
-    limit = getattr(hf_config, "max_position_embeddings", None) or 2048
+    # (XLM-)RoBERTa's first position embeddings belong to padding: they take fewer tokens.
+    limit = (getattr(hf_config, "max_position_embeddings", None) or 2048) - position_offset(hf_config)
     if cfg.max_model_len is None:
         cfg.max_model_len = limit
     elif cfg.max_model_len > limit:

@@ -19,3 +19,4 @@ class ModelInfo:
     generation_defaults: dict[str, Any] = field(default_factory=dict)  # generation_config.json, as SamplingParams
     dtype: str = "auto"  # the resolved weights dtype, e.g. "float32"
     quantization: str | None = None
+    task: str = "generate"  # --task, resolved: generate, or a pooling task (embed, score, classify, reward)

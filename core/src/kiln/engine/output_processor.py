@@ -8,7 +8,8 @@ in the text finishes the sequence here and goes back to the core as an abort
 A user request with ``n``/``best_of`` > 1 becomes ``best_of`` child sequences
 (``{i}_{request_id}``). Its ``RequestGroup`` reports them together; with
 ``best_of > n`` it waits for all of them and keeps the ``n`` with the highest
-cumulative logprob.
+cumulative logprob. A beam search reports once, at its end: its ``n`` output
+sequences take the best hypotheses.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from kiln.engine.beam_search import BeamHypothesis
 from kiln.engine.detokenizer import IncrementalDetokenizer
 from kiln.engine.request import EngineCoreOutput, TopLogprobs
 from kiln.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
@@ -67,11 +69,12 @@ class RequestGroup:
     def make_output(self) -> RequestOutput | None:
         finished = self.finished
         kind = self.params.output_kind
-        if (kind is RequestOutputKind.FINAL_ONLY or self.params.best_of > self.params.n) and not finished:
+        ranked_later = self.params.best_of > self.params.n or self.params.use_beam_search
+        if (kind is RequestOutputKind.FINAL_ONLY or ranked_later) and not finished:
             return None
         delta = kind is RequestOutputKind.DELTA
         chosen = list(self.sequences)
-        if self.params.best_of > self.params.n:
+        if self.params.best_of > self.params.n and not self.params.use_beam_search:
             chosen.sort(key=lambda s: s.cumulative_logprob, reverse=True)
             chosen = chosen[: self.params.n]
         outputs = [self._completion(index, seq, delta) for index, seq in enumerate(chosen)]
@@ -91,9 +94,33 @@ class RequestGroup:
             metrics=first.metrics,
         )
 
+    def take_beams(self, beams: list[BeamHypothesis], now: float) -> None:
+        """A finished beam search: the output sequences take the best hypotheses, in order."""
+        params = self.params
+        for i, seq in enumerate(self.sequences):
+            if i >= len(beams):  # fewer hypotheses than n: only with a tiny vocabulary
+                seq.finish_reason = "length"
+                continue
+            hyp = beams[i]
+            seq.token_ids = list(hyp.token_ids)
+            stopped_on = hyp.token_ids[-1] if hyp.finish_reason == "stop" else None
+            shown = (
+                hyp.token_ids[:-1]
+                if stopped_on is not None and not params.include_stop_str_in_output
+                else hyp.token_ids
+            )
+            seq.detokenizer.update(shown, check_stop=False)
+            seq.cumulative_logprob = hyp.cumulative_logprob
+            seq.finish_reason = hyp.finish_reason
+            seq.stop_reason = stopped_on if stopped_on in params.stop_token_ids else None
+            seq.metrics.finished_time = now
+            if seq.metrics.first_token_time is None:
+                seq.metrics.first_token_time = now - seq.metrics.arrival_time
+            seq.metrics.last_token_time = now
+
     def _completion(self, index: int, seq: SequenceState, delta: bool) -> CompletionOutput:
         text = seq.detokenizer.visible_text(seq.finished)
-        want_logprobs = self.params.logprobs is not None
+        want_logprobs = self.params.logprobs is not None or self.params.use_beam_search
         tokens, logprobs = seq.token_ids, seq.logprobs if want_logprobs else None
         if delta:
             text, seq.sent_text = text[seq.sent_text :], len(text)
@@ -162,6 +189,10 @@ class OutputProcessor:
                 continue  # aborted while the step ran
             group, seq = entry
             seq.num_cached_tokens = out.num_cached_tokens
+            if out.beams is not None:
+                group.take_beams(out.beams, now)
+                touched[group.request_id] = group
+                continue
             if out.new_prompt_logprobs:
                 seq.prompt_logprobs.extend(self.formatter.position(lp) for lp in out.new_prompt_logprobs)
             if out.new_token_ids:

@@ -13,8 +13,10 @@ from typing import TYPE_CHECKING
 from kiln.outputs import RequestMetrics
 
 if TYPE_CHECKING:
+    from kiln.engine.beam_search import BeamGroup, BeamHypothesis
     from kiln.engine.kv_cache import Block
     from kiln.interfaces.guided import GuideMatcher
+    from kiln.pooling_params import PoolingParams
     from kiln.sampling_params import SamplingParams
 
 
@@ -46,7 +48,7 @@ class Request:
 
     request_id: str
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams
+    sampling_params: SamplingParams | None  # None: a pooling request (``pooling_params``)
     eos_token_ids: frozenset[int]
     arrival_time: float
     priority: int = 0
@@ -63,6 +65,10 @@ class Request:
     num_preemptions: int = 0
     num_prompt_logprobs: int = 0  # prompt positions whose logprobs were emitted (recompute skips them)
     metrics: RequestMetrics | None = None
+    beam: BeamGroup | None = None  # beam search: the group this sequence is one beam of
+    # A pooling request (kiln.engine.pooling): prefill-only, ends with its pooled output.
+    pooling_params: PoolingParams | None = None
+    token_type_ids: list[int] | None = None  # a cross-encoder pair's segment ids, one per prompt token
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -81,6 +87,21 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
+    def fork(self, request_id: str) -> Request:
+        """A copy of this sequence under a new id, for beam search: same tokens, progress and
+        (not yet referenced) block table; ``KVCacheManager.fork`` shares the blocks."""
+        child = Request(
+            request_id, self.prompt_token_ids, self.sampling_params, self.eos_token_ids, self.arrival_time,
+            self.priority, self.cache_salt, beam=self.beam,
+        )  # fmt: skip
+        child.output_token_ids = list(self.output_token_ids)
+        child.all_token_ids = list(self.all_token_ids)
+        child.num_computed_tokens = self.num_computed_tokens
+        child.num_cached_tokens = self.num_cached_tokens
+        child.num_prompt_logprobs = self.num_prompt_logprobs
+        child.block_hashes = list(self.block_hashes)
+        return child
+
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
@@ -92,7 +113,7 @@ class Request:
     @property
     def reads_prefix_cache(self) -> bool:
         """Prompt logprobs need every prompt position computed, so such requests take no hits."""
-        return self.sampling_params.prompt_logprobs is None
+        return self.pooling_params is not None or self.sampling_params.prompt_logprobs is None
 
 
 @dataclass(slots=True)
@@ -114,7 +135,8 @@ class EngineCoreOutput:
     (or ranks its ``best_of`` sequences by them); ``new_prompt_logprobs`` covers the
     prompt positions computed this step. ``finish_reason`` is ``"stop"``, ``"length"``
     or ``"abort"`` once the core has finished the request; ``stop_reason`` is then the
-    stop token id that ended it, if any.
+    stop token id that ended it, if any. A beam search reports nothing until it ends, then
+    its hypotheses in ``beams``.
     """
 
     request_id: str
@@ -124,3 +146,5 @@ class EngineCoreOutput:
     finish_reason: str | None = None
     stop_reason: int | None = None
     num_cached_tokens: int = 0
+    beams: list[BeamHypothesis] | None = None  # a finished beam search: its hypotheses, best first
+    pooled: object = None  # a finished pooling request: its output (a float32 CPU tensor)

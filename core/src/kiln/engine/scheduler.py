@@ -15,6 +15,11 @@ request's ``num_computed_tokens`` moves towards its ``num_tokens``:
 Admission keeps ``1 - kv_cache_ratio`` of the blocks free for the decodes of
 running requests (seed 000's ``kv_cache_ratio``), which makes preemption rarer.
 
+Beam search (``kiln.engine.beam_search``): each beam is a request here. A beam that has
+offered its candidates waits (nothing to compute) until its siblings have too; then the
+group picks the next beams, continuing or forking their parents (forks share the parent's
+KV blocks) and dropping the rest.
+
 Where a request finishes: here, and only here. ``update_from_output`` ends a
 request on EOS, a stop token id, ``max_tokens``, ``max_model_len`` or a complete
 guided-decoding constraint; ``finish_requests`` ends it on an abort from outside
@@ -28,6 +33,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kiln.engine.beam_search import BeamCandidates, BeamGroup
 from kiln.engine.guided_manager import GuardedMatcher
 from kiln.engine.request import EngineCoreOutput, Request, RequestStatus, TopLogprobs
 
@@ -43,6 +49,7 @@ class SchedulerOutput:
     scheduled: list[tuple[Request, int]]  # (request, tokens to compute), running first
     total_num_scheduled_tokens: int
     preempted: list[Request] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), before the forward
 
     @property
     def is_empty(self) -> bool:
@@ -60,6 +67,7 @@ class SampledToken:
 
     token_id: int
     logprobs: TopLogprobs | None = None
+    beam_candidates: BeamCandidates | None = None  # beam search: the next tokens this beam offers
 
 
 class Scheduler:
@@ -74,6 +82,7 @@ class Scheduler:
         self.reserve = int((1.0 - config.kv_cache_ratio) * (kv.num_blocks - 1))
         self.num_preemptions = 0
         self.requests: dict[str, Request] = {}  # unfinished, by id
+        self.beam_groups: dict[str, BeamGroup] = {}  # unfinished beam searches, by request id
 
     def _key(self, req: Request) -> tuple:
         return (req.priority, req.arrival_time) if self.priority else (req.arrival_time,)
@@ -81,6 +90,14 @@ class Scheduler:
     def add_request(self, req: Request) -> None:
         self.waiting.append(req)
         self.requests[req.request_id] = req
+        if req.sampling_params is not None and req.sampling_params.use_beam_search:  # None: pooling
+            params = req.sampling_params
+            stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else req.eos_token_ids)
+            room = self.max_model_len - req.num_prompt_tokens
+            group = BeamGroup(req.request_id, params, stop_ids, min(params.max_tokens or room, room))
+            group.add_beam(req, 0.0)
+            req.beam = group
+            self.beam_groups[req.request_id] = group
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -94,6 +111,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n == 0:  # a beam waiting for its siblings' candidates
+                i += 1
+                continue
             while not self.kv.allocate_slots(req, n):
                 # Only requests not yet scheduled this step may be preempted.
                 victim = max(self.running[i:], key=self._key)
@@ -108,7 +128,10 @@ class Scheduler:
             i += 1
 
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
-            req = min(self.waiting, key=self._key) if self.priority else self.waiting[0]
+            ready = (r for r in self.waiting if not _idle_beam(r))  # idle beams wait for their group
+            req = min(ready, key=self._key, default=None) if self.priority else next(ready, None)
+            if req is None:
+                break
             computed, num_hit = self.kv.get_computed_blocks(req)
             n = req.num_tokens - num_hit
             if n > budget and not self.config.enable_chunked_prefill:
@@ -116,6 +139,11 @@ class Scheduler:
             n = min(n, budget)
             left = self.kv.can_fit(req, n, computed)
             if left is None or (self.running and left < self.reserve):
+                if self.running and all(_idle_beam(r) for r in self.running):
+                    # Only beams waiting for a sibling hold the blocks that sibling needs: evict one
+                    # (its candidates stay offered; it recomputes once its group moves on).
+                    self._preempt(self.running[-1])
+                    continue
                 break
             self.kv.allocate_slots(req, n, computed)
             self.waiting.remove(req)
@@ -130,7 +158,8 @@ class Scheduler:
             scheduled.append((req, n))
             budget -= n
 
-        return SchedulerOutput(scheduled, self.token_budget - budget, preempted)
+        copies = self.kv.take_copies() if scheduled else []  # kept for a step that runs
+        return SchedulerOutput(scheduled, self.token_budget - budget, preempted, copies)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -150,9 +179,14 @@ class Scheduler:
         """Advance computed tokens, append sampled tokens (advancing guided matchers), finish
         requests that hit a stop, and say what changed for each request."""
         outputs = []
+        ready_groups: list[BeamGroup] = []
         for req, n in output.scheduled:
             req.num_computed_tokens += n
             token = sampled.get(req)
+            if token is not None and req.beam is not None:
+                if req.beam.offer(req, token.beam_candidates):
+                    ready_groups.append(req.beam)
+                continue
             new_prompt_logprobs = prompt_logprobs.get(req)
             if token is None:
                 if new_prompt_logprobs:  # a prefill chunk: nothing sampled yet
@@ -192,7 +226,45 @@ class Scheduler:
                     req.num_cached_tokens or 0,
                 )
             )
+        for group in ready_groups:
+            done = self._advance_beams(group)
+            if done is not None:
+                outputs.append(done)
         return outputs
+
+    def _advance_beams(self, group: BeamGroup) -> EngineCoreOutput | None:
+        """Move a beam group on by one token: continue or fork the chosen parents, drop the
+        others; when the search is over, end it and report its hypotheses."""
+        chosen = group.advance()
+        if chosen is None:
+            for beam in group.live:
+                self._finish(beam, RequestStatus.FINISHED_STOPPED)
+            del self.beam_groups[group.request_id]
+            beams = group.results()
+            cached = group.live[0].num_cached_tokens or 0
+            return EngineCoreOutput(group.request_id, [], None, None, beams[0].finish_reason, None, cached, beams)
+        parents, group.live, group.scores = group.live, [], {}
+        continued: set[Request] = set()
+        next_tokens = []
+        for parent, token, score in chosen:
+            if parent in continued:
+                beam = parent.fork(group.fork_id())
+                beam.status = parent.status
+                self.kv.fork(parent, beam)
+                self.requests[beam.request_id] = beam
+                queue = self.running if parent.status is RequestStatus.RUNNING else self.waiting
+                queue.insert(queue.index(parent) + 1, beam)
+            else:
+                continued.add(parent)
+                beam = parent
+            group.add_beam(beam, score)
+            next_tokens.append(token)
+        for parent in parents:
+            if parent not in continued:
+                self._finish(parent, RequestStatus.FINISHED_ABORTED)
+        for beam, token in zip(group.live, next_tokens):  # after forking: forks copy the parent as it was
+            beam.append_output_token(token)
+        return None
 
     def _check_stop(self, req: Request, token: int) -> tuple[RequestStatus | None, int | None]:
         params = req.sampling_params
@@ -210,8 +282,15 @@ class Scheduler:
         return None, None
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
-        """End unfinished requests by id (aborts, stop strings), wherever they are; return them."""
-        found = [self.requests[rid] for rid in request_ids if rid in self.requests]
+        """End unfinished requests by id (aborts, stop strings), wherever they are; return them.
+        A beam search's id ends all its beams."""
+        found = []
+        for rid in request_ids:
+            group = self.beam_groups.pop(rid, None)
+            if group is not None:
+                found.extend(group.live)
+            elif rid in self.requests:
+                found.append(self.requests[rid])
         for req in found:
             self._finish(req, status)
         return found
@@ -225,3 +304,8 @@ class Scheduler:
         self.kv.free(req)
         req.status = status
         del self.requests[req.request_id]
+
+
+def _idle_beam(req: Request) -> bool:
+    """A beam that has offered its candidates and waits for its siblings' (nothing to compute)."""
+    return req.beam is not None and req in req.beam.pending

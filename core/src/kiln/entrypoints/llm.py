@@ -8,14 +8,15 @@ from typing import Any
 from kiln.config import EngineConfig
 from kiln.engine.llm_engine import LLMEngine, PromptInput
 from kiln.entrypoints.chat_rendering import render_chat_template
-from kiln.outputs import RequestOutput
-from kiln.sampling_params import SamplingParams
+from kiln.entrypoints.llm_pooling import PoolingMixin
+from kiln.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from kiln.sampling_params import BeamSearchParams, SamplingParams
 
 Messages = list[dict[str, Any]]
 
 
-class LLM:
-    """Generate text offline.
+class LLM(PoolingMixin):
+    """Generate text offline (and embed, classify and score: ``PoolingMixin``).
 
     >>> llm = LLM()  # the embedded SmolLM2-135M-Instruct on the best device
     >>> llm.generate(["Hello"], SamplingParams(max_tokens=32))[0].outputs[0].text
@@ -34,14 +35,19 @@ class LLM:
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Run prompts (strings, token-id lists, or ``{"prompt_token_ids": [...]}``) to completion, in order."""
-        prompts = _as_batch(prompts)
         if sampling_params is None:
             sampling_params = self.engine.default_sampling_params()
-        params = (
-            [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
-        )
+        return self._run(self._submit(prompts, sampling_params, "sampling_params", priority))
+
+    def _submit(
+        self, prompts: PromptInput | Sequence[PromptInput], params: Any, name: str, priority: Sequence[int] | None = None
+    ) -> list[str]:
+        """Queue each prompt with its params (one object for all, or a list with one each); a bad
+        prompt rejects the whole call, leaving the engine clean. The request ids, in order."""
+        prompts = _as_batch(prompts)
+        params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params) != len(prompts):
-            raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
+            raise ValueError(f"{name}: got {len(params)} for {len(prompts)} prompts")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority: got {len(priority)} values for {len(prompts)} prompts")
         ids = []
@@ -49,10 +55,28 @@ class LLM:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 ids.append(self.engine.add_request(None, prompt, p, priority=priority[i] if priority else 0))
         except ValueError:
-            for rid in ids:  # a bad prompt rejects the whole call, leaving the engine clean
+            for rid in ids:
                 self.engine.abort_request(rid)
             raise
-        return self._run(ids)
+        return ids
+
+    def beam_search(
+        self, prompts: PromptInput | Sequence[PromptInput], params: BeamSearchParams
+    ) -> list[BeamSearchOutput]:
+        """Beam search over each prompt, on the engine (beams share their KV blocks); the
+        same hypotheses and scores as transformers' ``generate(num_beams=...)``."""
+        decode = self.engine.model_info.tokenizer.decode
+        results = []
+        for out in self.generate(_as_batch(prompts), params.to_sampling_params()):
+            sequences = []
+            for c in out.outputs:
+                tokens = out.prompt_token_ids + c.token_ids
+                text = decode(tokens, skip_special_tokens=True)
+                sequences.append(
+                    BeamSearchSequence(tokens, [], c.cumulative_logprob, text, c.finish_reason, c.stop_reason)
+                )
+            results.append(BeamSearchOutput(sequences))
+        return results
 
     def chat(
         self,

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass(slots=True)
@@ -143,11 +144,17 @@ class AttentionBackend(ABC):
         prefills, chunks on a cached prefix and decodes. Backends that do not implement it
         leave ``supports_sliding_window`` False; models with a window then refuse them.
       * Padding tokens (slot -1) are neither written nor attended from.
+      * ``forward_encoder`` (encoder models: BERT, XLM-RoBERTa) is bidirectional attention within
+        each sequence of the step (sequences delimited by ``layout.query_start_loc``): every query
+        sees every key of its own sequence and none of another's; no KV cache is read or written.
+        The default here runs torch SDPA per sequence; backends override it with their kernels,
+        or set ``supports_encoder`` False (encoder models then refuse them).
     """
 
     name: ClassVar[str]
     supports_decode_graphs: ClassVar[bool] = False  # implements ``graph_metadata``
     supports_sliding_window: ClassVar[bool] = False  # honours ``forward(..., sliding_window=w)``
+    supports_encoder: ClassVar[bool] = True  # implements ``forward_encoder`` (the default does)
     # Cache dtypes the backend stores besides the compute dtype (``--kv-cache-dtype``): values
     # are written as ``k / k_scale`` in that dtype and read back as ``stored * k_scale``.
     cache_dtypes: ClassVar[tuple[torch.dtype, ...]] = ()
@@ -181,6 +188,12 @@ class AttentionBackend(ABC):
         layout; lets the contract suite seed and compare caches of any layout."""
         return kv_cache
 
+    def copy_blocks(self, kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy whole blocks ``src[i]`` to ``dst[i]`` in one layer's cache (beam search forks a
+        sequence whose last block is partly filled). The default works on ``reference_view``."""
+        view = self.reference_view(kv_cache)
+        view[:, dst] = view[:, src]
+
     def build_metadata(self, layout: BatchLayout) -> object:
         """Backend-private metadata built once per step and passed to every layer."""
         return layout
@@ -211,6 +224,27 @@ class AttentionBackend(ABC):
         window, None for full causal attention; models pass it only for windowed layers, and
         only to backends whose ``supports_sliding_window`` is True."""
 
+    def forward_encoder(
+        self,
+        q: torch.Tensor,  # (num_tokens, num_heads, head_dim)
+        k: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+        v: torch.Tensor,
+        layout: BatchLayout,
+        *,
+        scale: float,
+    ) -> torch.Tensor:
+        """Bidirectional attention within each sequence of ``layout`` (an encoder step: every
+        request's whole prompt, nothing cached); returns the output shaped like ``q``."""
+        out = torch.empty_like(q)
+        start = 0
+        for n in layout.query_lens_cpu:  # host lengths: no device sync
+            # NOTE: 4-D inputs take torch's flash kernels (on CPU too); 3-D ones the math path.
+            qi, ki, vi = (t[start : start + n].transpose(0, 1)[None] for t in (q, k, v))
+            o = F.scaled_dot_product_attention(qi, ki, vi, scale=scale, enable_gqa=True)
+            out[start : start + n] = o[0].transpose(0, 1)
+            start += n
+        return out
+
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Scatter new K/V rows into a (2, blocks, block_size, heads, dim) cache; slot -1 is skipped."""
@@ -220,6 +254,13 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slo
     flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])
     flat[0].index_copy_(0, slot_mapping, k)
     flat[1].index_copy_(0, slot_mapping, v)
+
+
+def padded_rows(query_lens: list[int], width: int, device: torch.device | str) -> torch.Tensor:
+    """(num_tokens,) int64: each token's row once the step's sequences are padded to ``width``
+    tokens each (token j of sequence i -> ``i * width + j``), for backends that batch them."""
+    rows = [i * width + j for i, n in enumerate(query_lens) for j in range(n)]
+    return torch.tensor(rows, dtype=torch.int64, device=device)
 
 
 def window_start(position: int, sliding_window: int | None) -> int:

@@ -10,6 +10,14 @@ and device, and provides:
 * ``load_weights(iterable of (name, tensor))`` for Hugging Face checkpoint names;
 * ``layers``: one entry per attention layer (one KV cache each).
 
+Encoder models (``kiln.models.bert``) differ: class attribute ``is_encoder = True``; ``forward``
+returns the last layer's hidden states (num_tokens, hidden), attending bidirectionally within
+each sequence through ``AttentionBackend.forward_encoder`` (``ctx.layout``), so the engine
+must compute each prompt whole in one step; ``layers`` is empty (no KV cache); no
+``compute_logits``. Sequence-classification models (cross-encoders) add ``num_labels`` and
+``classify(cls_hidden (num_seqs, hidden)) -> (num_seqs, num_labels)`` float32, their head
+applied to each sequence's first-token (CLS) hidden state.
+
 ``ops`` is resolved once when the model is built (``resolve_ops``): each name
 maps to the platform's override from ``Platform.custom_ops()`` or to the torch
 reference here. ``kiln.models.llama`` is the worked example.
@@ -20,9 +28,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from kiln.interfaces.attention import BatchLayout
 
 
 @dataclass(slots=True)
@@ -32,6 +44,8 @@ class StepContext:
 
     attn_metadata: object
     kv_caches: list[torch.Tensor]
+    layout: BatchLayout | None = None  # the step's batch (None inside decode graphs)
+    token_type_ids: torch.Tensor | None = None  # (num_tokens,) int64 BERT segment ids; None: all 0
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

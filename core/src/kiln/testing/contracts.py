@@ -14,7 +14,7 @@ Plugin authors subclass a contract in their own tests, setting its knobs as clas
         device = "mine"
 
 * ``AttentionBackendContract``: an ``AttentionBackend`` against the torch reference on mixed paged batches,
-  with and without a sliding window.
+  with and without a sliding window, and its encoder (bidirectional) attention.
 * ``PlatformContract``: a ``Platform``'s members (config checks, memory, KV cache, graph sizes...).
 * ``OpsContract``: a platform's fused ops against the reference ops of ``kiln.interfaces.model``.
 """
@@ -148,6 +148,9 @@ class AttentionBackendContract:
     def _window_block_size(self) -> int:
         if not self.backend_cls.supports_sliding_window:
             pytest.skip("no sliding-window support")
+        return self._smallest_block_size()
+
+    def _smallest_block_size(self) -> int:
         sizes = [b for b in (16, 32, 64, 128) if self.backend_cls.supports(head_dim=64, dtype=self.dtype, block_size=b)]
         if not sizes:
             pytest.skip("unsupported shape")
@@ -168,6 +171,34 @@ class AttentionBackendContract:
         got = backend.forward(q, k, v, cache, backend.build_metadata(layout), **kwargs)
         torch.testing.assert_close(got.float(), expected.float(), atol=self.atol, rtol=self.atol)
         self._assert_same_cache(backend, cache, ref_cache)
+
+    @pytest.mark.parametrize("lengths", [(5, 1, 40, 16), (32, 30, 32), (24, 24)], ids=["mixed", "close", "equal"])
+    @pytest.mark.parametrize("heads", [(4, 4), (6, 2)], ids=["mha", "gqa3"])
+    def test_encoder_matches_reference(self, heads, lengths):
+        """``forward_encoder``: each query attends to every key of its own sequence and to no other
+        one's (lengths 1, under a block, over two; close or equal ones, which a backend may pad and
+        batch), on q/k/v viewed out of one fused qkv tensor, against softmax attention written out
+        here; no cache is involved."""
+        if not self.backend_cls.supports_encoder:
+            pytest.skip("no encoder support")
+        (num_heads, num_kv_heads), dim, scale = heads, 64, 0.125
+        shapes = [(0, n) for n in lengths]
+        layout, n = random_layout(random.Random(7), self._smallest_block_size(), 64, shapes, self.device)
+        torch.manual_seed(7)
+        qkv = torch.randn(n, (num_heads + 2 * num_kv_heads) * dim, dtype=self.dtype, device=self.device)
+        q, k, v = qkv.split([num_heads * dim, num_kv_heads * dim, num_kv_heads * dim], dim=-1)
+        q, k, v = q.view(n, num_heads, dim), k.view(n, num_kv_heads, dim), v.view(n, num_kv_heads, dim)
+        backend = self.backend_cls(num_heads, num_kv_heads, dim, self.dtype)
+        got = backend.forward_encoder(q, k, v, layout, scale=scale)
+        expected, start = torch.empty(n, num_heads, dim), 0
+        for length in layout.query_lens_cpu:
+            qi, ki, vi = (t[start : start + length].float().cpu() for t in (q, k, v))
+            ki, vi = (t.repeat_interleave(num_heads // num_kv_heads, dim=1) for t in (ki, vi))
+            weights = torch.softmax(torch.einsum("qhd,khd->hqk", qi, ki) * scale, dim=-1)
+            expected[start : start + length] = torch.einsum("hqk,khd->qhd", weights, vi)
+            start += length
+        assert got.shape == q.shape and got.dtype == q.dtype
+        torch.testing.assert_close(got.float().cpu(), expected, atol=self.atol, rtol=self.atol)
 
     @pytest.mark.parametrize("block_size", [16, 32, 64, 128])
     def test_decode_graph_path(self, block_size):

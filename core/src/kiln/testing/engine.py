@@ -31,3 +31,18 @@ def run_greedy(engine, prompts: list[list[int]], max_tokens: int = 8) -> list[li
 def greedy_tokens(plugins, prompts: list[list[int]], max_tokens: int = 8, **engine_args: Any) -> list[list[int]]:
     """``run_greedy`` on a fresh engine."""
     return run_greedy(make_engine(plugins, **engine_args), prompts, max_tokens)
+
+
+def run_beam_search(engine, prompts: list[list[int]], width: int, max_tokens: int = 8, **params: Any) -> list[list]:
+    """Beam-search hypotheses of ``prompts``, batched on ``engine``: per prompt, (token ids,
+    cumulative logprob) best first."""
+    from kiln.sampling_params import SamplingParams
+
+    beam = SamplingParams(n=width, use_beam_search=True, max_tokens=max_tokens, **params)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, beam)
+    done: dict[str, list] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            done[out.request_id] = [(o.token_ids, o.cumulative_logprob) for o in out.outputs]
+    return [done[str(i)] for i in range(len(prompts))]

@@ -26,9 +26,13 @@ def build_tiny_model(
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    from kiln.testing.encoders import ENCODER_TYPES, build_tiny_encoder
+
     path = Path(path)
     if (path / "config.json").exists():
         return str(path)
+    if model_type in ENCODER_TYPES:  # BERT / XLM-RoBERTa, with a WordPiece tokenizer of their own
+        return build_tiny_encoder(model_type, path, tokenizer_dir, seed=seed, **overrides)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     config = AutoConfig.for_model(
         model_type,
@@ -75,3 +79,41 @@ def hf_greedy(
             )
             out.append(gen[0, len(ids) :].tolist())
     return out
+
+
+def hf_beam_search(
+    model_dir: str,
+    prompt: list[int],
+    num_beams: int,
+    max_new_tokens: int,
+    *,
+    length_penalty: float = 1.0,
+    early_stopping: bool | str = False,
+    eos_token_ids: list[int],
+) -> list[tuple[list[int], float]]:
+    """Reference: Hugging Face beam search (no sampling), fp32: the ``num_beams`` hypotheses
+    as (generated tokens up to and including the first EOS, score), best first."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            num_beams=num_beams,
+            num_return_sequences=num_beams,
+            do_sample=False,
+            length_penalty=length_penalty,
+            early_stopping=early_stopping,
+            eos_token_id=eos_token_ids,
+            pad_token_id=eos_token_ids[0],  # pads after the EOS, cut below
+            return_dict_in_generate=True,
+            output_scores=True,
+        )
+    hypotheses = []
+    for seq, score in zip(out.sequences[:, len(prompt) :].tolist(), out.sequences_scores.tolist()):
+        end = next((i + 1 for i, t in enumerate(seq) if t in eos_token_ids), len(seq))
+        hypotheses.append((seq[:end], score))
+    return hypotheses

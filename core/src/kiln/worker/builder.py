@@ -58,7 +58,8 @@ def build_backend(
 
     head_dim = head_dim_of(hf_config)
     heads = tp.shard(hf_config.num_attention_heads, "attention heads")
-    kv_heads = tp.shard(hf_config.num_key_value_heads, "key/value heads")
+    # Encoder configs (BERT) have no num_key_value_heads: every head has its own K/V.
+    kv_heads = tp.shard(getattr(hf_config, "num_key_value_heads", hf_config.num_attention_heads), "key/value heads")
     cache_dtype = KV_CACHE_DTYPES.get(config.kv_cache_dtype, dtype)
     backends = registry.attention_backends
     chosen = config.attention_backend

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,6 +35,7 @@ class ModelOutput:
     logits: torch.Tensor  # (len(sampling_reqs), vocab) float32, on the device
     prompt_logprobs: dict[Request, list[TopLogprobs]]
     forward_time: float
+    pooled: dict[Request, torch.Tensor] = field(default_factory=dict)  # pooling requests' outputs (host)
 
 
 class Executor:
@@ -96,7 +97,8 @@ class Executor:
             free, total = self.platform.mem_get_info()
             budget = total * cfg.gpu_memory_utilization - (total - free) - activations
             useful = cfg.max_num_seqs * -(-cfg.max_model_len // bs) + 1
-            num_blocks = min(int(budget // self.runner.kv_block_bytes()), useful)
+            per_block = self.runner.kv_block_bytes()  # 0 for encoders: no KV cache, blocks only count tokens
+            num_blocks = min(int(budget // per_block), useful) if per_block else useful
         if (num_blocks - 1) * bs < cfg.max_model_len:
             raise ValueError(
                 f"the KV cache holds {max(num_blocks - 1, 0) * bs} tokens, less than --max-model-len "
@@ -115,7 +117,7 @@ class Executor:
             next_tokens = req.prompt_token_ids[first + 1 : first + 1 + logits.shape[0]]
             prompt_logprobs[req] = prompt_top_logprobs(logits, next_tokens, req.sampling_params.prompt_logprobs)
             req.num_prompt_logprobs += len(next_tokens)
-        return ModelOutput(result.sampling_reqs, result.logits, prompt_logprobs, result.forward_time)
+        return ModelOutput(result.sampling_reqs, result.logits, prompt_logprobs, result.forward_time, result.pooled)
 
     def grammar_bitmask(self, output: ModelOutput) -> GrammarBitmask | None:
         """The tokens each constrained sampling request may take next (None: no constraint)."""
@@ -127,8 +129,8 @@ class Executor:
             return {}
         sampled = self.sampler(output.logits, output.sampling_reqs, bitmask)
         return {
-            req: SampledToken(token, lp)
-            for req, token, lp in zip(output.sampling_reqs, sampled.token_ids, sampled.logprobs)
+            req: SampledToken(token, lp, sampled.beam_candidates.get(row))
+            for row, (req, token, lp) in enumerate(zip(output.sampling_reqs, sampled.token_ids, sampled.logprobs))
         }
 
     def free(self, request_ids: Iterable[str]) -> None:

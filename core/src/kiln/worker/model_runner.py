@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +28,7 @@ from kiln.engine.scheduler import SchedulerOutput
 from kiln.interfaces.attention import AttentionBackend, BatchLayout, DecodeGraphInputs
 from kiln.interfaces.model import StepContext
 from kiln.interfaces.platform import Platform
+from kiln.models.pooler import pool
 
 logger = logging.getLogger("kiln.runner")
 
@@ -38,6 +39,7 @@ class StepResult:
     logits: torch.Tensor  # (len(sampling_reqs), vocab) float32, on the device
     prompt_logits: dict[Request, tuple[int, torch.Tensor]]  # req -> (first position, logits rows)
     forward_time: float
+    pooled: dict[Request, torch.Tensor] = field(default_factory=dict)  # pooling requests' outputs, on the host
 
 
 class DecodeStep(torch.nn.Module):
@@ -68,6 +70,8 @@ class StepBatch:
     block_rows: list[list[int]]
     context_lens: list[int]
     query_lens: list[int]
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), done before the forward
+    token_type_ids: list[int] | None = None  # every token's segment id, when a request has them (cross-encoders)
 
     @classmethod
     def of(cls, batch: list[tuple[Request, int]]) -> StepBatch:
@@ -77,12 +81,19 @@ class StepBatch:
             start = req.num_computed_tokens
             input_ids.extend(req.all_token_ids[start : start + n])
             positions.extend(range(start, start + n))
+        token_types = None
+        if any(req.token_type_ids for req, _ in batch):
+            token_types = []
+            for req, n in batch:
+                start = req.num_computed_tokens
+                token_types.extend((req.token_type_ids or [0] * req.num_tokens)[start : start + n])
         return cls(
             input_ids,
             positions,
             [[b.block_id for b in req.blocks] for req, _ in batch],
             [req.num_computed_tokens for req, _ in batch],
             [n for _, n in batch],
+            token_type_ids=token_types,
         )
 
 
@@ -125,7 +136,9 @@ class ModelRunner:
         self.block_size = config.block_size
         self.kv_caches: list[torch.Tensor] = []
         # Sizes first: with none (e.g. max_num_seqs 1 on Ascend) no graph runner is built at all.
-        sizes = [] if config.enforce_eager else platform.graph_sizes(config)
+        # Encoders never decode: a one-token prompt step must not take the decode-graph path.
+        eager = config.enforce_eager or getattr(model, "is_encoder", False)
+        sizes = [] if eager else platform.graph_sizes(config)
         self.graphs = platform.graph_runner(config) if sizes else None
         if self.graphs is not None and not backend.supports_decode_graphs:
             logger.warning("attention backend %s has no decode-graph path; running eagerly", backend.name)
@@ -164,7 +177,8 @@ class ModelRunner:
         try:
             with torch.inference_mode():
                 hidden = self.run_batch(batch)
-                self.model.compute_logits(hidden[: min(n, self.config.max_num_seqs)])
+                if self.config.task == "generate":  # pooling models compute no logits
+                    self.model.compute_logits(hidden[: min(n, self.config.max_num_seqs)])
         finally:
             self.kv_caches = kept
 
@@ -190,12 +204,19 @@ class ModelRunner:
 
     def run_batch(self, batch: StepBatch) -> torch.Tensor:
         """The model's hidden states for every token of ``batch`` (eagerly or through a graph)."""
+        if batch.block_copies:
+            src, dst = (torch.tensor(ids, dtype=torch.int64, device=self.device) for ids in zip(*batch.block_copies))
+            for kv_cache in self.kv_caches:
+                self.backend.copy_blocks(kv_cache, src, dst)
         layout = BatchLayout.build(batch.block_rows, batch.context_lens, batch.query_lens, self.block_size, self.device)
         input_ids = torch.tensor(batch.input_ids, dtype=torch.int64, device=self.device)
         positions = torch.tensor(batch.positions, dtype=torch.int64, device=self.device)
         size = self._graph_size(layout)
         if size is None:
-            return self.model(input_ids, positions, StepContext(self.backend.build_metadata(layout), self.kv_caches))
+            ctx = StepContext(self.backend.build_metadata(layout), self.kv_caches, layout)
+            if batch.token_type_ids is not None:
+                ctx.token_type_ids = torch.tensor(batch.token_type_ids, dtype=torch.int64, device=self.device)
+            return self.model(input_ids, positions, ctx)
         self.graph_steps += 1
         inputs = DecodeGraphInputs.pad(input_ids, positions, layout, size, self.max_blocks_per_req)
         return self.graphs.run(size, inputs)[: layout.num_reqs]
@@ -205,14 +226,20 @@ class ModelRunner:
         # Decodes first: backends batch them separately from prefills.
         batch = sorted(output.scheduled, key=lambda item: item[1] != 1)
         step = StepBatch.of(batch)
+        step.block_copies = output.block_copies
 
         rows: list[int] = []  # flat token indices whose logits we need
         sampling_reqs: list[Request] = []
         prompt_spans: list[tuple[Request, int, int, int]] = []  # req, first pos, row offset, count
         sample_rows: list[int] = []
+        pool_spans: list[tuple[Request, int, int]] = []  # pooling requests: req, first row, rows
         offset = 0
         for req, n in batch:
             start = req.num_computed_tokens
+            if req.pooling_params is not None:  # prefill-only: pooled below, never sampled
+                pool_spans.append((req, offset, n))
+                offset += n
+                continue
             if req.sampling_params.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
                 count = min(start + n, req.num_prompt_tokens - 1) - start
                 prompt_spans.append((req, start, len(rows), count))
@@ -228,9 +255,13 @@ class ModelRunner:
         if self.peers is not None:
             self.peers.send(step)  # the other tensor-parallel ranks run the same step alongside
         hidden = self.run_batch(step)
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.int64, device=self.device)])
+        if rows:
+            logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.int64, device=self.device)])
+        else:  # only pooling requests (pooling models may have no LM head)
+            logits = hidden.new_zeros((0, 0), dtype=torch.float32)
+        pooled = pool(self.model, hidden, pool_spans) if pool_spans else {}
         self.platform.synchronize()
         forward_time = time.perf_counter() - t0
         # Sampling stays on the device; prompt log-probs are read row by row, on the host.
         prompt_logits = {req: (first, logits[o : o + c].cpu()) for req, first, o, c in prompt_spans}
-        return StepResult(sampling_reqs, logits[sample_from:], prompt_logits, forward_time)
+        return StepResult(sampling_reqs, logits[sample_from:], prompt_logits, forward_time, pooled)

@@ -11,6 +11,8 @@ Pipeline, per step (rows are requests that sample this step):
      exponential race ``argmax(p / q)``, q ~ Exp(1), drawn from the request's own
      generator when it has a seed: the same seed gives the same tokens whatever
      else is batched.
+  7. beam-search rows sample nothing: they offer their most likely next tokens, by
+     the raw log-probabilities of step 1 (``kiln.engine.beam_search``).
 
 Steps 3 and 4 loop over the rows that use those parameters (most rows use none).
 Everything runs where the logits are (the accelerator): only the chosen token ids
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kiln.engine.beam_search import BeamCandidates
 from kiln.engine.request import Request, TopLogprobs
 from kiln.interfaces.guided import allocate_bitmask, apply_token_bitmask
 
@@ -46,6 +49,7 @@ class GrammarBitmask:
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[TopLogprobs | None]
+    beam_candidates: dict[int, BeamCandidates]  # row -> candidates, for beam-search rows
 
 
 class Sampler:
@@ -83,7 +87,9 @@ class Sampler:
     ) -> SamplerOutput:
         """Tokens for ``logits`` (one float32 row per request in ``reqs``, modified in place)."""
         params = [r.sampling_params for r in reqs]
-        want_lp = [i for i, p in enumerate(params) if p.logprobs is not None or p.best_of > 1]
+        beam_rows = [i for i, r in enumerate(reqs) if r.beam is not None]
+        candidates = _beam_candidates(logits, reqs, beam_rows) if beam_rows else {}
+        want_lp = [i for i, p in enumerate(params) if (p.logprobs is not None or p.best_of > 1) and i not in candidates]
         raw = logits[want_lp].log_softmax(-1) if want_lp else None
 
         if bitmask is not None:
@@ -92,7 +98,7 @@ class Sampler:
         _apply_penalties(logits, reqs)
 
         tokens = logits.argmax(-1)
-        sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+        sampled_rows = [i for i, p in enumerate(params) if not p.greedy and i not in candidates]
         if sampled_rows:
             idx = torch.tensor(sampled_rows, device=logits.device)
             tokens[idx] = self._sample(logits[idx], [reqs[i] for i in sampled_rows])
@@ -102,7 +108,7 @@ class Sampler:
         if raw is not None:
             for row, i in enumerate(want_lp):
                 out_lp[i] = top_logprobs(raw[row], token_list[i], params[i].logprobs or 0)
-        return SamplerOutput(token_list, out_lp)
+        return SamplerOutput(token_list, out_lp, candidates)
 
     def _sample(self, logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
         params = [r.sampling_params for r in reqs]
@@ -130,6 +136,24 @@ class Sampler:
             if generator is not None:
                 q[row] = torch.empty(probs.shape[1], dtype=probs.dtype).exponential_(generator=generator)
         return (probs / q).argmax(-1)
+
+
+def _beam_candidates(logits: torch.Tensor, reqs: Sequence[Request], rows: list[int]) -> dict[int, BeamCandidates]:
+    """Each beam's ``num_candidates`` most likely next tokens by log-probability; before
+    ``min_tokens``, its stop tokens are impossible (transformers' min-new-tokens rule)."""
+    logprobs = logits[rows].log_softmax(-1)
+    for row, i in enumerate(rows):
+        req = reqs[i]
+        if req.num_output_tokens < req.sampling_params.min_tokens and req.beam.stop_ids:
+            logprobs[row, list(req.beam.stop_ids)] = float("-inf")
+    k = max(reqs[i].beam.num_candidates for i in rows)
+    values, ids = logprobs.topk(min(k, logprobs.shape[1]), dim=-1)
+    values, ids = values.tolist(), ids.tolist()
+    out = {}
+    for row, i in enumerate(rows):
+        n = reqs[i].beam.num_candidates
+        out[i] = BeamCandidates(ids[row][:n], values[row][:n])
+    return out
 
 
 def _apply_token_rules(logits: torch.Tensor, reqs: Sequence[Request]) -> None:

@@ -13,6 +13,7 @@
   of their own (``window_cache``), through the same ops, so the graph path stays tensors-only;
   prefills pass FIA an explicit banded ``(Sq, Skv)`` mask (``sparse_mode=0``) over K/V gathered
   from the first block any query's window reaches. Out-of-window blocks are never freed.
+* Encoder steps (``forward_encoder``): FIA with no mask over the sequences padded into one batch.
 Precision arguments come from ``kiln_ascend.precision``.
 """
 
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kiln.interfaces.attention import AttentionBackend, BatchLayout, attend_mask, window_start
+from kiln.interfaces.attention import AttentionBackend, BatchLayout, attend_mask, padded_rows, window_start
 from kiln_ascend.precision import PrecisionModes
 
 FULL_MASK = 0  # sparse_mode 0: the (Sq, Skv) atten_mask as given
@@ -64,6 +65,7 @@ class AscendAttentionBackend(AttentionBackend):
         super().__init__(num_heads, num_kv_heads, head_dim, dtype, cache_dtype)
         self.precision = PrecisionModes.from_env()
         self._mask: torch.Tensor | None = None
+        self._encoder_index: tuple[BatchLayout, torch.Tensor, int] | None = None  # see _encoder_rows
 
     @classmethod
     def supports(cls, *, head_dim: int, dtype: torch.dtype, block_size: int) -> bool:
@@ -151,6 +153,44 @@ class AscendAttentionBackend(AttentionBackend):
             )
             out[starts[i] : starts[i + 1]] = attended[0]
         return out
+
+    def forward_encoder(self, q, k, v, layout: BatchLayout, *, scale):
+        """FIA with no mask (``sparse_mode=0``) over the step's sequences padded into one
+        ``(B, S)`` BSND batch: the query rows of batch b see its ``actual_seq_lengths_kv[b]`` keys,
+        all of them. One op call per layer, whatever the number of sequences."""
+        import torch_npu
+
+        rows, width = self._encoder_rows(layout)
+
+        def padded(x: torch.Tensor) -> torch.Tensor:
+            out = x.new_zeros(layout.num_reqs * width, *x.shape[1:])
+            out[rows] = x
+            return out.view(layout.num_reqs, width, *x.shape[1:])
+
+        lens = layout.query_lens_cpu
+        attended, _ = torch_npu.npu_fused_infer_attention_score(
+            padded(q),
+            padded(k),
+            padded(v),
+            actual_seq_lengths=lens,
+            actual_seq_lengths_kv=lens,
+            num_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads,
+            scale=scale,
+            input_layout="BSND",
+            sparse_mode=FULL_MASK,
+            inner_precise=self.precision.prefill(on_cached_prefix=False),
+        )
+        return attended.flatten(0, 1)[rows]
+
+    def _encoder_rows(self, layout: BatchLayout) -> tuple[torch.Tensor, int]:
+        """Each token's row in the padded batch, and the padded length; built once per step.
+        NOTE: at least 2 wide: FIA with one query row per batch takes its IFA (decode) branch."""
+        if self._encoder_index is None or self._encoder_index[0] is not layout:
+            width = max(layout.max_query_len, 2)
+            index = padded_rows(layout.query_lens_cpu, width, layout.query_start_loc.device)
+            self._encoder_index = (layout, index, width)
+        return self._encoder_index[1], self._encoder_index[2]
 
 
 def window_cache(

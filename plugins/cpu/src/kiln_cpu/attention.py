@@ -17,6 +17,10 @@ through and that gathers turn straight into SDPA's (heads, len, dim) shape.
 * A sliding window (Mistral, some Qwen layers) masks keys more than ``w - 1``
   positions back; the C kernel and cached-prefix chunks skip blocks wholly
   before the window. Blocks are never freed for it: the cache holds every token.
+* Encoder steps (``forward_encoder``, BERT-style models): one SDPA call over the sequences
+  padded to the longest, keys past each one's end masked, unless padding would more than
+  double the work; then the base class's call per sequence. (One batched call ran twice as
+  fast as 32 calls of 128 tokens here.) The C kernel is for paged decodes only.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kiln.interfaces.attention import AttentionBackend, BatchLayout, attend_mask, window_start
+from kiln.interfaces.attention import AttentionBackend, BatchLayout, attend_mask, padded_rows, window_start
 from kiln_cpu import native
 
 
@@ -113,6 +117,24 @@ class CpuAttentionBackend(AttentionBackend):
             )
             out[q_start:q_end] = o[0].transpose(0, 1)
         return out
+
+    def forward_encoder(self, q, k, v, layout: BatchLayout, *, scale):
+        lens, width = layout.query_lens_cpu, layout.max_query_len
+        if len(lens) * width * width > 2 * sum(n * n for n in lens):
+            return super().forward_encoder(q, k, v, layout, scale=scale)
+        rows, mask = None, None
+        if any(n != width for n in lens):
+            rows = padded_rows(lens, width, q.device)
+            mask = (torch.arange(width) < torch.tensor(lens)[:, None]).view(len(lens), 1, 1, width)
+
+        def batch(x: torch.Tensor) -> torch.Tensor:  # (tokens, heads, dim) -> (seqs, heads, width, dim)
+            if rows is not None:
+                x = x.new_zeros(len(lens) * width, *x.shape[1:]).index_copy_(0, rows, x)
+            return x.unflatten(0, (len(lens), width)).transpose(1, 2)
+
+        o = F.scaled_dot_product_attention(batch(q), batch(k), batch(v), attn_mask=mask, scale=scale, enable_gqa=True)
+        o = o.transpose(1, 2).flatten(0, 1)
+        return o if rows is None else o[rows]
 
     def _decode(self, q, kv_cache, metadata: CpuMetadata, scale, sliding_window):
         nd = q.shape[0]

@@ -17,6 +17,8 @@ SPLITS = 8
 SPLIT_KV_MAX_WORK = 128
 # The kernels' window where a layer has none: wider than any position.
 NO_WINDOW = 2**30
+# Queries and keys per tile of the encoder kernel (tl.dot needs at least 16).
+ENCODER_BLOCK = 32
 
 
 @dataclass(slots=True)
@@ -82,6 +84,19 @@ class TritonAttentionBackend(AttentionBackend):
             )  # fmt: skip
         if self.v_scale != 1.0:
             out.mul_(self.v_scale)
+        return out
+
+    def forward_encoder(self, q, k, v, layout: BatchLayout, *, scale):
+        """Bidirectional attention within each sequence, in one launch (``encoder_attention_kernel``)."""
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if layout.num_tokens:
+            grid = (layout.num_reqs, self.num_heads, triton.cdiv(layout.max_query_len, ENCODER_BLOCK))
+            kernels.encoder_attention_kernel[grid](
+                q, k, v, out, layout.query_start_loc, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                v.stride(0), v.stride(1), out.stride(0), out.stride(1), scale,
+                GROUP=self.num_heads // self.num_kv_heads, D=self.head_dim,
+                BLOCK_D=triton.next_power_of_2(self.head_dim), BLOCK_M=ENCODER_BLOCK, BLOCK_N=ENCODER_BLOCK,
+            )  # fmt: skip
         return out
 
     def _split_kv_decode(

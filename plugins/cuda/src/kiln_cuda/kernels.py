@@ -81,6 +81,53 @@ def paged_attention_kernel(
 
 
 @triton.jit
+def encoder_attention_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, starts_ptr, q_stride_t, q_stride_h, k_stride_t, k_stride_h,
+    v_stride_t, v_stride_h, o_stride_t, o_stride_h, scale,
+    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Grid (sequences, heads, cdiv(longest, BLOCK_M)): queries ``BLOCK_M * tile ...`` of sequence
+    ``s`` (tokens ``starts[s]..starts[s + 1]`` of the flattened q/k/v, no cache) against every key
+    of that sequence, in both directions, with online softmax. Scores are fp32 dots of the stored
+    q and k; the weights are rounded to the storage dtype for the dot with v (flash attention's
+    usual trade: exact in fp32, about 1e-3 relative in fp16)."""
+    s = tl.program_id(0)
+    n = tl.program_id(1)
+    tile = tl.program_id(2)
+    start = tl.load(starts_ptr + s)
+    end = tl.load(starts_ptr + s + 1)
+    rows = start + tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < end
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    kvh = n // GROUP
+    q = tl.load(q_ptr + rows[:, None] * q_stride_t + n * q_stride_h + d[None, :],
+                mask=rmask[:, None] & dmask[None, :], other=0.0)  # fmt: skip
+    m = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+    denom = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    last = tl.where(start + tile * BLOCK_M < end, end, start)  # a tile past the sequence reads no keys
+    for first in range(start, last, BLOCK_N):
+        cols = first + tl.arange(0, BLOCK_N)
+        cmask = cols < end
+        kt = tl.load(k_ptr + cols[None, :] * k_stride_t + kvh * k_stride_h + d[:, None],
+                     mask=dmask[:, None] & cmask[None, :], other=0.0)  # fmt: skip
+        scores = tl.dot(q, kt, input_precision="ieee") * scale
+        scores = tl.where(cmask[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        p = tl.exp(scores - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        v = tl.load(v_ptr + cols[:, None] * v_stride_t + kvh * v_stride_h + d[None, :],
+                    mask=cmask[:, None] & dmask[None, :], other=0.0)  # fmt: skip
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        denom = denom * alpha + tl.sum(p, axis=1)
+        m = m_new
+    out = acc / tl.where(denom > 0, denom, 1.0)[:, None]  # rows of a tile past the sequence: 0, not 0/0
+    tl.store(out_ptr + rows[:, None] * o_stride_t + n * o_stride_h + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=rmask[:, None] & dmask[None, :])  # fmt: skip
+
+
+@triton.jit
 def rms_norm_kernel(
     x_ptr, residual_ptr, w_ptr, out_ptr, x_stride, dim, eps,
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,

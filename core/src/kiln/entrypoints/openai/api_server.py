@@ -37,11 +37,14 @@ from kiln.entrypoints.openai.protocol import (
 from kiln.entrypoints.openai.serving import Prompt, ServerOptions, error_message, new_id
 from kiln.entrypoints.openai.serving_chat import ChatServing
 from kiln.entrypoints.openai.serving_completion import CompletionServing
+from kiln.entrypoints.openai.serving_pooling import PoolingServing
+from kiln.entrypoints.openai.serving_pooling import add_routes as add_pooling_routes
 from kiln.entrypoints.openai.serving_responses import add_routes as add_responses_routes
 from kiln.entrypoints.openai.structured_outputs import structured_outputs_constraint
 from kiln.entrypoints.openai.tls import CertRefresher, check_tls_args
 from kiln.entrypoints.openai.validation import ValidatedJSONRoute, check_generation_overrides
 from kiln.envs import env_number
+from kiln.pooling_params import PoolingParams
 from kiln.registry import load_ref
 from kiln.sampling_params import REQUEST_FIELDS, RequestOutputKind, SamplingParams
 
@@ -135,6 +138,7 @@ def build_app(engine: AsyncEngine, options: ServerOptions, args: argparse.Namesp
         return await chat.create(body, raw)
 
     add_responses_routes(app, chat)
+    add_pooling_routes(app, PoolingServing(engine, options, metrics, chat))
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
@@ -227,7 +231,11 @@ def _add_middleware(app: FastAPI, args: argparse.Namespace) -> None:
 
 def _warm_up(llm: LLMEngine) -> None:
     """One tiny request through every stage, so the first client does not pay for lazy set-up."""
-    llm.add_request("warm-up", {"prompt_token_ids": [0] * 4}, SamplingParams(max_tokens=2, ignore_eos=True))
+    if llm.model_info.task == "generate":
+        params = SamplingParams(max_tokens=2, ignore_eos=True)
+    else:  # a pooling model (--task)
+        params = PoolingParams()
+    llm.add_request("warm-up", {"prompt_token_ids": [0] * 4}, params)
     while llm.has_unfinished_requests():
         llm.step()
 

@@ -104,6 +104,7 @@ class SamplingFields(StrictModel):
     min_p: float | None = None
     repetition_penalty: float | None = None
     length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False

@@ -24,7 +24,7 @@ from kiln.entrypoints.openai.protocol import APIError, SamplingFields
 from kiln.entrypoints.openai.structured_outputs import request_constraint
 from kiln.interfaces.guided import GuidedDecodingParams
 from kiln.outputs import PositionLogprobs, RequestOutput
-from kiln.sampling_params import RequestOutputKind, SamplingParams
+from kiln.sampling_params import SAMPLING_SHAPERS, RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("kiln.server")
 
@@ -60,6 +60,7 @@ class ServerOptions:
 class Prompt:
     text: str | None
     token_ids: list[int]
+    token_type_ids: list[int] | None = None  # a cross-encoder pair's segment ids (pooling)
 
 
 def system_fingerprint(model: ModelInfo) -> str:
@@ -93,12 +94,6 @@ class OpenAIServing:
             raise APIError(f"The model `{model}` does not exist.", status=404, param="model")
 
     def check_unsupported(self, req: SamplingFields) -> None:
-        if req.use_beam_search:
-            raise APIError("use_beam_search: beam search is not supported yet", param="use_beam_search")
-        if req.length_penalty != 1.0:
-            raise APIError(
-                "length_penalty: it applies to beam search only, which is not supported yet", param="length_penalty"
-            )
         if req.stream_options is not None and not req.stream:
             raise APIError("stream_options: only allowed when stream is true", param="stream_options")
         best_of = req.best_of or req.n
@@ -190,8 +185,13 @@ class OpenAIServing:
             "logit_bias": req.logit_bias or None,
             "allowed_token_ids": req.allowed_token_ids,
             "truncate_prompt_tokens": req.truncate_prompt_tokens,
+            "use_beam_search": req.use_beam_search,
+            "length_penalty": req.length_penalty,
+            "early_stopping": req.early_stopping,
         }
         values = {**self.model.generation_defaults, **self.options.generation_overrides}
+        if req.use_beam_search:  # beams follow the model's own distribution (see SamplingParams)
+            values = {k: v for k, v in values.items() if k not in SAMPLING_SHAPERS}
         values.update({k: v for k, v in given.items() if v is not None})
         values["max_tokens"] = min(values.get("max_tokens") or room, room) if max_tokens is None else max_tokens
         values["output_kind"] = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
@@ -208,7 +208,7 @@ class OpenAIServing:
         """Queue one engine request per prompt; if any is refused, none stays queued."""
         limit = self.model.max_num_seqs
         for _, params in items:
-            if params.best_of > limit:
+            if isinstance(params, SamplingParams) and params.best_of > limit:
                 name = "n" if params.n > limit else "best_of"
                 raise APIError(f"{name}: at most {limit} sequences per request (--max-num-seqs)", param=name)
         streams: list[RequestStream] = []
@@ -216,6 +216,8 @@ class OpenAIServing:
             for i, (prompt, params) in enumerate(items):
                 rid = request_id if len(items) == 1 else f"{request_id}-{i}"
                 inputs = {"prompt": prompt.text, "prompt_token_ids": prompt.token_ids}
+                if prompt.token_type_ids is not None:
+                    inputs["token_type_ids"] = prompt.token_type_ids
                 streams.append(self.engine.add_request(rid, inputs, params, priority=priority))
                 self.log_request(rid, prompt, params)
         except (ValueError, EngineDeadError, EngineOverloadedError) as exc:
@@ -293,8 +295,12 @@ class OpenAIServing:
             for stream in streams:
                 stream.close()
         for out in results:
-            self.metrics.observe_finished(out, [len(c.token_ids) for c in out.outputs])
+            self.observe_finished(out)
         return results
+
+    def observe_finished(self, out: RequestOutput) -> None:
+        """Record a finished request in the metrics (pooling endpoints record theirs differently)."""
+        self.metrics.observe_finished(out, [len(c.token_ids) for c in out.outputs])
 
     # ------------------------------------------------------------- formats
     def tokens_as_ids(self, req: SamplingFields) -> bool:

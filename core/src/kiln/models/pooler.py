@@ -1,0 +1,178 @@
+"""Pooling models: which task a model serves, how its hidden states are pooled, and the pooling itself.
+
+``resolve_task`` turns ``--task`` (or vLLM's newer ``--runner`` / ``--convert``) into one of
+``generate``, ``embed``, ``score``, ``classify`` or ``reward``. ``load_pooler_config`` gives the
+model's ``PoolerConfig``, from (later wins):
+
+  1. the architecture: decoders pool the last token, encoders (``is_encoder``) the first (CLS);
+     embeddings are L2-normalised, classes go through softmax (sigmoid for one label);
+  2. the model folder's sentence-transformers files, for embeddings: ``modules.json`` names the
+     pooling module's folder (``1_Pooling/config.json``: cls / mean / last token) and whether a
+     ``Normalize`` module follows; ``config_sentence_transformers.json`` its similarity function;
+  3. ``--override-pooler-config``.
+
+``pool`` runs on the model runner's hidden states of a step's pooling requests.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+from kiln.engine.pooling import PoolingModelInfo
+from kiln.pooling_params import HEADS, PoolerConfig
+from kiln.registry import load_ref
+
+if TYPE_CHECKING:
+    from kiln.config import EngineConfig
+    from kiln.engine.request import Request
+    from kiln.registry import Registry
+
+logger = logging.getLogger("kiln.pooler")
+
+_ST_MODES = {"pooling_mode_cls_token": "CLS", "pooling_mode_mean_tokens": "MEAN", "pooling_mode_lasttoken": "LAST"}
+
+
+def resolve_task(config: EngineConfig, arch: str, model_cls: type, hf_config: Any) -> str:
+    """The task the flags ask for, checked against what ``model_cls`` can do."""
+    task, runner, convert = config.task, config.runner, config.convert
+    if task != "auto" and (runner != "auto" or convert != "auto"):
+        raise ValueError("--task: give either --task or --runner/--convert, not both")
+    encoder = bool(getattr(model_cls, "is_encoder", False))
+    classifier = hasattr(model_cls, "classify")
+    native = ("score" if getattr(hf_config, "num_labels", 2) == 1 else "classify") if classifier else None
+    if task == "auto":
+        if runner == "generate" and convert not in ("auto", "none"):
+            raise ValueError(f"--convert {convert}: needs --runner pooling (or auto), not --runner generate")
+        if convert in ("embed", "classify", "reward"):
+            task = convert
+        elif runner == "generate":
+            task = "generate"
+        elif runner == "pooling" or encoder or classifier:
+            task = native or "embed"  # vLLM's --runner pooling turns a causal LM into an embedding model
+        else:
+            task = "generate"
+    if task == "generate" and (encoder or classifier):
+        raise ValueError(f"--task generate: {arch} is not a generation model; serve it with --task {native or 'embed'}")
+    if task in ("score", "classify") and not classifier:
+        raise ValueError(
+            f"--task {task}: {arch} has no classification head; serve a *ForSequenceClassification model "
+            "(a cross-encoder) for it, or --task embed for scores by embedding similarity"
+        )
+    return task
+
+
+def setup_pooling(config: EngineConfig, hf_config: Any, registry: Registry, model_path: str) -> PoolingModelInfo | None:
+    """Resolve ``config.task`` in place; for a pooling task, what the engine's pooling side needs
+    (None: the model generates).
+
+    NOTE(pooling): a pooling prompt is computed whole in one step, so chunked prefill is turned
+    off (``max_num_batched_tokens`` then holds a whole ``max_model_len`` prompt). Prefix-cache
+    hits skip the first positions, so only last-token pooling on a decoder keeps the cache.
+    """
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    arch = next((a for a in archs if a in registry.models), None)
+    if arch is None:
+        return None  # building the model says which architectures are supported
+    model_cls = load_ref(registry.models[arch])
+    config.task = resolve_task(config, arch, model_cls, hf_config)
+    if config.task == "generate":
+        return None
+    encoder = bool(getattr(model_cls, "is_encoder", False))
+    pooler = load_pooler_config(config.task, model_path, encoder, config.override_pooler_config)
+    config.enable_chunked_prefill = False
+    config.enable_prefix_caching = config.enable_prefix_caching and not encoder and pooler.pooling_type == "LAST"
+    matryoshka = tuple(getattr(hf_config, "matryoshka_dimensions", None) or ()) or None
+    id2label = getattr(hf_config, "id2label", None) or {}
+    labels = tuple(str(id2label[i]) for i in sorted(id2label, key=int)) if HEADS[config.task] == "classify" else ()
+    logger.info("serving %s for --task %s: %s", arch, config.task, pooler)
+    return PoolingModelInfo(pooler, hf_config.hidden_size, getattr(hf_config, "type_vocab_size", 0), matryoshka, labels)
+
+
+def load_pooler_config(task: str, model_path: str, is_encoder: bool, overrides: dict | None) -> PoolerConfig:
+    """The served model's pooling, from its architecture, its sentence-transformers files and the flag."""
+    config = PoolerConfig(pooling_type="CLS" if is_encoder else "LAST")
+    if task == "reward":
+        config = replace(config, pooling_type="ALL", normalize=False, use_activation=False)
+    elif task == "embed":
+        config = _sentence_transformers_config(model_path, config, "pooling_type" in (overrides or {}))
+    return replace(config, **(overrides or {}))  # checked by EngineConfig (parse_pooler_overrides)
+
+
+def _read_json(path: str) -> Any:
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _sentence_transformers_config(model_path: str, config: PoolerConfig, pooling_given: bool) -> PoolerConfig:
+    modules = _read_json(os.path.join(model_path, "modules.json"))
+    if not modules:
+        return config
+    kinds = {str(m.get("type", "")).rsplit(".", 1)[-1]: m.get("path", "") for m in modules}
+    if "Dense" in kinds:
+        logger.warning("the model's sentence-transformers Dense module is not applied: embeddings skip it")
+    pooling = _read_json(os.path.join(model_path, kinds.get("Pooling", "1_Pooling"), "config.json")) or {}
+    chosen = [mode for key, mode in _ST_MODES.items() if pooling.get(key)]
+    others = [k for k, v in pooling.items() if k.startswith("pooling_mode_") and v and k not in _ST_MODES]
+    if (others or len(chosen) > 1) and not pooling_given:
+        raise ValueError(
+            f"model: its sentence-transformers pooling ({', '.join(others + chosen)}) is not supported; "
+            'choose one with --override-pooler-config \'{"pooling_type": "MEAN"}\' (LAST, MEAN or CLS)'
+        )
+    if chosen:
+        config = replace(config, pooling_type=chosen[0])
+    config = replace(config, normalize="Normalize" in kinds)
+    st = _read_json(os.path.join(model_path, "config_sentence_transformers.json")) or {}
+    similarity = st.get("similarity_fn_name") or "cosine"
+    if similarity not in ("cosine", "dot"):
+        logger.warning("similarity %r is not supported; scores use cosine similarity", similarity)
+        similarity = "cosine"
+    return replace(config, similarity=similarity)
+
+
+# --------------------------------------------------------------------------- pooling
+def pool(model: torch.nn.Module, hidden: torch.Tensor, spans: list[tuple[Request, int, int]]) -> dict:
+    """Each pooling request's output from the step's hidden states, as a float32 CPU tensor.
+
+    ``spans``: (request, first row, rows) of each request in ``hidden``; a pooling prompt is
+    computed whole in one step, so its rows are all of its tokens. Embeddings are cut to
+    ``dimensions`` and then normalised (matryoshka); classes go through ``model.classify``.
+    """
+    out: dict = {}
+    vectors, vector_reqs = [], []
+    for req, first, n in spans:
+        p = req.pooling_params
+        if p.pooling_type == "ALL":
+            out[req] = hidden[first : first + n].float().cpu()
+            continue
+        if p.pooling_type == "MEAN":
+            vectors.append(hidden[first : first + n].float().mean(0))
+        else:
+            vectors.append(hidden[first if p.pooling_type == "CLS" else first + n - 1].float())
+        vector_reqs.append(req)
+    if not vectors:
+        return out
+    stacked = torch.stack(vectors)
+    if vector_reqs[0].pooling_params.head == "classify":  # the head is the model's: all of them classify
+        stacked = model.classify(stacked.to(hidden.dtype)).float()
+    for req, vector in zip(vector_reqs, stacked.cpu()):
+        out[req] = _finish(vector, req.pooling_params)
+    return out
+
+
+def _finish(vector: torch.Tensor, params) -> torch.Tensor:
+    if params.head == "classify":
+        if not params.use_activation:
+            return vector
+        return torch.sigmoid(vector) if vector.numel() == 1 else torch.softmax(vector, dim=-1)
+    if params.dimensions is not None:
+        vector = vector[: params.dimensions]
+    return F.normalize(vector, dim=-1) if params.normalize else vector
