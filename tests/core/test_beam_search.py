@@ -20,6 +20,8 @@ ENGINE_VARIANTS = {
     # 6 usable blocks of 16 tokens for beams of up to 50 tokens: forks find no block to copy
     # the partial one into (so they recompute it) and beams are preempted.
     "starved-kv-cache": dict(block_size=16, num_gpu_blocks_override=9, max_model_len=64),
+    # Fewer sequences a step than beams: groups wait for one another's beams.
+    "four-seqs-a-step": dict(block_size=16, num_gpu_blocks_override=9, max_model_len=64, max_num_seqs=4),
 }
 
 
@@ -191,7 +193,7 @@ def test_beam_only_parameters_need_beam_search():
 
 def test_a_width_over_max_num_seqs_is_refused(tiny_model_dir):
     llm = LLM(tiny_model_dir("llama"), dtype="float32", max_model_len=256, max_num_seqs=2)
-    with pytest.raises(ValueError, match="beam width of 3 is more than --max-num-seqs 2"):
+    with pytest.raises(ValueError, match=r"n: at most 2 sequences per request \(--max-num-seqs\)"):
         llm.generate("hi", SamplingParams(n=3, use_beam_search=True))
 
 
@@ -206,3 +208,17 @@ def test_default_model_beams_match_transformers(default_model_dir):
     assert [o.token_ids for o in out[0].outputs] == [tokens for tokens, _ in expected]
     for o, (_, ref_score) in zip(out[0].outputs, expected):
         assert score(o.token_ids, o.cumulative_logprob, 1.0) == pytest.approx(ref_score, rel=1e-4)
+
+
+def test_prompt_logprobs_come_with_the_beams(tiny_model_dir):
+    """The prompt's logprobs do not depend on the decoding: beam search reports those greedy does,
+    also when the prompt is computed in chunks (the last chunk is the one a beam samples from)."""
+    llm = LLM(tiny_model_dir("llama"), dtype="float32", max_model_len=256, max_num_batched_tokens=16)
+    prompt = {"prompt_token_ids": PROMPTS[2]}
+    greedy = llm.generate(prompt, SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=2))[0]
+    beams = llm.generate(prompt, SamplingParams(n=2, use_beam_search=True, max_tokens=2, prompt_logprobs=2))[0]
+    assert len(beams.prompt_logprobs) == len(PROMPTS[2])
+    assert beams.prompt_logprobs[0] is None
+    for got, ref in zip(beams.prompt_logprobs[1:], greedy.prompt_logprobs[1:]):
+        assert got.keys() == ref.keys()
+        assert [v.logprob for v in got.values()] == pytest.approx([v.logprob for v in ref.values()], abs=1e-5)

@@ -87,6 +87,7 @@ def test_generate(llm, client):
         ("/v1/completions", {"use_beam_search": False, "early_stopping": True}, "early_stopping", "beam search only"),
         ("/v1/completions", {"early_stopping": "maybe"}, "early_stopping", "should be 'never'"),
         ("/generate", {"stop": ["x"]}, "stop", "not supported with beam search"),
+        ("/v1/completions", {"n": 300}, "n", "at most 256 sequences per request (--max-num-seqs)"),
     ],
 )
 def test_refusals(client, route, fields, param, says):

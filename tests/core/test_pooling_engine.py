@@ -106,9 +106,9 @@ def test_truncation_and_length_limits(embedder):
     text = "the quick brown fox jumps over the lazy dog " * 4
     ids = tok.encode(text)
     (out,) = embedder.embed(text, truncate_prompt_tokens=5)
-    assert out.prompt_token_ids == ids[:5] if tok.truncation_side == "right" else ids[-5:]
+    assert out.prompt_token_ids == (ids[:5] if tok.truncation_side == "right" else ids[-5:])  # the tokenizer's way
     (out,) = embedder.embed([list(range(10, 400))], truncate_prompt_tokens=-1)  # to max_model_len
-    assert len(out.prompt_token_ids) == 256
+    assert out.prompt_token_ids == list(range(10, 400))[-256:]  # token ids keep their tail, as in generation
     with pytest.raises(ValueError, match="prompt: 390 tokens are more than .* 256"):
         embedder.embed([list(range(10, 400))])
     with pytest.raises(ValueError, match="prompt: must not be empty"):

@@ -49,8 +49,8 @@ class EngineCore:
         outputs = self.scheduler.update_from_output(scheduled, sampled, output.prompt_logprobs)
         outputs += finish_pooled(self.scheduler, output.pooled)
         step_time = time.perf_counter() - t0
-        for req, _ in scheduled.scheduled:
-            req.metrics.model_forward_time += output.forward_time
-            req.metrics.model_execute_time += step_time
+        for metrics in {id(req.metrics): req.metrics for req, _ in scheduled.scheduled}.values():  # beams share one
+            metrics.model_forward_time += output.forward_time
+            metrics.model_execute_time += step_time
         self.executor.free(out.request_id for out in outputs if out.finish_reason is not None)
         return outputs

@@ -110,10 +110,6 @@ class InputProcessor:
         the core reports the search."""
         if params.guided_decoding is not None:
             raise ValueError("guided decoding is not supported with beam search (use_beam_search).")
-        if params.best_of > self.model.max_num_seqs:
-            raise ValueError(
-                f"best_of: a beam width of {params.best_of} is more than --max-num-seqs {self.model.max_num_seqs}"
-            )
         req = Request(request_id, ids, params, self.model.eos_token_ids, arrival, priority)
         sequences = [
             SequenceState(
@@ -138,6 +134,10 @@ class InputProcessor:
             raise ValueError(
                 f"prompt: {n} tokens leave no room to generate within max_model_len={self.model.max_model_len}"
             )
+        limit = self.model.max_num_seqs
+        if params.best_of > limit:  # sequences (or beams) of one request run side by side
+            name = "n" if params.n > limit else "best_of"
+            raise ValueError(f"{name}: at most {limit} sequences per request (--max-num-seqs)")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > self.max_logprobs:

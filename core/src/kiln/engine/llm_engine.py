@@ -179,7 +179,12 @@ def _resolve_lengths(cfg: EngineConfig, hf_config) -> None:
     if cfg.max_num_batched_tokens is None:
         cfg.max_num_batched_tokens = 2048 if cfg.enable_chunked_prefill else max(cfg.max_model_len, 2048)
     elif not cfg.enable_chunked_prefill and cfg.max_num_batched_tokens < cfg.max_model_len:
+        remedy = (
+            "raise it (or lower --max-model-len): a pooling model computes each prompt whole in one step"
+            if cfg.task != "generate"
+            else "enable chunked prefill or raise it"
+        )
         raise ValueError(
             f"--max-num-batched-tokens: {cfg.max_num_batched_tokens} is smaller than --max-model-len "
-            f"{cfg.max_model_len}; enable chunked prefill or raise it"
+            f"{cfg.max_model_len}; {remedy}"
         )

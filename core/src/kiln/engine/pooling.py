@@ -135,9 +135,8 @@ class PoolingInputProcessor:
         elif not isinstance(prompt, dict):
             ids = list(prompt)
         if limit is not None and len(ids) > limit:
-            # Like the tokenizer's truncation of text: from the side it names (BERT: the end).
-            keep = slice(None, limit) if self.tokenizer.truncation_side == "right" else slice(-limit, None)
-            ids, types = ids[keep], None if types is None else list(types)[keep]
+            # Token ids keep their tail, as generation prompts (and vLLM) do: last-token pooling reads it.
+            ids, types = ids[-limit:], None if types is None else list(types)[-limit:]
         return text, ids, None if types is None else list(types)
 
     def _validate(self, ids: list[int], token_types: list[int] | None) -> None:
@@ -160,7 +159,9 @@ class PoolingInputProcessor:
 
 def truncation_limit(truncate: int | None, max_model_len: int) -> int | None:
     """The prompt tokens ``truncate_prompt_tokens`` keeps (``-1``: ``max_model_len``; None: all of
-    them); ``ValueError`` past ``max_model_len``."""
+    them); ``ValueError`` past ``max_model_len`` or below -1 (before a tokenizer sees it)."""
+    if truncate is not None and (truncate == 0 or truncate < -1):
+        raise ValueError(f"truncate_prompt_tokens must be -1 or at least 1, got {truncate}.")
     if truncate is not None and truncate > max_model_len:
         raise ValueError(f"truncate_prompt_tokens: at most max_model_len={max_model_len}, got {truncate}")
     return max_model_len if truncate == -1 else truncate

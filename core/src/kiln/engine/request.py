@@ -89,10 +89,10 @@ class Request:
 
     def fork(self, request_id: str) -> Request:
         """A copy of this sequence under a new id, for beam search: same tokens, progress and
-        (not yet referenced) block table; ``KVCacheManager.fork`` shares the blocks."""
+        metrics (one record per user request); ``KVCacheManager.fork`` shares the blocks."""
         child = Request(
             request_id, self.prompt_token_ids, self.sampling_params, self.eos_token_ids, self.arrival_time,
-            self.priority, self.cache_salt, beam=self.beam,
+            self.priority, self.cache_salt, metrics=self.metrics, beam=self.beam,
         )  # fmt: skip
         child.output_token_ids = list(self.output_token_ids)
         child.all_token_ids = list(self.all_token_ids)

@@ -108,7 +108,8 @@ class Scheduler:
         preempted: list[Request] = []
 
         i = 0
-        while i < len(self.running) and budget > 0:
+        # At most max_num_seqs a step (forked beams can make more run): the rest wait a step.
+        while i < len(self.running) and budget > 0 and len(scheduled) < self.config.max_num_seqs:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if n == 0:  # a beam waiting for its siblings' candidates
@@ -127,7 +128,9 @@ class Scheduler:
             budget -= n
             i += 1
 
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
+        # Beams waiting for their siblings compute nothing: they take no place in the batch.
+        busy = sum(not _idle_beam(r) for r in self.running)
+        while self.waiting and budget > 0 and busy < self.config.max_num_seqs and not preempted:
             ready = (r for r in self.waiting if not _idle_beam(r))  # idle beams wait for their group
             req = min(ready, key=self._key, default=None) if self.priority else next(ready, None)
             if req is None:
@@ -155,6 +158,7 @@ class Scheduler:
                 req.metrics.time_in_queue = req.metrics.inference_start_time - req.arrival_time
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            busy += 1
             scheduled.append((req, n))
             budget -= n
 
@@ -183,13 +187,11 @@ class Scheduler:
         for req, n in output.scheduled:
             req.num_computed_tokens += n
             token = sampled.get(req)
-            if token is not None and req.beam is not None:
-                if req.beam.offer(req, token.beam_candidates):
-                    ready_groups.append(req.beam)
-                continue
             new_prompt_logprobs = prompt_logprobs.get(req)
-            if token is None:
-                if new_prompt_logprobs:  # a prefill chunk: nothing sampled yet
+            if token is not None and req.beam is not None and req.beam.offer(req, token.beam_candidates):
+                ready_groups.append(req.beam)
+            if token is None or req.beam is not None:
+                if new_prompt_logprobs:  # a prefill chunk, or a beam (which reports only at the end)
                     outputs.append(
                         EngineCoreOutput(
                             req.request_id,

@@ -42,7 +42,11 @@ def run_beam_search(engine, prompts: list[list[int]], width: int, max_tokens: in
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), {"prompt_token_ids": prompt}, beam)
     done: dict[str, list] = {}
-    while engine.has_unfinished_requests():
+    for _ in range(100 * len(prompts) * (max_tokens + 1)):  # far more steps than any schedule needs
+        if not engine.has_unfinished_requests():
+            break
         for out in engine.step():
             done[out.request_id] = [(o.token_ids, o.cumulative_logprob) for o in out.outputs]
+    else:
+        raise AssertionError("the beam searches did not finish: the scheduler is stuck")
     return [done[str(i)] for i in range(len(prompts))]

@@ -3,8 +3,8 @@
 * Gears (seed 001): ``--graph-sizes``, else ``PTA_TORCHAIR_DECODE_GEAR_LIST`` ("2,4,8,16"),
   else 2, 4, 8... below ``max_num_seqs``. 1 is never a gear (torchair's gear rule), sizes
   above ``max_num_seqs`` are dropped and ``max_num_seqs`` is always the largest gear, so
-  the scheduler, which never runs more than ``max_num_seqs`` requests, never forms a
-  decode batch above it. The core pads each decode step to the smallest gear that holds it.
+  the scheduler, which never schedules more than ``max_num_seqs`` requests in a step, never
+  forms a decode batch above it. The core pads each decode step to the smallest gear that holds it.
 * Each gear compiles its own copy of the decode forward (a distinct code object, so
   dynamo's per-function cache holds one static graph each) through
   ``torchair.inference.cache_compile``, whose graphs persist under

@@ -206,11 +206,6 @@ class OpenAIServing:
         self, request_id: str, items: Sequence[tuple[Prompt, SamplingParams]], priority: int = 0
     ) -> list[RequestStream]:
         """Queue one engine request per prompt; if any is refused, none stays queued."""
-        limit = self.model.max_num_seqs
-        for _, params in items:
-            if isinstance(params, SamplingParams) and params.best_of > limit:
-                name = "n" if params.n > limit else "best_of"
-                raise APIError(f"{name}: at most {limit} sequences per request (--max-num-seqs)", param=name)
         streams: list[RequestStream] = []
         try:
             for i, (prompt, params) in enumerate(items):
