@@ -109,3 +109,12 @@ def test_embedding_model_scores_by_cosine_similarity(tiny_model_dir):
     for doc, score in zip(DOCUMENTS, scores):
         expected = F.cosine_similarity(torch.tensor(query.outputs.embedding), embeddings[doc], dim=0)
         assert score.outputs.score == pytest.approx(expected.item(), abs=1e-6)
+
+
+@pytest.mark.parametrize("model_type,usable", [("bert", 512), ("xlm-roberta", 512)])
+def test_max_model_len_defaults_to_the_positions_a_model_embeds(tiny_model_dir, model_type, usable):
+    """XLM-R's config says 514 positions, of which the first two belong to padding: it takes 512."""
+    llm = LLM(tiny_model_dir(model_type), dtype="float32")
+    assert llm.engine.config.max_model_len == usable
+    (out,) = llm.embed([list(range(5, 5 + usable))])  # the longest prompt it takes runs
+    assert len(out.prompt_token_ids) == usable
