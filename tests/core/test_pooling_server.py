@@ -183,3 +183,7 @@ def test_cross_encoder_endpoints_equal_its_logits(scorer, tiny_model_dir):
     for d in classes["data"]:
         assert d["num_classes"] == 1 and d["label"] == "LABEL_0" and 0.0 < d["probs"][0] < 1.0
     refused(scorer.post("/classify", json={"input": "x", "dimensions": 4}), "dimensions")
+    # A cut the tokenizer cannot make (a pair's special tokens alone) or a negative one: 400s, not 500s.
+    for cut, words in ((3, ("more than its 3 special tokens",)), (-5, ("-1 or at least 1",))):
+        body = {"query": QUERY, "documents": DOCUMENTS, "truncate_prompt_tokens": cut}
+        refused(scorer.post("/rerank", json=body), "truncate_prompt_tokens", *words)

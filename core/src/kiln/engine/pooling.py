@@ -182,6 +182,9 @@ def tokenize_pair(tokenizer, first: str, second: str, truncate: int | None, max_
     as the tokenizer builds it (``[CLS] a [SEP] b [SEP]``, segment ids 0 then 1 where the model has them).
     Truncation (``-1``: to ``max_model_len``) cuts the longer text first, as transformers does."""
     limit = truncation_limit(truncate, max_model_len)
+    special = tokenizer.num_special_tokens_to_add(pair=True)
+    if limit is not None and limit <= special:  # the tokenizer would ignore it and keep the whole pair
+        raise ValueError(f"truncate_prompt_tokens: a pair needs more than its {special} special tokens, got {limit}")
     encoded = tokenizer(first, second, truncation=limit is not None and "longest_first", max_length=limit)
     out = {"prompt_token_ids": encoded["input_ids"]}
     if "token_type_ids" in encoded:
