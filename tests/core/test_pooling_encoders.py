@@ -53,6 +53,46 @@ def test_cls_embeddings_match_transformers(tiny_model_dir, model_type):
         assert_same_direction(out.outputs.embedding, F.normalize(hidden[0], dim=-1))
 
 
+def test_dense_projection_from_sentence_transformers_files(tiny_model_dir, tmp_path):
+    """A Dense module after pooling (as LaBSE-style models have): CLS, then tanh(W x + b), then
+    Normalize; ``dimensions`` are counted in the projection's width."""
+    import json
+
+    from safetensors.torch import save_file
+
+    path = tmp_path / "st-dense"
+    shutil.copytree(tiny_model_dir("bert"), path)
+    write_sentence_transformers(path, {"pooling_mode_cls_token": True}, normalize=True)
+    modules = json.loads((path / "modules.json").read_text())
+    dense = {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"}
+    modules.insert(2, dense)
+    (path / "modules.json").write_text(json.dumps(modules))
+    (path / "2_Dense").mkdir()
+    config = {
+        "in_features": 64,
+        "out_features": 16,
+        "bias": True,
+        "activation_function": "torch.nn.modules.activation.Tanh",
+    }
+    (path / "2_Dense" / "config.json").write_text(json.dumps(config))
+    torch.manual_seed(0)
+    weight, bias = torch.randn(16, 64) * 0.3, torch.randn(16) * 0.1
+    save_file({"linear.weight": weight, "linear.bias": bias}, str(path / "2_Dense" / "model.safetensors"))
+
+    llm = LLM(str(path), **ENGINE)
+    outs = llm.embed(TEXTS)
+    reference = hf_encoder_outputs(str(path), [o.prompt_token_ids for o in outs])
+    for out, (hidden, _) in zip(outs, reference):
+        assert len(out.outputs.embedding) == 16
+        assert_same_direction(out.outputs.embedding, F.normalize(torch.tanh(weight @ hidden[0] + bias), dim=-1))
+    with pytest.raises(ValueError, match="dimensions: at most the model's 16, got 32"):
+        llm.embed(TEXTS[0], pooling_params=PoolingParams(dimensions=32))
+    config["activation_function"] = "my_package.Swish"  # only torch.nn's own classes are built
+    (path / "2_Dense" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="unsupported Dense activation_function 'my_package.Swish'"):
+        LLM(str(path), **ENGINE)
+
+
 def test_mean_pooling_from_sentence_transformers_files(tiny_model_dir, tmp_path):
     """The model folder's modules.json and 1_Pooling/config.json say mean pooling, then Normalize:
     what sentence-transformers computes (mean over the tokens, L2-normalised)."""

@@ -7,8 +7,9 @@ model's ``PoolerConfig``, from (later wins):
   1. the architecture: decoders pool the last token, encoders (``is_encoder``) the first (CLS);
      embeddings are L2-normalised, classes go through softmax (sigmoid for one label);
   2. the model folder's sentence-transformers files, for embeddings: ``modules.json`` names the
-     pooling module's folder (``1_Pooling/config.json``: cls / mean / last token) and whether a
-     ``Normalize`` module follows; ``config_sentence_transformers.json`` its similarity function;
+     pooling module's folder (``1_Pooling/config.json``: cls / mean / last token), the ``Dense``
+     projections after it (``load_dense_layers``) and whether a ``Normalize`` module follows;
+     ``config_sentence_transformers.json`` its similarity function;
   3. ``--override-pooler-config``.
 
 ``pool`` runs on the model runner's hidden states of a step's pooling requests.
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from kiln.engine.pooling import PoolingModelInfo
 from kiln.pooling_params import HEADS, PoolerConfig
@@ -92,7 +94,8 @@ def setup_pooling(config: EngineConfig, hf_config: Any, registry: Registry, mode
     id2label = getattr(hf_config, "id2label", None) or {}
     labels = tuple(str(id2label[i]) for i in sorted(id2label, key=int)) if HEADS[config.task] == "classify" else ()
     logger.info("serving %s for --task %s: %s", arch, config.task, pooler)
-    return PoolingModelInfo(pooler, hf_config.hidden_size, getattr(hf_config, "type_vocab_size", 0), matryoshka, labels)
+    width = (dense_output_size(model_path) if config.task == "embed" else None) or hf_config.hidden_size
+    return PoolingModelInfo(pooler, width, getattr(hf_config, "type_vocab_size", 0), matryoshka, labels)
 
 
 def load_pooler_config(task: str, model_path: str, is_encoder: bool, overrides: dict | None) -> PoolerConfig:
@@ -117,8 +120,6 @@ def _sentence_transformers_config(model_path: str, config: PoolerConfig, pooling
     if not modules:
         return config
     kinds = {str(m.get("type", "")).rsplit(".", 1)[-1]: m.get("path", "") for m in modules}
-    if "Dense" in kinds:
-        logger.warning("the model's sentence-transformers Dense module is not applied: embeddings skip it")
     pooling = _read_json(os.path.join(model_path, kinds.get("Pooling", "1_Pooling"), "config.json")) or {}
     chosen = [mode for key, mode in _ST_MODES.items() if pooling.get(key)]
     others = [k for k, v in pooling.items() if k.startswith("pooling_mode_") and v and k not in _ST_MODES]
@@ -138,13 +139,69 @@ def _sentence_transformers_config(model_path: str, config: PoolerConfig, pooling
     return replace(config, similarity=similarity)
 
 
+def load_dense_layers(model_path: str) -> list[nn.Module]:
+    """The sentence-transformers ``Dense`` modules of an embedding model, in ``modules.json``'s order
+    (each a linear layer and its activation, in float32 on the host): they project the pooled
+    vector before it is normalised. Empty when the model has none."""
+    layers = []
+    for folder, config in _dense_modules(model_path):
+        try:
+            linear = nn.Linear(config["in_features"], config["out_features"], bias=config.get("bias", True))
+        except KeyError as exc:
+            raise ValueError(f"model: the Dense module in {folder} has no {exc} in its config.json") from None
+        linear.load_state_dict({k.removeprefix("linear."): v.float() for k, v in _dense_weights(folder).items()})
+        layers.append(nn.Sequential(linear, _activation(config.get("activation_function"))))
+    return layers
+
+
+def dense_output_size(model_path: str) -> int | None:
+    """The width of the last ``Dense`` module's output (None: the model has none)."""
+    modules = _dense_modules(model_path)
+    return modules[-1][1].get("out_features") if modules else None
+
+
+def _dense_modules(model_path: str) -> list[tuple[str, dict]]:
+    """(folder, config.json) of each ``Dense`` module ``modules.json`` lists."""
+    out = []
+    for module in _read_json(os.path.join(model_path, "modules.json")) or []:
+        if str(module.get("type", "")).rsplit(".", 1)[-1] == "Dense":
+            folder = os.path.join(model_path, module.get("path", ""))
+            out.append((folder, _read_json(os.path.join(folder, "config.json")) or {}))
+    return out
+
+
+def _dense_weights(folder: str) -> dict[str, torch.Tensor]:
+    if os.path.exists(os.path.join(folder, "model.safetensors")):
+        from safetensors.torch import load_file
+
+        return load_file(os.path.join(folder, "model.safetensors"))
+    path = os.path.join(folder, "pytorch_model.bin")
+    if not os.path.exists(path):
+        raise ValueError(f"model: the Dense module in {folder} has no model.safetensors or pytorch_model.bin")
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _activation(name: str | None) -> nn.Module:
+    """A Dense module's activation, named by its class path: only ``torch.nn``'s own classes."""
+    module, _, cls = (name or "torch.nn.modules.linear.Identity").rpartition(".")
+    if not module.startswith("torch.nn") or not isinstance(getattr(nn, cls, None), type):
+        raise ValueError(f"model: unsupported Dense activation_function {name!r} (a torch.nn class is expected)")
+    return getattr(nn, cls)()
+
+
 # --------------------------------------------------------------------------- pooling
-def pool(model: torch.nn.Module, hidden: torch.Tensor, spans: list[tuple[Request, int, int]]) -> dict:
+def pool(
+    model: torch.nn.Module,
+    hidden: torch.Tensor,
+    spans: list[tuple[Request, int, int]],
+    dense: list[nn.Module] = (),
+) -> dict:
     """Each pooling request's output from the step's hidden states, as a float32 CPU tensor.
 
     ``spans``: (request, first row, rows) of each request in ``hidden``; a pooling prompt is
-    computed whole in one step, so its rows are all of its tokens. Embeddings are cut to
-    ``dimensions`` and then normalised (matryoshka); classes go through ``model.classify``.
+    computed whole in one step, so its rows are all of its tokens. Embeddings go through the
+    ``dense`` projections (``load_dense_layers``), are cut to ``dimensions`` and then normalised
+    (matryoshka); classes go through ``model.classify``.
     """
     out: dict = {}
     vectors, vector_reqs = [], []
@@ -163,6 +220,9 @@ def pool(model: torch.nn.Module, hidden: torch.Tensor, spans: list[tuple[Request
     stacked = torch.stack(vectors)
     if vector_reqs[0].pooling_params.head == "classify":  # the head is the model's: all of them classify
         stacked = model.classify(stacked.to(hidden.dtype)).float()
+    else:
+        for layer in dense:
+            stacked = layer(stacked.cpu())
     for req, vector in zip(vector_reqs, stacked.cpu()):
         out[req] = _finish(vector, req.pooling_params)
     return out

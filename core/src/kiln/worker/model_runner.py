@@ -28,7 +28,7 @@ from kiln.engine.scheduler import SchedulerOutput
 from kiln.interfaces.attention import AttentionBackend, BatchLayout, DecodeGraphInputs
 from kiln.interfaces.model import StepContext
 from kiln.interfaces.platform import Platform
-from kiln.models.pooler import pool
+from kiln.models.pooler import load_dense_layers, pool
 
 logger = logging.getLogger("kiln.runner")
 
@@ -148,6 +148,8 @@ class ModelRunner:
         self.max_blocks_per_req = -(-config.max_model_len // config.block_size)
         self.graph_steps = 0  # decode steps run as graphs, for logs and tests
         self.peers = None  # tensor-parallel ranks 1..N-1 (rank 0 only): has send(StepBatch)
+        # sentence-transformers projections after pooling (embedding models; a few KB, on the host)
+        self.dense = load_dense_layers(config.model) if config.task == "embed" and config.model else []
 
     def kv_block_bytes(self) -> int:
         shape = self.backend.kv_cache_shape(1, self.block_size)
@@ -259,7 +261,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.int64, device=self.device)])
         else:  # only pooling requests (pooling models may have no LM head)
             logits = hidden.new_zeros((0, 0), dtype=torch.float32)
-        pooled = pool(self.model, hidden, pool_spans) if pool_spans else {}
+        pooled = pool(self.model, hidden, pool_spans, self.dense) if pool_spans else {}
         self.platform.synchronize()
         forward_time = time.perf_counter() - t0
         # Sampling stays on the device; prompt log-probs are read row by row, on the host.
