@@ -22,7 +22,7 @@ def test_defaults_follow_vllm():
         (dict(gpu_memory_utilization=1.5), "--gpu-memory-utilization"),
         (dict(max_num_seqs=0), "--max-num-seqs"),
         (dict(scheduling_policy="lifo"), "--scheduling-policy"),
-        (dict(load_format="pt"), "--load-format"),
+        (dict(load_format="npcache"), "--load-format"),
         (dict(kv_cache_ratio=0), "--kv-cache-ratio"),
         (dict(num_gpu_blocks_override=0), "--num-gpu-blocks-override"),
         (dict(no_such_flag=1), "--no-such-flag"),

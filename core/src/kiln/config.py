@@ -42,7 +42,7 @@ class EngineConfig(BaseModel):
     )
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     preemption_mode: Literal["recompute"] | None = None
-    load_format: Literal["auto", "safetensors", "gguf", "dummy"] = "auto"
+    load_format: Literal["auto", "safetensors", "pt", "gguf", "dummy"] = "auto"
     generation_config: str | None = Field("auto", description="'auto' (the model's), 'vllm' (none) or a folder")
     max_logprobs: int = Field(20, ge=0)
     device: str = "auto"

@@ -1,5 +1,11 @@
 """Finding and reading model weights: a Hugging Face folder, a GGUF file, or dummy weights.
 
+A folder's weights (``weight_files``) are ``*.safetensors`` or PyTorch ``*.bin`` files
+(``--load-format safetensors|pt``; ``auto`` prefers safetensors), sharded or not: where an
+index file (``model.safetensors.index.json``, ``pytorch_model.bin.index.json``) names the
+shards, every one must be there. ``.bin`` files load with ``weights_only=True``: tensors,
+never arbitrary pickled objects.
+
 GGUF files (the embedded default among them) are dequantized once through
 ``transformers`` and cached as an fp32 Hugging Face folder under
 ``$KILN_CACHE_DIR`` (default ``~/.cache/kiln``), so the next start reads
@@ -14,6 +20,7 @@ import importlib.util
 import json
 import logging
 import os
+import pickle
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -62,9 +69,41 @@ def resolve_model(model: str | None, load_format: str) -> ModelFiles:
         return ModelFiles(convert_gguf(path), name)
     if not os.path.exists(os.path.join(path, "config.json")):
         raise ValueError(f"model: {path!r} has no config.json; is it a Hugging Face model folder?")
-    if load_format in ("auto", "safetensors") and not glob.glob(os.path.join(path, "*.safetensors")):
-        raise ValueError(f"model: no *.safetensors weights in {path!r} (use --load-format dummy for random weights)")
+    if load_format != "dummy":
+        weight_files(path, load_format)  # fail at start-up, naming what is missing
     return ModelFiles(path, name)
+
+
+# Per format: the index file naming the shards, and the pattern of the weight files without one.
+WEIGHT_FORMATS = {
+    "safetensors": ("model.safetensors.index.json", "*.safetensors"),
+    "pt": ("pytorch_model.bin.index.json", "*.bin"),
+}
+
+
+# Training leftovers some model folders carry beside their weights.
+NOT_WEIGHTS = frozenset({"training_args.bin", "optimizer.bin", "scheduler.bin", "scaler.bin", "rng_state.bin"})
+
+
+def weight_files(path: str, load_format: str = "auto") -> tuple[str, list[str]]:
+    """The format (``safetensors`` or ``pt``) and the files of a folder's weights; ``ValueError``
+    names a shard its index lists but the folder lacks, or what was looked for."""
+    formats = ["safetensors", "pt"] if load_format == "auto" else [load_format]
+    for fmt in formats:
+        index_name, pattern = WEIGHT_FORMATS[fmt]
+        index = os.path.join(path, index_name)
+        if os.path.exists(index):
+            with open(index) as f:
+                shards = sorted(set(json.load(f)["weight_map"].values()))
+            missing = [s for s in shards if not os.path.exists(os.path.join(path, s))]
+            if missing:
+                raise ValueError(f"model: {missing[0]!r}, a shard {index_name} lists, is missing from {path!r}")
+            return fmt, [os.path.join(path, s) for s in shards]
+        files = sorted(f for f in glob.glob(os.path.join(path, pattern)) if os.path.basename(f) not in NOT_WEIGHTS)
+        if files:
+            return fmt, files
+    wanted = " or ".join(WEIGHT_FORMATS[fmt][1] for fmt in formats)
+    raise ValueError(f"model: no {wanted} weights in {path!r} (use --load-format dummy for random weights)")
 
 
 def convert_gguf(gguf_path: str) -> str:
@@ -109,29 +148,45 @@ SAFETENSORS_DTYPES = {
 }  # fmt: skip
 
 
-def iter_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) from every ``*.safetensors`` file in ``path``, one tensor at a time.
+def iter_weights(path: str, load_format: str = "auto") -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) from every weight file of ``path`` (``weight_files``)."""
+    fmt, files = weight_files(path, load_format)
+    for file in files:
+        yield from _read_safetensors(file) if fmt == "safetensors" else _read_pt(file)
+
+
+def _read_pt(file: str) -> Iterator[tuple[str, torch.Tensor]]:
+    try:  # mmap: tensors are read as they are copied into the model, not all at once
+        state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as exc:  # it holds objects other than tensors
+        raise ValueError(f"model: {file} is not a plain PyTorch state dict (loaded with weights_only): {exc}") from None
+    if not isinstance(state, dict):
+        raise ValueError(f"model: {file} holds a {type(state).__name__}, not a state dict of tensors")
+    yield from state.items()
+
+
+def _read_safetensors(file: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """One tensor at a time.
 
     NOTE: ``safetensors.safe_open`` memory-maps the file; each mapped page it reads stays
     resident (and counts in RSS) until the file is closed, so loading a one-file model
     held the whole checkpoint *and* the model's copy at once: peak RSS was twice the
     weights. Plain reads keep only the tensor being copied.
     """
-    for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
-        with open(file, "rb") as f:
-            header_len = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(header_len))
-            header.pop("__metadata__", None)
-            base = 8 + header_len
-            for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
-                if info["dtype"] not in SAFETENSORS_DTYPES:
-                    raise ValueError(f"weight {name!r} in {file}: unsupported dtype {info['dtype']}")
-                begin, end = info["data_offsets"]
-                buf = torch.empty(end - begin, dtype=torch.uint8)
-                f.seek(base + begin)
-                if f.readinto(memoryview(buf.numpy())) != end - begin:
-                    raise ValueError(f"{file} is truncated (weight {name!r})")
-                yield name, buf.view(SAFETENSORS_DTYPES[info["dtype"]]).reshape(info["shape"])
+    with open(file, "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(header_len))
+        header.pop("__metadata__", None)
+        base = 8 + header_len
+        for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            if info["dtype"] not in SAFETENSORS_DTYPES:
+                raise ValueError(f"weight {name!r} in {file}: unsupported dtype {info['dtype']}")
+            begin, end = info["data_offsets"]
+            buf = torch.empty(end - begin, dtype=torch.uint8)
+            f.seek(base + begin)
+            if f.readinto(memoryview(buf.numpy())) != end - begin:
+                raise ValueError(f"{file} is truncated (weight {name!r})")
+            yield name, buf.view(SAFETENSORS_DTYPES[info["dtype"]]).reshape(info["shape"])
 
 
 def load_generation_defaults(path: str, setting: str | None) -> dict:

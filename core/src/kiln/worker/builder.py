@@ -120,7 +120,7 @@ def build_model(
     finally:
         torch.set_default_dtype(default_dtype)
     if config.load_format != "dummy":
-        weights = iter_weights(model_path)
+        weights = iter_weights(model_path, config.load_format)
         model.load_weights(weights if quant is None else canonical_weights(weights, quant))
     model.eval()
     if quant is not None:
