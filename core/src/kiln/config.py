@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 
@@ -58,9 +58,16 @@ class EngineConfig(BaseModel):
         "auto-detected from the checkpoint's quantization_config",
     )
     trust_remote_code: bool = False
+    revision: str | None = Field(None, description="the Hub revision (branch, tag or commit) of a repo-id model")
+    tokenizer_revision: str | None = Field(None, description="the Hub revision of a repo-id --tokenizer")
+    code_revision: str | None = Field(
+        None, description="accepted only equal to --revision: remote code runs from the model's snapshot"
+    )
+    download_dir: str | None = Field(None, description="the Hugging Face cache for repo ids (default: HF_HUB_CACHE)")
     task: Literal["auto", "generate", "embed", "score", "classify", "reward"] = Field(
-        "auto", description="what the model serves; auto: generate for *ForCausalLM, embed for encoders, "
-        "score/classify for *ForSequenceClassification"
+        "auto",
+        description="what the model serves; auto: generate for *ForCausalLM, embed for encoders, "
+        "score/classify for *ForSequenceClassification",
     )
     runner: Literal["auto", "generate", "pooling"] = Field("auto", description="vLLM's newer spelling of --task")
     convert: Literal["auto", "none", "embed", "classify", "reward"] = Field(
@@ -84,6 +91,15 @@ class EngineConfig(BaseModel):
         from kiln.pooling_params import parse_pooler_overrides
 
         return parse_pooler_overrides(value)
+
+    @model_validator(mode="after")
+    def _one_code_revision(self) -> EngineConfig:
+        if self.code_revision is not None and self.code_revision != (self.revision or "main"):
+            raise ValueError(
+                "--code-revision: remote code runs from the model's --revision snapshot; "
+                f"a different code revision ({self.code_revision!r}) is not supported"
+            )
+        return self
 
     @field_validator("block_size")
     @classmethod

@@ -24,7 +24,7 @@ from kiln.engine.pooling import PoolingInputProcessor, PoolingOutputProcessor
 from kiln.engine.request import RequestStatus
 from kiln.engine.scheduler import Scheduler
 from kiln.models.bert import position_offset
-from kiln.models.loader import load_generation_defaults, resolve_model
+from kiln.models.loader import load_generation_defaults, resolve_model, resolve_tokenizer
 from kiln.models.pooler import setup_pooling
 from kiln.outputs import RequestOutput
 from kiln.platforms.select import select_platform
@@ -48,16 +48,18 @@ class LLMEngine:
         registry = self.plugins.registry
         self.platform = select_platform(config.device, registry)
         self.platform.update_config(config)
-        files = resolve_model(config.model, config.load_format)
+        model_id = config.model
+        files = resolve_model(model_id, config.load_format, config.revision, config.download_dir)
         config.model = files.path  # later readers (tensor-parallel ranks, platforms) get the local folder
         hf_config = AutoConfig.from_pretrained(files.path, trust_remote_code=config.trust_remote_code)
         pooling = setup_pooling(config, hf_config, registry, files.path)  # resolves --task
         _resolve_lengths(config, hf_config)
         self.plugins.update_engine_config(config)
         self.dtype = resolve_dtype(config, self.platform, hf_config)
-        tokenizer = AutoTokenizer.from_pretrained(
-            config.tokenizer or files.path, trust_remote_code=config.trust_remote_code
+        tokenizer_path = resolve_tokenizer(
+            config.tokenizer, model_id, files.path, config.tokenizer_revision, config.download_dir
         )
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=config.trust_remote_code)
         defaults = load_generation_defaults(files.path, config.generation_config)
         eos = defaults.pop("eos_token_ids", []) + (
             [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []

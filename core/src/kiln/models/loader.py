@@ -1,4 +1,9 @@
-"""Finding and reading model weights: a Hugging Face folder, a GGUF file, or dummy weights.
+"""Finding and reading model weights: a Hugging Face folder, a GGUF file, a Hub repo id, or
+dummy weights.
+
+A repo id (``org/name``) that is not a local path resolves through ``huggingface_hub`` to a
+snapshot folder in its cache (``--download-dir``, else ``HF_HUB_CACHE``), downloading what is
+missing unless ``HF_HUB_OFFLINE`` is set; the token comes from the usual environment.
 
 A folder's weights (``weight_files``) are ``*.safetensors`` or PyTorch ``*.bin`` files
 (``--load-format safetensors|pt``; ``auto`` prefers safetensors), sharded or not: where an
@@ -21,6 +26,7 @@ import json
 import logging
 import os
 import pickle
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -57,10 +63,15 @@ def default_model_path() -> str:
     return os.path.join(os.path.dirname(spec.origin), DEFAULT_MODEL_FILE)
 
 
-def resolve_model(model: str | None, load_format: str) -> ModelFiles:
-    """Turn ``--model`` into a Hugging Face folder, converting GGUF on first use."""
+def resolve_model(
+    model: str | None, load_format: str, revision: str | None = None, download_dir: str | None = None
+) -> ModelFiles:
+    """Turn ``--model`` into a Hugging Face folder: a local one, a Hub repo's cached snapshot, or
+    a GGUF file converted on first use."""
     path = model or default_model_path()
     name = model or DEFAULT_MODEL_NAME
+    if not os.path.exists(path) and REPO_ID.fullmatch(path):
+        path = hub_snapshot(path, revision, download_dir)
     if not os.path.exists(path):
         raise ValueError(f"model: {path!r} does not exist (expected a Hugging Face folder or a .gguf file)")
     if os.path.isfile(path):
@@ -72,6 +83,48 @@ def resolve_model(model: str | None, load_format: str) -> ModelFiles:
     if load_format != "dummy":
         weight_files(path, load_format)  # fail at start-up, naming what is missing
     return ModelFiles(path, name)
+
+
+REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+# What a snapshot needs: config, tokenizer, generation config, weights, remote code.
+HUB_FILES = ["*.json", "*.safetensors", "*.bin", "*.model", "*.txt", "*.tiktoken", "*.py"]
+
+
+def resolve_tokenizer(
+    tokenizer: str | None, model: str | None, model_path: str, revision: str | None, download_dir: str | None
+) -> str:
+    """The tokenizer's folder: ``--tokenizer`` (a folder or a repo id), else the model's own; with
+    ``--tokenizer-revision``, that revision of the tokenizer's (or the model's) repo."""
+    source = tokenizer or (model if revision is not None else None)
+    if source is None:
+        return model_path
+    if os.path.exists(source):
+        if revision is not None:
+            raise ValueError(f"--tokenizer-revision: applies to a Hub repo id, not the local {source!r}")
+        return source
+    if REPO_ID.fullmatch(source):
+        return hub_snapshot(source, revision, download_dir, flag="--tokenizer")
+    raise ValueError(f"--tokenizer: {source!r} does not exist (expected a folder or a Hub repo id)")
+
+
+def hub_snapshot(repo_id: str, revision: str | None, download_dir: str | None, flag: str = "model") -> str:
+    """The local snapshot folder of a Hub model repo, downloaded unless ``HF_HUB_OFFLINE`` is set;
+    ``ValueError`` (naming ``flag``) says what was looked for and where."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled
+
+    offline = constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    cache = download_dir or constants.HF_HUB_CACHE
+    try:
+        return snapshot_download(
+            repo_id, revision=revision, cache_dir=download_dir, allow_patterns=HUB_FILES, local_files_only=offline
+        )
+    except (LocalEntryNotFoundError, OfflineModeIsEnabled, HfHubHTTPError, OSError) as exc:
+        how = "HF_HUB_OFFLINE is set, so nothing was downloaded" if offline else f"the download failed ({exc})"
+        raise ValueError(
+            f"{flag}: {repo_id!r} is not a local folder or file, and the Hugging Face cache {cache!r} has no "
+            f"snapshot of it at revision {revision or 'main'!r}; {how}"
+        ) from None
 
 
 # Per format: the index file naming the shards, and the pattern of the weight files without one.

@@ -1,0 +1,74 @@
+"""A Hugging Face Hub repo id as the model, resolved through ``huggingface_hub`` against a local
+cache laid out as the Hub lays it out (this machine reaches no Hub): revisions, the tokenizer's
+own revision, and offline errors that say what was looked for."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from kiln import LLM, SamplingParams
+from kiln.config import EngineConfig
+
+REPO = "kiln-test/tiny-llama"
+MAIN, V1 = "a" * 40, "b" * 40  # commit hashes of two snapshots
+PROMPTS = [{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": list(range(100, 130))}]
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+
+def tokens(llm: LLM) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory, tiny_model_dir):
+    """A cache holding REPO at "main" (the tiny llama) and at tag "v1" (another seed's weights)."""
+    cache = tmp_path_factory.mktemp("hub")
+    repo = cache / f"models--{REPO.replace('/', '--')}"
+    for commit, model in ((MAIN, tiny_model_dir("llama")), (V1, tiny_model_dir("llama", seed=1))):
+        shutil.copytree(model, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(MAIN)
+    (repo / "refs" / "v1").write_text(V1)
+    return str(cache)
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def test_a_repo_id_serves_its_cached_snapshot(hub, tiny_model_dir):
+    llm = LLM(REPO, download_dir=hub, dtype="float32")
+    assert llm.engine.model_info.name == REPO  # the served model name
+    assert llm.engine.model_info.path.endswith(MAIN)
+    assert tokens(llm) == tokens(LLM(tiny_model_dir("llama"), dtype="float32"))
+
+
+def test_revision_picks_the_snapshot(hub, tiny_model_dir):
+    llm = LLM(REPO, revision="v1", download_dir=hub, dtype="float32")
+    assert llm.engine.model_info.path.endswith(V1)
+    assert tokens(llm) == tokens(LLM(tiny_model_dir("llama", seed=1), dtype="float32"))
+    assert tokens(llm) != tokens(LLM(REPO, download_dir=hub, dtype="float32"))
+
+
+def test_offline_errors_say_what_was_looked_for(hub):
+    with pytest.raises(
+        ValueError, match=r"'kiln-test/tiny-llama' .* no snapshot of it at revision 'v9'.*HF_HUB_OFFLINE"
+    ):
+        LLM(REPO, revision="v9", download_dir=hub)
+    with pytest.raises(ValueError, match=rf"model: 'nobody/nothing' .* cache '{hub}' has no snapshot"):
+        LLM("nobody/nothing", download_dir=hub)
+    with pytest.raises(ValueError, match=r"--tokenizer: 'nobody/tok' .* no snapshot"):
+        LLM(REPO, tokenizer="nobody/tok", download_dir=hub)
+
+
+def test_tokenizer_revision_and_code_revision(hub, tiny_model_dir):
+    llm = LLM(REPO, tokenizer_revision="v1", download_dir=hub, dtype="float32")  # the model's repo at v1
+    assert llm.engine.model_info.path.endswith(MAIN)
+    with pytest.raises(ValueError, match="--tokenizer-revision: applies to a Hub repo id, not the local"):
+        LLM(tiny_model_dir("llama"), tokenizer_revision="v1")
+    with pytest.raises(ValueError, match="--code-revision: remote code runs from the model's --revision snapshot"):
+        EngineConfig.create(model=REPO, revision="v1", code_revision="main")
+    EngineConfig.create(model=REPO, revision="v1", code_revision="v1")  # the same one: fine
