@@ -8,6 +8,7 @@ until ``LLMEngine`` resolves them.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -73,6 +74,13 @@ class EngineConfig(BaseModel):
     convert: Literal["auto", "none", "embed", "classify", "reward"] = Field(
         "auto", description="with --runner pooling: serve the model as this pooling task"
     )
+    hf_overrides: dict[str, Any] | None = Field(
+        None, description="JSON set on the model's Hugging Face config, e.g. '{\"max_position_embeddings\": 4096}'"
+    )
+    rope_scaling: dict[str, Any] | None = Field(
+        None, description='JSON rope scaling, e.g. \'{"rope_type": "yarn", "factor": 4.0}\''
+    )
+    rope_theta: float | None = Field(None, gt=0, description="the rope base frequency, over the model's")
     override_pooler_config: dict[str, Any] | None = Field(
         None, description='JSON pooling over the model\'s, e.g. \'{"pooling_type": "MEAN", "normalize": true}\''
     )
@@ -91,6 +99,18 @@ class EngineConfig(BaseModel):
         from kiln.pooling_params import parse_pooler_overrides
 
         return parse_pooler_overrides(value)
+
+    @field_validator("hf_overrides", "rope_scaling", mode="before")
+    @classmethod
+    def _json_object(cls, value: object) -> object:
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"not valid JSON ({exc})") from None
+        if value is not None and not isinstance(value, dict):
+            raise ValueError("must be a JSON object")
+        return value
 
     @model_validator(mode="after")
     def _one_code_revision(self) -> EngineConfig:

@@ -24,7 +24,7 @@ from kiln.engine.pooling import PoolingInputProcessor, PoolingOutputProcessor
 from kiln.engine.request import RequestStatus
 from kiln.engine.scheduler import Scheduler
 from kiln.models.bert import position_offset
-from kiln.models.loader import load_generation_defaults, resolve_model, resolve_tokenizer
+from kiln.models.loader import load_generation_defaults, load_hf_config, resolve_model, resolve_tokenizer
 from kiln.models.pooler import setup_pooling
 from kiln.outputs import RequestOutput
 from kiln.platforms.select import select_platform
@@ -41,7 +41,7 @@ logger = logging.getLogger("kiln.engine")
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, plugins: PluginManager | None = None) -> None:
-        from transformers import AutoConfig, AutoTokenizer
+        from transformers import AutoTokenizer
 
         self.config = config
         self.plugins = plugins or get_plugin_manager()
@@ -51,7 +51,7 @@ class LLMEngine:
         model_id = config.model
         files = resolve_model(model_id, config.load_format, config.revision, config.download_dir)
         config.model = files.path  # later readers (tensor-parallel ranks, platforms) get the local folder
-        hf_config = AutoConfig.from_pretrained(files.path, trust_remote_code=config.trust_remote_code)
+        hf_config = load_hf_config(files.path, config)
         pooling = setup_pooling(config, hf_config, registry, files.path)  # resolves --task
         _resolve_lengths(config, hf_config)
         self.plugins.update_engine_config(config)

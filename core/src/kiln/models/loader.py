@@ -32,6 +32,7 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -157,6 +158,30 @@ def weight_files(path: str, load_format: str = "auto") -> tuple[str, list[str]]:
             return fmt, files
     wanted = " or ".join(WEIGHT_FORMATS[fmt][1] for fmt in formats)
     raise ValueError(f"model: no {wanted} weights in {path!r} (use --load-format dummy for random weights)")
+
+
+def load_hf_config(path: str, config) -> Any:
+    """The model's Hugging Face config with the engine's overrides applied: ``--hf-overrides``
+    (nested objects update sub-configs), then ``--rope-scaling`` and ``--rope-theta``."""
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(path, trust_remote_code=config.trust_remote_code)
+    _override(hf_config, config.hf_overrides or {})
+    if config.rope_scaling is not None or config.rope_theta is not None:
+        params = dict(getattr(hf_config, "rope_parameters", None) or {})
+        theta = config.rope_theta or params.get("rope_theta") or getattr(hf_config, "rope_theta", None)
+        params = {**params, **(config.rope_scaling or {}), "rope_theta": theta}
+        hf_config.rope_parameters = params  # transformers 5 keeps theta and scaling together here
+    return hf_config
+
+
+def _override(target: Any, values: dict) -> None:
+    for key, value in values.items():
+        current = getattr(target, key, None)
+        if isinstance(value, dict) and current is not None and hasattr(current, "to_dict"):
+            _override(current, value)  # a sub-config (e.g. text_config)
+        else:
+            setattr(target, key, value)
 
 
 def convert_gguf(gguf_path: str) -> str:

@@ -15,7 +15,7 @@ from kiln.interfaces.attention import AttentionBackend
 from kiln.interfaces.model import resolve_ops
 from kiln.interfaces.platform import Platform
 from kiln.interfaces.quantization import LinearMethod, QuantLinear
-from kiln.models.loader import iter_weights
+from kiln.models.loader import iter_weights, load_hf_config
 from kiln.quantization import config as quant_config
 from kiln.quantization.checkpoint import canonical_weights
 from kiln.quantization.config import QuantConfig
@@ -169,8 +169,6 @@ def worker_main(
     """Tensor-parallel rank ``rank`` (>= 1): build this rank's shard and KV cache, then run every
     ``StepBatch`` rank 0 sends until it sends None or goes away. ``config`` is rank 0's,
     fully resolved, with ``device`` naming the platform it chose."""
-    from transformers import AutoConfig
-
     from kiln.platforms.select import select_platform
     from kiln.plugins import get_plugin_manager
 
@@ -183,7 +181,7 @@ def worker_main(
         torch.distributed.init_process_group(
             platform.dist_backend, init_method=init_method, rank=rank, world_size=world_size
         )
-        hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=config.trust_remote_code)
+        hf_config = load_hf_config(model_path, config)
         tp = TensorParallel(rank, world_size)
         runner = build_runner(config, registry, platform, hf_config, getattr(torch, dtype_name), model_path, tp)
         runner.profile_peak()  # in step with rank 0's profiling run

@@ -1,0 +1,65 @@
+"""Rope variants and config overrides against transformers: YaRN (with and without the mscale
+terms) token for token, ``--rope-scaling`` / ``--rope-theta`` / ``--hf-overrides`` changing the
+model as the same edit of its config.json does, and bad values named."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from kiln import LLM, SamplingParams
+from kiln.config import EngineConfig
+from kiln.testing.models import hf_greedy
+
+NEW_TOKENS = 12
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0)
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0}
+YARN_MSCALE = {**YARN, "factor": 8.0, "mscale": 0.707, "mscale_all_dim": 1.0, "beta_fast": 16}
+
+
+def greedy(path: str, prompts, **engine_args) -> list[list[int]]:
+    llm = LLM(path, dtype="float32", max_model_len=512, **engine_args)
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
+
+
+@pytest.mark.parametrize("rope", [YARN, YARN_MSCALE], ids=["yarn", "yarn-mscale"])
+def test_yarn_matches_transformers(tiny_model_dir, varied_prompts, rope):
+    path = tiny_model_dir("llama", rope_parameters=rope)
+    assert greedy(path, varied_prompts) == hf_greedy(path, varied_prompts, NEW_TOKENS)
+
+
+def test_rope_flags_equal_editing_the_config(tiny_model_dir, varied_prompts, tmp_path):
+    plain = tiny_model_dir("llama")
+    yarn = tiny_model_dir("llama", rope_parameters=YARN)  # the same weights: rope adds no parameters
+    scaling = {k: v for k, v in YARN.items() if k != "rope_theta"}
+    assert greedy(plain, varied_prompts, rope_scaling=json.dumps(scaling)) == greedy(yarn, varied_prompts)
+    assert greedy(plain, varied_prompts) != greedy(yarn, varied_prompts)  # so the flag did something
+
+    edited = tmp_path / "theta"
+    shutil.copytree(plain, edited)
+    config = json.loads((edited / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "default", "rope_theta": 5000.0}
+    config["rms_norm_eps"] = 1e-3
+    (edited / "config.json").write_text(json.dumps(config))
+    expected = hf_greedy(str(edited), varied_prompts, NEW_TOKENS)
+    assert greedy(plain, varied_prompts, rope_theta=5000.0, hf_overrides={"rms_norm_eps": 1e-3}) == expected
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(rope_scaling="{not json"), "--rope-scaling: not valid JSON"),
+        (dict(hf_overrides="[1, 2]"), "--hf-overrides: must be a JSON object"),
+        (dict(rope_theta=-1.0), "--rope-theta"),
+    ],
+)
+def test_bad_values_are_named(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig.create(**kwargs)
+
+
+def test_an_unsupported_rope_type_says_which_are(tiny_model_dir):
+    with pytest.raises(ValueError, match="rope type 'dynamic' is not supported yet .* yarn"):
+        LLM(tiny_model_dir("llama"), rope_scaling={"rope_type": "dynamic", "factor": 2.0})
