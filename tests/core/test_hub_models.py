@@ -7,6 +7,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
+from transformers import AutoTokenizer
 
 from kiln import LLM, SamplingParams
 from kiln.config import EngineConfig
@@ -28,6 +29,9 @@ def hub(tmp_path_factory, tiny_model_dir):
     repo = cache / f"models--{REPO.replace('/', '--')}"
     for commit, model in ((MAIN, tiny_model_dir("llama")), (V1, tiny_model_dir("llama", seed=1))):
         shutil.copytree(model, repo / "snapshots" / commit)
+    v1_tokenizer = AutoTokenizer.from_pretrained(repo / "snapshots" / V1)
+    v1_tokenizer.add_tokens(["<only-in-v1>"])  # so a test can tell which revision's tokenizer loaded
+    v1_tokenizer.save_pretrained(repo / "snapshots" / V1)
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(MAIN)
     (repo / "refs" / "v1").write_text(V1)
@@ -67,6 +71,8 @@ def test_offline_errors_say_what_was_looked_for(hub):
 def test_tokenizer_revision_and_code_revision(hub, tiny_model_dir):
     llm = LLM(REPO, tokenizer_revision="v1", download_dir=hub, dtype="float32")  # the model's repo at v1
     assert llm.engine.model_info.path.endswith(MAIN)
+    assert "<only-in-v1>" in llm.get_tokenizer().get_vocab()
+    assert "<only-in-v1>" not in LLM(REPO, download_dir=hub).get_tokenizer().get_vocab()
     with pytest.raises(ValueError, match="--tokenizer-revision: applies to a Hub repo id, not the local"):
         LLM(tiny_model_dir("llama"), tokenizer_revision="v1")
     with pytest.raises(ValueError, match="--code-revision: remote code runs from the model's --revision snapshot"):

@@ -63,3 +63,27 @@ def test_bad_values_are_named(kwargs, message):
 def test_an_unsupported_rope_type_says_which_are(tiny_model_dir):
     with pytest.raises(ValueError, match="rope type 'dynamic' is not supported yet .* yarn"):
         LLM(tiny_model_dir("llama"), rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+
+
+def test_rope_scaling_in_the_older_spelling(tiny_model_dir, varied_prompts):
+    plain, yarn = tiny_model_dir("llama"), tiny_model_dir("llama", rope_parameters=YARN)
+    old = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}  # as Qwen's documents write it
+    assert greedy(plain, varied_prompts, rope_scaling=old) == greedy(yarn, varied_prompts)
+
+
+def test_overriding_the_scaling_keeps_the_model_theta(tiny_model_dir):
+    from kiln.models.rope import rope_settings
+
+    path = tiny_model_dir("llama", rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+    for flags in (dict(hf_overrides={"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+                  dict(rope_scaling={"rope_type": "linear", "factor": 2.0})):  # fmt: skip
+        llm = LLM(path, dtype="float32", max_model_len=256, **flags)
+        theta, scaling = rope_settings(llm.engine.executor.runner.model.config)
+        assert (theta, scaling["rope_type"], scaling["factor"]) == (500000.0, "linear", 2.0)
+
+
+def test_a_stretching_rope_raises_the_context_limit(tiny_model_dir):
+    """YaRN x4 over 1024 original positions: 4096 positions (vLLM's rule), beyond the config's 2048."""
+    llm = LLM(tiny_model_dir("llama"), rope_scaling={**YARN, "original_max_position_embeddings": 1024})
+    assert llm.engine.config.max_model_len == 4096
+    assert LLM(tiny_model_dir("llama")).engine.config.max_model_len == 2048

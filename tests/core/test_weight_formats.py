@@ -102,3 +102,32 @@ def test_bin_files_load_with_weights_only(source, tmp_path):
     torch.save({**state, "extra": NotATensor()}, target / "pytorch_model.bin")
     with pytest.raises(ValueError, match="is not a plain PyTorch state dict \\(loaded with weights_only\\)"):
         LLM(str(target), dtype="float32")
+
+
+def test_legacy_bin_files_load_too(source, tmp_path):
+    """Files saved before PyTorch's zip format cannot be memory-mapped: read whole."""
+    path, expected = source
+    target = tmp_path / "model"
+    state = without_weights(path, target)
+    torch.save(state, target / "pytorch_model.bin", _use_new_zipfile_serialization=False)
+    assert tokens(str(target)) == expected
+
+
+def test_gguf_with_its_load_format(default_model_dir, source, tmp_path):
+    from kiln.models.loader import default_model_path
+
+    llm = LLM(default_model_path(), load_format="gguf", max_model_len=128)
+    assert llm.generate("Hi", SamplingParams(max_tokens=2, temperature=0))[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="--load-format gguf: reads a .gguf file, not the folder"):
+        LLM(source[0], load_format="gguf")
+
+
+def test_an_index_may_not_name_files_outside_the_folder(source, tmp_path):
+    target = tmp_path / "model"
+    write_shards(target, without_weights(source[0], target), "safetensors", 2)
+    index = json.loads((target / "model.safetensors.index.json").read_text())
+    first = next(iter(index["weight_map"]))
+    index["weight_map"][first] = "../elsewhere.safetensors"
+    (target / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="names a shard outside"):
+        LLM(str(target))

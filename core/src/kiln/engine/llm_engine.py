@@ -26,6 +26,7 @@ from kiln.engine.scheduler import Scheduler
 from kiln.models.bert import position_offset
 from kiln.models.loader import load_generation_defaults, load_hf_config, resolve_model, resolve_tokenizer
 from kiln.models.pooler import setup_pooling
+from kiln.models.rope import context_limit
 from kiln.outputs import RequestOutput
 from kiln.platforms.select import select_platform
 from kiln.plugins import PluginManager, get_plugin_manager
@@ -173,7 +174,8 @@ class LLMEngine:
 def _resolve_lengths(cfg: EngineConfig, hf_config) -> None:
     """Fill ``max_model_len`` and ``max_num_batched_tokens`` from the model, or check them."""
     # (XLM-)RoBERTa's first position embeddings belong to padding: they take fewer tokens.
-    limit = (getattr(hf_config, "max_position_embeddings", None) or 2048) - position_offset(hf_config)
+    trained = (getattr(hf_config, "max_position_embeddings", None) or 2048) - position_offset(hf_config)
+    limit = context_limit(hf_config, trained)
     if cfg.max_model_len is None:
         cfg.max_model_len = limit
     elif cfg.max_model_len > limit:

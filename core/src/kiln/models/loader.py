@@ -29,12 +29,15 @@ import pickle
 import re
 import shutil
 import tempfile
+import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from kiln.models.rope import rope_settings
 
 logger = logging.getLogger("kiln.loader")
 
@@ -88,7 +91,7 @@ def resolve_model(
 
 REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 # What a snapshot needs: config, tokenizer, generation config, weights, remote code.
-HUB_FILES = ["*.json", "*.safetensors", "*.bin", "*.model", "*.txt", "*.tiktoken", "*.py"]
+HUB_FILES = ["*.json", "*.jinja", "*.model", "*.txt", "*.tiktoken", "*.py"]
 
 
 def resolve_tokenizer(
@@ -111,16 +114,19 @@ def resolve_tokenizer(
 def hub_snapshot(repo_id: str, revision: str | None, download_dir: str | None, flag: str = "model") -> str:
     """The local snapshot folder of a Hub model repo, downloaded unless ``HF_HUB_OFFLINE`` is set;
     ``ValueError`` (naming ``flag``) says what was looked for and where."""
-    from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled
+    from huggingface_hub import HfApi, constants, snapshot_download
 
     offline = constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
     cache = download_dir or constants.HF_HUB_CACHE
     try:
+        if offline:  # the cached snapshot as it is
+            return snapshot_download(repo_id, revision=revision, cache_dir=download_dir, local_files_only=True)
+        files = HfApi().list_repo_files(repo_id, revision=revision)
+        weights = "*.safetensors" if any(f.endswith(".safetensors") for f in files) else "*.bin"  # not both
         return snapshot_download(
-            repo_id, revision=revision, cache_dir=download_dir, allow_patterns=HUB_FILES, local_files_only=offline
+            repo_id, revision=revision, cache_dir=download_dir, allow_patterns=[*HUB_FILES, weights]
         )
-    except (LocalEntryNotFoundError, OfflineModeIsEnabled, HfHubHTTPError, OSError) as exc:
+    except Exception as exc:  # noqa: BLE001 (the hub's many failures become one start-up error)
         how = "HF_HUB_OFFLINE is set, so nothing was downloaded" if offline else f"the download failed ({exc})"
         raise ValueError(
             f"{flag}: {repo_id!r} is not a local folder or file, and the Hugging Face cache {cache!r} has no "
@@ -142,6 +148,8 @@ NOT_WEIGHTS = frozenset({"training_args.bin", "optimizer.bin", "scheduler.bin", 
 def weight_files(path: str, load_format: str = "auto") -> tuple[str, list[str]]:
     """The format (``safetensors`` or ``pt``) and the files of a folder's weights; ``ValueError``
     names a shard its index lists but the folder lacks, or what was looked for."""
+    if load_format not in ("auto", *WEIGHT_FORMATS):
+        raise ValueError(f"--load-format {load_format}: reads a .gguf file, not the folder {path!r}")
     formats = ["safetensors", "pt"] if load_format == "auto" else [load_format]
     for fmt in formats:
         index_name, pattern = WEIGHT_FORMATS[fmt]
@@ -149,6 +157,10 @@ def weight_files(path: str, load_format: str = "auto") -> tuple[str, list[str]]:
         if os.path.exists(index):
             with open(index) as f:
                 shards = sorted(set(json.load(f)["weight_map"].values()))
+            root = os.path.realpath(path)
+            outside = [s for s in shards if not os.path.realpath(os.path.join(path, s)).startswith(root + os.sep)]
+            if outside:
+                raise ValueError(f"model: {index_name} names a shard outside {path!r}: {outside[0]!r}")
             missing = [s for s in shards if not os.path.exists(os.path.join(path, s))]
             if missing:
                 raise ValueError(f"model: {missing[0]!r}, a shard {index_name} lists, is missing from {path!r}")
@@ -166,12 +178,19 @@ def load_hf_config(path: str, config) -> Any:
     from transformers import AutoConfig
 
     hf_config = AutoConfig.from_pretrained(path, trust_remote_code=config.trust_remote_code)
+    model_theta, _ = rope_settings(hf_config)
     _override(hf_config, config.hf_overrides or {})
-    if config.rope_scaling is not None or config.rope_theta is not None:
-        params = dict(getattr(hf_config, "rope_parameters", None) or {})
-        theta = config.rope_theta or params.get("rope_theta") or getattr(hf_config, "rope_theta", None)
-        params = {**params, **(config.rope_scaling or {}), "rope_theta": theta}
-        hf_config.rope_parameters = params  # transformers 5 keeps theta and scaling together here
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    if config.rope_scaling is not None:  # replaces the model's scaling, as vLLM's flag does
+        params = dict(config.rope_scaling)
+        if "type" in params:  # the older spelling (Qwen's documents use it)
+            params["rope_type"] = params.pop("type")
+    if params or config.rope_theta is not None:
+        # transformers 5 keeps theta beside the scaling; an override of the scaling alone must not lose it.
+        params["rope_theta"] = config.rope_theta or params.get("rope_theta") or model_theta
+        hf_config.rope_parameters = params
+        if "rope_theta" in vars(hf_config):  # configs that also keep it as an attribute (remote code)
+            hf_config.rope_theta = params["rope_theta"]
     return hf_config
 
 
@@ -234,8 +253,8 @@ def iter_weights(path: str, load_format: str = "auto") -> Iterator[tuple[str, to
 
 
 def _read_pt(file: str) -> Iterator[tuple[str, torch.Tensor]]:
-    try:  # mmap: tensors are read as they are copied into the model, not all at once
-        state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    try:  # mmap (zip-format files only): tensors are read as they are copied, not all at once
+        state = torch.load(file, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(file))
     except pickle.UnpicklingError as exc:  # it holds objects other than tensors
         raise ValueError(f"model: {file} is not a plain PyTorch state dict (loaded with weights_only): {exc}") from None
     if not isinstance(state, dict):

@@ -8,11 +8,23 @@ import torch
 
 
 def rope_settings(hf_config) -> tuple[float, dict]:
-    """(theta, scaling dict) whether the config uses ``rope_theta`` or transformers 5's ``rope_parameters``."""
-    params = dict(getattr(hf_config, "rope_parameters", None) or {})
-    scaling = dict(getattr(hf_config, "rope_scaling", None) or params)
-    theta = getattr(hf_config, "rope_theta", None) or params.get("rope_theta") or 10000.0
-    return float(theta), scaling
+    """(theta, scaling dict): transformers 5's ``rope_parameters``, else the older ``rope_scaling``
+    and ``rope_theta``."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or vars(hf_config).get("rope_scaling") or {})
+    theta = params.get("rope_theta") or getattr(hf_config, "rope_theta", None) or 10000.0
+    return float(theta), params
+
+
+def context_limit(hf_config, trained: int) -> int:
+    """The positions a model takes: ``trained`` (its ``max_position_embeddings``), times the factor
+    of a rope scaling that stretches it (linear; YaRN from its original length), as vLLM counts."""
+    _, scaling = rope_settings(hf_config)
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "linear":
+        return int(trained * scaling["factor"])
+    if kind == "yarn" and scaling.get("factor"):
+        return max(trained, int((scaling.get("original_max_position_embeddings") or trained) * scaling["factor"]))
+    return trained
 
 
 def _inv_freq(head_dim: int, theta: float, scaling: dict, max_positions: int) -> tuple[torch.Tensor, float]:

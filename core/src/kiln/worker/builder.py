@@ -120,7 +120,8 @@ def build_model(
     finally:
         torch.set_default_dtype(default_dtype)
     if config.load_format != "dummy":
-        weights = iter_weights(model_path, config.load_format)
+        fmt = "auto" if config.load_format == "gguf" else config.load_format  # a GGUF file was converted
+        weights = iter_weights(model_path, fmt)
         model.load_weights(weights if quant is None else canonical_weights(weights, quant))
     model.eval()
     if quant is not None:
