@@ -53,6 +53,9 @@ def test_rope_flags_equal_editing_the_config(tiny_model_dir, varied_prompts, tmp
         (dict(rope_scaling="{not json"), "--rope-scaling: not valid JSON"),
         (dict(hf_overrides="[1, 2]"), "--hf-overrides: must be a JSON object"),
         (dict(rope_theta=-1.0), "--rope-theta"),
+        (dict(tokenizer_mode="slow"), "--tokenizer-mode: slow is not supported: Kiln detokenizes incrementally"),
+        (dict(tokenizer_mode="mistral"), "--tokenizer-mode: mistral is not supported: mistral_common"),
+        (dict(tokenizer_mode="custom"), "--tokenizer-mode"),
     ],
 )
 def test_bad_values_are_named(kwargs, message):

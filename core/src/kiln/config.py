@@ -21,6 +21,9 @@ class EngineConfig(BaseModel):
 
     model: str | None = Field(None, description="HF folder, .gguf file, or None for the embedded default")
     tokenizer: str | None = Field(None, description="tokenizer folder; defaults to the model's")
+    tokenizer_mode: Literal["auto", "slow", "mistral"] = Field(
+        "auto", description="auto: the fast (Rust) tokenizer; slow and mistral are refused with the reason"
+    )
     dtype: Literal["auto", "half", "float16", "bfloat16", "float", "float32"] = "auto"
     max_model_len: int | None = Field(None, ge=1)
     block_size: int | None = Field(None, description="tokens per KV-cache block; the platform's default if unset")
@@ -110,6 +113,18 @@ class EngineConfig(BaseModel):
                 raise ValueError(f"not valid JSON ({exc})") from None
         if value is not None and not isinstance(value, dict):
             raise ValueError("must be a JSON object")
+        return value
+
+    @field_validator("tokenizer_mode")
+    @classmethod
+    def _fast_tokenizer(cls, value: str) -> str:
+        reasons = {
+            "slow": "Kiln detokenizes incrementally through the fast (Rust) tokenizer's decode stream",
+            "mistral": "mistral_common tokenizers are not supported yet; the model's Hugging Face tokenizer is used "
+            "with --tokenizer-mode auto",
+        }
+        if value in reasons:
+            raise ValueError(f"{value} is not supported: {reasons[value]}")
         return value
 
     @model_validator(mode="after")
