@@ -107,6 +107,14 @@ class Request:
         self.all_token_ids.append(token_id)
 
     @property
+    def stop_ids(self) -> frozenset[int]:
+        """The tokens that end this sequence once ``min_tokens`` are out: its stop token ids,
+        and EOS unless ``ignore_eos``."""
+        params = self.sampling_params
+        eos = frozenset() if params.ignore_eos else self.eos_token_ids
+        return frozenset(params.stop_token_ids) | eos
+
+    @property
     def is_finished(self) -> bool:
         return self.status.finished
 

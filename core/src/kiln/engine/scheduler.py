@@ -92,9 +92,8 @@ class Scheduler:
         self.requests[req.request_id] = req
         if req.sampling_params is not None and req.sampling_params.use_beam_search:  # None: pooling
             params = req.sampling_params
-            stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else req.eos_token_ids)
             room = self.max_model_len - req.num_prompt_tokens
-            group = BeamGroup(req.request_id, params, stop_ids, min(params.max_tokens or room, room))
+            group = BeamGroup(req.request_id, params, req.stop_ids, min(params.max_tokens or room, room))
             group.add_beam(req, 0.0)
             req.beam = group
             self.beam_groups[req.request_id] = group

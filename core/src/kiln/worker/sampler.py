@@ -173,7 +173,7 @@ def _apply_token_rules(logits: torch.Tensor, reqs: Sequence[Request]) -> None:
             if not prefix or req.output_token_ids[-len(prefix) :] == prefix:
                 logits[row, word[-1]] = neg_inf
         if req.num_output_tokens < p.min_tokens:
-            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(req.eos_token_ids))
+            banned = list(req.stop_ids)
             if banned:
                 logits[row, banned] = neg_inf
 
