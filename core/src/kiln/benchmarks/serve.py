@@ -5,7 +5,7 @@ the client), either all random or sharing a common prefix. Requests stream;
 time to first token (TTFT), time per output token after the first (TPOT) and
 inter-token latency (ITL) come from the stream's chunk arrival times, and the
 output token count from the final usage. Works against any server that takes
-token-id prompts on ``/v1/completions`` (Kiln, vLLM).
+token-id prompts on ``/v1/completions`` (Kiln, vLLM, llama.cpp's ``llama-server``).
 """
 
 from __future__ import annotations
@@ -140,6 +140,9 @@ def summarize(cfg: BenchConfig, model: str, results: list[RequestResult], durati
         "config": {k: v for k, v in asdict(cfg).items() if k != "api_key"},
         "completed": len(ok),
         "failed": len(results) - len(ok),
+        # With ignore_eos every completion should be exactly output_len tokens; a server that stops
+        # early (or ignores the field) would otherwise look faster than it is.
+        "length_mismatches": sum(r.output_tokens != cfg.output_len for r in ok) if cfg.ignore_eos else 0,
         "errors": sorted({r.error for r in results if not r.ok})[:5],
         "duration_s": duration,
         "total_input_tokens": prompt,

@@ -31,6 +31,7 @@ from kiln.outputs import RequestOutput
 from kiln.platforms.select import select_platform
 from kiln.plugins import PluginManager, get_plugin_manager
 from kiln.pooling_params import PoolingParams, check_task
+from kiln.quantization import config as quant_config
 from kiln.sampling_params import SamplingParams
 from kiln.worker.builder import resolve_dtype
 from kiln.worker.executor import Executor
@@ -52,6 +53,7 @@ class LLMEngine:
         model_id = config.model
         files = resolve_model(model_id, config.load_format, config.revision, config.download_dir)
         config.model = files.path  # later readers (tensor-parallel ranks, platforms) get the local folder
+        config.quantization = quant_config.for_model_file(config.quantization, files.gguf)
         hf_config = load_hf_config(files.path, config)
         pooling = setup_pooling(config, hf_config, registry, files.path)  # resolves --task
         _resolve_lengths(config, hf_config)

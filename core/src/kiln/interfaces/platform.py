@@ -123,10 +123,12 @@ class Platform(ABC):
         (checked by ``kiln.testing.contracts.OpsContract``)."""
         return {}
 
-    def process_weights(self, model: torch.nn.Module) -> None:
+    def process_weights(self, model: torch.nn.Module, config: EngineConfig) -> None:
         """Called once after the weights are loaded: repack them into the layout the device's
         matmul kernels prefer (replacing ``nn.Linear`` or ``nn.Embedding`` modules in place,
-        e.g. with ones over a compressed copy of the weight). Default: nothing."""
+        e.g. with ones over a compressed copy of the weight). ``config.quantization`` is
+        resolved: ``gguf`` for a model read from a GGUF file, whose weights arrive widened to
+        floats and may be kept in the file's blocks. Default: nothing."""
 
     def linear_method(self, scheme: QuantScheme) -> LinearMethod | None:
         """How this device computes quantized linear layers of ``scheme`` (``w8a8``: int8

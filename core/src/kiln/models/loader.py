@@ -50,6 +50,7 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 class ModelFiles:
     path: str  # a Hugging Face folder: config.json, tokenizer, maybe safetensors
     name: str  # what to call the model (served model name)
+    gguf: bool = False  # converted from a .gguf file
 
 
 def cache_dir() -> Path:
@@ -81,7 +82,7 @@ def resolve_model(
     if os.path.isfile(path):
         if not path.endswith(".gguf") and load_format != "gguf":
             raise ValueError(f"model: {path!r} is a file but not a .gguf file")
-        return ModelFiles(convert_gguf(path), name)
+        return ModelFiles(convert_gguf(path), name, gguf=True)
     if not os.path.exists(os.path.join(path, "config.json")):
         raise ValueError(f"model: {path!r} has no config.json; is it a Hugging Face model folder?")
     if load_format != "dummy":

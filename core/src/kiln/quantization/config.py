@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 
 # --quantization values; aliases on the right map to the names on the left.
-METHODS = ("awq", "gptq", "compressed-tensors", "smoothquant", "weight_only_int8", "fp8", "none")
+METHODS = ("awq", "gptq", "compressed-tensors", "smoothquant", "weight_only_int8", "fp8", "gguf", "none")
 ALIASES = {"smooth_quant": "smoothquant", "w8a8": "smoothquant", "gpt": "gptq", "None": "none"}
 FLAG_CHOICES = (*METHODS, *ALIASES)
 
@@ -133,6 +133,17 @@ def from_hf(qc: dict) -> QuantConfig:
     )
 
 
+def for_model_file(flag: str | None, gguf: bool) -> str | None:
+    """``--quantization`` for a model read from a GGUF file (``gguf``) or not: a GGUF file is
+    ``gguf`` unless the flag says otherwise (``none``: its weights widened to the exact
+    floats); ``gguf`` for any other model is refused."""
+    if gguf and flag is None:
+        return "gguf"
+    if normalize_flag(flag) == "gguf" and not gguf:
+        raise ValueError("--quantization gguf: the model is not a .gguf file")
+    return flag
+
+
 # --quantization name -> checkpoint methods it accepts
 _FLAG_MATCHES = {
     "awq": ("awq",),
@@ -150,6 +161,8 @@ def resolve(flag: str | None, hf_quant_config: dict | None) -> QuantConfig | Non
     On an unquantized checkpoint ``weight_only_int8`` quantizes weights at load (per
     channel); other methods need a quantized checkpoint (``kiln quantize`` makes one)."""
     name = normalize_flag(flag)
+    if name == "gguf":  # the GGUF file's own blocks, which the platform keeps (``Platform.process_weights``)
+        return None
     if flag is not None and name is None:  # --quantization none
         if hf_quant_config:
             raise ValueError("--quantization none: the checkpoint is quantized; serve it with its own method")

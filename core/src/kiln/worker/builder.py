@@ -130,7 +130,7 @@ def build_model(
             layer.method = method
             method.process(layer)
         logger.info("%d linear layers quantized (%s) via %s", len(layers), quant.label, type(method).__name__)
-    platform.process_weights(model)
+    platform.process_weights(model, config)
     return model
 
 

@@ -24,8 +24,18 @@ import torch
 logger = logging.getLogger("kiln.cpu")
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "paged_attention.c", CSRC / "fused_ops.c", CSRC / "tiled_linear.c"]
-FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c11", f"-I{CSRC}"]
+SOURCES = [CSRC / n for n in ("paged_attention.c", "fused_ops.c", "tiled_linear.c", "int8_linear.c")]
+FLAGS = ["-O3", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c11", f"-I{CSRC}"]
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (Linux), which ``-march=native`` compiles for: a library built
+    on one machine must not be loaded on another with fewer."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return platform.processor()
 
 
 def _cache_dir() -> Path:
@@ -42,14 +52,17 @@ def load_kernels() -> ctypes.CDLL | None:
     if compiler is None:
         logger.warning("no C compiler found: CPU attention falls back to torch (slower)")
         return None
+    # KILN_CPU_MARCH: compile for an older instruction set than this CPU's (e.g. x86-64-v3,
+    # AVX2 without VNNI), to run and test the kernels' other paths here.
+    flags = [*FLAGS, f"-march={os.environ.get('KILN_CPU_MARCH') or 'native'}"]
     sources = b"".join(p.read_bytes() for p in [*SOURCES, CSRC / "vec.h"])
-    key = hashlib.sha256(sources + " ".join(FLAGS).encode() + platform.processor().encode())
+    key = hashlib.sha256(sources + " ".join(flags).encode() + _cpu_flags().encode())
     target = _cache_dir() / f"kiln-cpu-{key.hexdigest()[:16]}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
-        cmd = [compiler, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"]
+        cmd = [compiler, *flags, *map(str, SOURCES), "-o", tmp, "-lm"]
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
             os.unlink(tmp)
@@ -71,8 +84,9 @@ def load_kernels() -> ctypes.CDLL | None:
         for op in ("rms_norm", "add_rms_norm", "rotary", "silu_and_mul", "write_kv"):
             getattr(lib, f"{op}_{dt}").restype = None
     fmt = ctypes.c_int
-    lib.tiled_linear.argtypes = [ptr, ptr, i64, i64, fmt, ptr, ptr, ptr, ptr, i64, i64]
-    lib.tiled_linear.restype = ctypes.c_int
+    for fn in (lib.tiled_linear, lib.int8_linear):
+        fn.argtypes = [ptr, ptr, i64, i64, fmt, ptr, ptr, ptr, ptr, i64, i64]
+        fn.restype = ctypes.c_int
     lib.tiled_unpack.argtypes = [ptr, fmt, ptr, ptr, ptr, i64, i64]
     lib.tiled_unpack.restype = ctypes.c_int
     lib.tiled_gather_rows.argtypes = [ptr, ptr, i64, fmt, ptr, ptr, ptr, i64]

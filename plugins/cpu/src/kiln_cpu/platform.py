@@ -104,15 +104,20 @@ class CpuPlatform(Platform):
     def attention_backend(self) -> str:
         return "cpu"
 
-    def process_weights(self, model: torch.nn.Module) -> None:
+    def process_weights(self, model: torch.nn.Module, config) -> None:
         from kiln_cpu.packed_linear import PackedLinear, prepacking_works
         from kiln_cpu.tiled_weights import use_tiled_weights
 
-        # fp32: tiled for the C matmul kernel; GGUF models' weights back in their
-        # 4/8-bit blocks. The fp32 originals are freed.
-        swapped, gguf = use_tiled_weights(model)
+        # fp32: tiled for the C matmul kernel; GGUF models' weights back in their 4/8-bit
+        # blocks, multiplied in integers with int8 activations (llama.cpp's scheme) unless
+        # --quantization none asks for the exact fp32 products. The fp32 originals are freed.
+        int8 = config.quantization == "gguf"
+        swapped, gguf = use_tiled_weights(model, int8_activations=int8)
         if swapped:
-            logger.info("%d weights tiled for the CPU matmul kernel, %d of them in GGUF blocks", swapped, gguf)
+            logger.info(
+                "%d weights tiled for the CPU matmul kernel, %d of them in GGUF blocks%s",
+                swapped, gguf, " (int8 activations)" if int8 and gguf else "",
+            )  # fmt: skip
         if prepacking_works():
             replace_linears(model, {torch.bfloat16: PackedLinear})
 

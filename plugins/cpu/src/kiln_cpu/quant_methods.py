@@ -25,7 +25,7 @@ from kiln.interfaces.quantization import (
     quantize_per_token,
 )
 from kiln_cpu import native
-from kiln_cpu.tiled_weights import BLOCK, TILE, TiledWeight, pack_tiles, tiled_matmul
+from kiln_cpu.tiled_weights import BLOCK, TILE, TiledWeight, pack_q4, pack_q8, pack_tiles, tiled_matmul
 
 logger = logging.getLogger("kiln.cpu")
 
@@ -58,13 +58,12 @@ class TiledIntMethod(LinearMethod):
         blocks = index[::BLOCK]  # each 32-input block lies in one group (group sizes are multiples of 32)
         scale = layer.weight_scale.data[:, blocks]
         if layer.scheme.weight_bits == 8:
-            tiled = TiledWeight(8, pack_tiles(scale), None, pack_tiles(weight))
+            tiled = TiledWeight(8, pack_tiles(scale), None, pack_q8(weight))
         else:
             zero = layer.weight_zero.data[:, blocks].float() if layer.weight_zero is not None else None
             codes = weight.to(torch.int16) + (8 if zero is None else 0)  # unsigned 0..15
             offset = -(8.0 if zero is None else zero) * scale  # w = code * scale + offset
-            q = pack_tiles(codes.to(torch.uint8))
-            tiled = TiledWeight(4, pack_tiles(scale), pack_tiles(offset), q[..., :8] | (q[..., 8:] << 4))
+            tiled = TiledWeight(4, pack_tiles(scale), pack_tiles(offset), pack_q4(codes))
         layer.tiled, layer.perm = tiled, perm
         del layer.weight, layer.weight_scale, layer.weight_zero, layer.g_idx
 

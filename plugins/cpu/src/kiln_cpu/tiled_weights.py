@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -36,36 +36,36 @@ _CHUNK_ROWS = 1024  # rows recovered and checked at a time: bounds the temporary
 
 @dataclass(slots=True, eq=False)
 class TiledWeight:
-    """An (N, K) weight in tiles of 16 output features, a tile's values for one input
-    position together. ``fmt`` 32: ``q`` (N/16, K, 16) fp32. ``fmt`` 4: value = nibble *
-    scale + min (GGUF's Q4_1), ``q`` (N/16, K, 8) uint8, byte j holding features j and j + 8.
-    ``fmt`` 8: value = int8 * scale (Q8_0), ``q`` (N/16, K, 16) int8. ``scale`` and ``min``:
+    """An (N, K) weight in tiles of 16 output features. ``fmt`` 32: ``q`` (N/16, K, 16) fp32,
+    a tile's values for one input position together. ``fmt`` 4: value = nibble * scale + min
+    (GGUF's Q4_1), ``q`` (N/16, K/32, 4, 16, 4) uint8; ``fmt`` 8: value = int8 * scale (Q8_0),
+    ``q`` (N/16, K/32, 8, 16, 4) int8. In both, a tile's block of 32 inputs lies as (group of
+    4 inputs, feature, input): the layout of integer dot products (``csrc/int8_linear.c``);
+    a 4-bit byte holds input 4g + i low and 16 + 4g + i high. ``scale`` and ``min``:
     (N/16, K/32, 16) fp32, per 32 inputs per feature."""
 
     fmt: int
     scale: torch.Tensor | None
     min: torch.Tensor | None
     q: torch.Tensor
+    shape: tuple[int, int] = field(init=False)  # (N, K)
+    kernel_args: tuple = field(init=False)  # fmt and pointers, as the C kernels take them: built once
 
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.q.shape[0] * TILE, self.q.shape[1]
-
-    def kernel_args(self) -> tuple:
-        ptrs = [None if t is None else t.data_ptr() for t in (self.scale, self.min, self.q)]
-        return self.fmt, *ptrs
+    def __post_init__(self) -> None:
+        self.shape = self.q.shape[0] * TILE, self.q.shape[1] * (1 if self.fmt == 32 else BLOCK)
+        self.kernel_args = (self.fmt, *(None if t is None else t.data_ptr() for t in (self.scale, self.min, self.q)))
 
     def unpack(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The fp32 rows ``rows`` (ids), or the whole weight."""
         lib, (n, k) = native.load_kernels(), self.shape
         if rows is None:
             out = torch.empty(n, k)
-            if lib.tiled_unpack(out.data_ptr(), *self.kernel_args(), k, n):
+            if lib.tiled_unpack(out.data_ptr(), *self.kernel_args, k, n):
                 raise MemoryError("tiled_unpack: no memory for its tile buffers")
             return out
         ids = rows.to(torch.int64).contiguous()
         out = torch.empty(ids.numel(), k)
-        lib.tiled_gather_rows(out.data_ptr(), ids.data_ptr(), ids.numel(), *self.kernel_args(), k)
+        lib.tiled_gather_rows(out.data_ptr(), ids.data_ptr(), ids.numel(), *self.kernel_args, k)
         return out
 
 
@@ -74,21 +74,34 @@ def pack_tiles(per_row: torch.Tensor) -> torch.Tensor:
     return per_row.view(-1, TILE, per_row.shape[1]).transpose(1, 2).contiguous()
 
 
+def pack_q4(codes: torch.Tensor) -> torch.Tensor:
+    """(N, K) codes 0..15 -> ``TiledWeight`` fmt 4's packed bytes."""
+    n, k = codes.shape
+    c = codes.to(torch.uint8).view(n // TILE, TILE, k // BLOCK, 2, 4, 4)  # tile, feature, block, half, group, input
+    low, high = (c[:, :, :, h].permute(0, 2, 3, 1, 4) for h in (0, 1))
+    return (low | (high << 4)).contiguous()
+
+
+def pack_q8(codes: torch.Tensor) -> torch.Tensor:
+    """(N, K) int8 codes -> ``TiledWeight`` fmt 8's bytes."""
+    n, k = codes.shape
+    return codes.to(torch.int8).view(n // TILE, TILE, k // BLOCK, 8, 4).permute(0, 2, 3, 1, 4).contiguous()
+
+
 def _blocks_q4(w: torch.Tensor) -> TiledWeight:
     blocks = w.view(w.shape[0], -1, BLOCK)
     low, high = blocks.amin(-1), blocks.amax(-1)
     # GGUF stores the scale as fp16: (max - min) / 15 rounds back to it.
     scale = ((high - low) / 15).half().float()
     q = torch.where(scale[..., None] > 0, (blocks - low[..., None]) / scale[..., None], 0.0)
-    q = pack_tiles(q.round().clamp(0, 15).to(torch.uint8).view(w.shape))
-    return TiledWeight(4, pack_tiles(scale), pack_tiles(low), q[..., :8] | (q[..., 8:] << 4))
+    return TiledWeight(4, pack_tiles(scale), pack_tiles(low), pack_q4(q.round().clamp(0, 15).view(w.shape)))
 
 
 def _blocks_q8(w: torch.Tensor) -> TiledWeight:
     blocks = w.view(w.shape[0], -1, BLOCK)
     scale = blocks.abs().amax(-1) / 127
     q = torch.where(scale[..., None] > 0, blocks / scale[..., None], 0.0)
-    return TiledWeight(8, pack_tiles(scale), None, pack_tiles(q.round().clamp(-127, 127).to(torch.int8).view(w.shape)))
+    return TiledWeight(8, pack_tiles(scale), None, pack_q8(q.round().clamp(-127, 127).view(w.shape)))
 
 
 def _concat(parts: list[TiledWeight]) -> TiledWeight:
@@ -134,32 +147,39 @@ def tiled_form(weight: torch.Tensor) -> TiledWeight | None:
     return blocks or TiledWeight(32, None, None, pack_tiles(weight.detach()))
 
 
-def tiled_matmul(weight: TiledWeight, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ W.T + bias`` for fp32 rows ``x`` (..., in) through the C kernel."""
+def tiled_matmul(
+    weight: TiledWeight, x: torch.Tensor, bias: torch.Tensor | None, int8_activations: bool = False
+) -> torch.Tensor:
+    """``x @ W.T + bias`` for fp32 rows ``x`` (..., in) through the C kernel; with
+    ``int8_activations`` and a block-format W, ``x`` is quantized to int8 per 32 inputs and
+    multiplied in integers (``csrc/int8_linear.c``), else W is widened to fp32."""
     out_features, in_features = weight.shape
     rows = x.reshape(-1, in_features)
     if rows.stride(1) != 1:
         rows = rows.contiguous()
     out = torch.empty(rows.shape[0], out_features)
-    failed = native.load_kernels().tiled_linear(
-        out.data_ptr(), rows.data_ptr(), rows.shape[0], rows.stride(0), *weight.kernel_args(),
+    lib = native.load_kernels()
+    kernel = lib.int8_linear if int8_activations and weight.fmt != 32 else lib.tiled_linear
+    failed = kernel(
+        out.data_ptr(), rows.data_ptr(), rows.shape[0], rows.stride(0), *weight.kernel_args,
         None if bias is None else bias.data_ptr(), in_features, out_features,
     )  # fmt: skip
     if failed:
-        raise MemoryError("tiled_linear: no memory for its tile buffers")
+        raise MemoryError("tiled matmul: no memory for its buffers")
     return out.view(*x.shape[:-1], out_features)
 
 
 class TiledLinear(nn.Module):
-    """``nn.Linear`` over a ``TiledWeight`` (fp32 in, fp32 out)."""
+    """``nn.Linear`` over a ``TiledWeight`` (fp32 in, fp32 out); ``int8_activations``: see
+    ``tiled_matmul``."""
 
-    def __init__(self, weight: TiledWeight, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: TiledWeight, bias: torch.Tensor | None, int8_activations: bool = False) -> None:
         super().__init__()
-        self.weight, self.bias = weight, bias
+        self.weight, self.bias, self.int8_activations = weight, bias, int8_activations
         self.out_features, self.in_features = weight.shape
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return tiled_matmul(self.weight, x, self.bias)
+        return tiled_matmul(self.weight, x, self.bias, self.int8_activations)
 
 
 class TiledEmbedding(nn.Module):
@@ -173,11 +193,12 @@ class TiledEmbedding(nn.Module):
         return self.weight.unpack(ids.reshape(-1)).view(*ids.shape, self.weight.shape[1])
 
 
-def use_tiled_weights(model: nn.Module) -> tuple[int, int]:
+def use_tiled_weights(model: nn.Module, int8_activations: bool = False) -> tuple[int, int]:
     """Swap every fp32 ``nn.Linear``/``nn.Embedding`` whose weight can be tiled for its tiled
     module (a tied weight is converted once and shared); returns how many were swapped and
-    how many of them hold GGUF blocks. Each original weight is freed as soon as no module
-    holds it."""
+    how many of them hold GGUF blocks. ``int8_activations``: linear layers over GGUF blocks
+    multiply in integers (see ``tiled_matmul``). Each original weight is freed as soon as no
+    module holds it."""
     # NOTE: keyed by id() with a weak reference to check it is still that tensor: holding the
     # tensors themselves would keep every fp32 original alive until the end.
     forms: dict[int, tuple[weakref.ref, TiledWeight | None]] = {}
@@ -194,7 +215,7 @@ def use_tiled_weights(model: nn.Module) -> tuple[int, int]:
             setattr(parent, name, TiledEmbedding(form))
         else:
             bias = None if child.bias is None else child.bias.detach()
-            setattr(parent, name, TiledLinear(form, bias))
+            setattr(parent, name, TiledLinear(form, bias, int8_activations))
         swapped += 1
         gguf += form.fmt != 32
     return swapped, gguf

@@ -9,9 +9,8 @@
  * summed over K in order. Block formats are first widened to fp32, a tile at a
  * time (K x 16 floats, in L1/L2), and every 6 rows of x pass over it.
  *   fmt 32: q (N/16, K, 16) fp32.
- *   fmt 4:  q (N/16, K, 8) uint8: byte j holds feature j (low nibble) and j + 8
- *           (high); value = nibble * scale + min (GGUF's Q4_1).
- *   fmt 8:  q (N/16, K, 16) int8; value = q * scale (GGUF's Q8_0).
+ *   fmt 4:  value = nibble * scale + min (GGUF's Q4_1); fmt 8: value = int8 * scale
+ *           (Q8_0); their bytes lie as int8_linear.c describes.
  *   scale, min: (N/16, K/32, 16) fp32, one per 32 input positions per feature.
  * Needs N % 16 == 0, and K % 32 == 0 for the block formats (the caller checks).
  */
@@ -23,30 +22,29 @@
 #define TILE 16
 #define ROWS 6
 
-/* Tile t of a block-format W as fp32, (K, 16): tile[c * 16 + j] = W[16 t + j, c]. */
+/* Tile t of a block-format W as fp32, (K, 16): tile[c * 16 + j] = W[16 t + j, c]. Lane j
+ * of a 32-byte load holds 4 inputs of feature j (of 8); shifts pick out byte i. */
 static void widen_tile(float *tile, int fmt, const float *scale, const float *min, const void *q, int64_t t,
                        int64_t K) {
     const int64_t nb = K / 32;
-    scale += t * nb * TILE;
-    if (fmt == 4) {
-        min += t * nb * TILE;
-        const uint8_t *p = (const uint8_t *)q + t * K * 8;
-        for (int64_t b = 0; b < nb; b++) {
-            const v8 d0 = load8_f32(scale + b * TILE), d1 = load8_f32(scale + b * TILE + 8);
-            const v8 m0 = load8_f32(min + b * TILE), m1 = load8_f32(min + b * TILE + 8);
-            for (int64_t c = b * 32; c < b * 32 + 32; c++) {
-                const i8 bytes = load8_u8(p + c * 8);
-                store8(tile + c * TILE, __builtin_convertvector(bytes & 15, v8) * d0 + m0);
-                store8(tile + c * TILE + 8, __builtin_convertvector(bytes >> 4, v8) * d1 + m1);
-            }
-        }
-    } else {
-        const int8_t *p = (const int8_t *)q + t * K * TILE;
-        for (int64_t b = 0; b < nb; b++) {
-            const v8 d0 = load8_f32(scale + b * TILE), d1 = load8_f32(scale + b * TILE + 8);
-            for (int64_t c = b * 32; c < b * 32 + 32; c++) {
-                store8(tile + c * TILE, __builtin_convertvector(load8_s8(p + c * TILE), v8) * d0);
-                store8(tile + c * TILE + 8, __builtin_convertvector(load8_s8(p + c * TILE + 8), v8) * d1);
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t at = (t * nb + b) * TILE;
+        float *blk = tile + b * 32 * TILE;
+        for (int h = 0; h < 2; h++) {
+            const v8 d = load8_f32(scale + at + 8 * h), m = fmt == 4 ? load8_f32(min + at + 8 * h) : splat(0.0f);
+            for (int g = 0; g < (fmt == 4 ? 4 : 8); g++) {
+                i8 lanes;
+                memcpy(&lanes, (const uint8_t *)q + (t * nb + b) * (fmt == 4 ? 256 : 512) + g * 64 + h * 32, 32);
+                for (int i = 0; i < 4; i++) {
+                    if (fmt == 4) {
+                        const i8 byte = (lanes >> (8 * i)) & 255;
+                        store8(blk + (4 * g + i) * TILE + 8 * h, __builtin_convertvector(byte & 15, v8) * d + m);
+                        store8(blk + (16 + 4 * g + i) * TILE + 8 * h, __builtin_convertvector(byte >> 4, v8) * d + m);
+                    } else {
+                        const i8 byte = (lanes << (24 - 8 * i)) >> 24; /* sign-extended */
+                        store8(blk + (4 * g + i) * TILE + 8 * h, __builtin_convertvector(byte, v8) * d);
+                    }
+                }
             }
         }
     }
@@ -145,16 +143,18 @@ void tiled_gather_rows(float *out, const int64_t *row_ids, int64_t n, int fmt, c
         if (fmt == 32) {
             const float *v = (const float *)q + t * K * TILE + j;
             for (int64_t c = 0; c < K; c++) row[c] = v[c * TILE];
-        } else if (fmt == 4) {
-            const float *d = scale + t * nb * TILE + j, *m = min + t * nb * TILE + j;
-            for (int64_t c = 0; c < K; c++) {
-                const uint8_t byte = ((const uint8_t *)q)[(t * K + c) * 8 + j % 8];
-                row[c] = (float)(j < 8 ? byte & 15 : byte >> 4) * d[c / 32 * TILE] + m[c / 32 * TILE];
+            continue;
+        }
+        for (int64_t c = 0; c < K; c++) {
+            const int64_t b = c / 32, at = (t * nb + b) * TILE + j, in = c % 32;
+            if (fmt == 4) {
+                const int64_t g = (in % 16) / 4;
+                const uint8_t byte = ((const uint8_t *)q)[(t * nb + b) * 256 + (g * TILE + j) * 4 + in % 4];
+                row[c] = (float)(in < 16 ? byte & 15 : byte >> 4) * scale[at] + min[at];
+            } else {
+                const int8_t v = ((const int8_t *)q)[(t * nb + b) * 512 + (in / 4 * TILE + j) * 4 + in % 4];
+                row[c] = (float)v * scale[at];
             }
-        } else {
-            const float *d = scale + t * nb * TILE + j;
-            const int8_t *v = (const int8_t *)q + t * K * TILE + j;
-            for (int64_t c = 0; c < K; c++) row[c] = (float)v[c * TILE] * d[c / 32 * TILE];
         }
     }
 }

@@ -1,0 +1,251 @@
+/*
+ * y = x W^T + b with integer dot products, for weights in Kiln's 4/8-bit tiles
+ * (see kiln_cpu/tiled_weights.py): llama.cpp's scheme. Each row of x is quantized
+ * per 32 inputs to int8 (scale dx = max|x| / 127, x ~ qx * dx), and each 32-input
+ * block of the product is an exact int32 sum, scaled once:
+ *   fmt 8 (Q8_0, w = qw * dw):         dw dx sum(qw qx)
+ *   fmt 4 (Q4_1, w = nibble * dw + m): dw dx sum(nibble qx) + m dx sum(qx)
+ * Blocks are summed in order in fp32. Weight bytes of one tile and block lie as
+ * (group of 4 inputs, 16 features, 4 inputs): a 32-bit lane holds 4 consecutive
+ * inputs of one feature, which is what vpdpbusd / vpmaddubsw multiply and add.
+ *   fmt 8: 8 groups (512 bytes), int8.
+ *   fmt 4: 4 groups (256 bytes): the low nibbles are inputs 4g..4g+3, the high
+ *          ones 16+4g..16+4g+3.
+ * Instruction sets are chosen when the library is compiled (-march=native, on the
+ * machine that runs it): AVX-VNNI or AVX-512 VNNI (vpdpbusd), AVX2 (vpmaddubsw),
+ * else portable C. All give the same int32 block sums.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define TILE 16
+#define ROWS 4       /* rows of x per pass over a tile's blocks */
+#define ROW_CHUNK 64 /* rows whose quantized values stay in cache while every tile passes */
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+/* A row of x as int8 per 32-block: q (K), d (K/32) scales, s (K/32) = d * sum(q). */
+static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, float *s) {
+    for (int64_t b = 0; b < K / 32; b++) {
+        const float *xb = x + b * 32;
+        float amax = 0.0f;
+#if defined(__AVX2__)
+        __m256 m = _mm256_setzero_ps();
+        for (int i = 0; i < 32; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), _mm256_loadu_ps(xb + i)));
+        float lanes_f[8];
+        _mm256_storeu_ps(lanes_f, m);
+        for (int i = 0; i < 8; i++) amax = fmaxf(amax, lanes_f[i]);
+#else
+        for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xb[i]));
+#endif
+        const float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int sum = 0;
+#if defined(__AVX2__)
+        __m256i total = _mm256_setzero_si256();
+        for (int i = 0; i < 32; i += 8) {
+            const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i), _mm256_set1_ps(inv)));
+            total = _mm256_add_epi32(total, v);
+            const __m128i v16 = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+            _mm_storel_epi64((__m128i *)(q + b * 32 + i), _mm_packs_epi16(v16, v16));
+        }
+        int32_t lanes[8];
+        _mm256_storeu_si256((__m256i *)lanes, total);
+        for (int i = 0; i < 8; i++) sum += lanes[i];
+#else
+        for (int i = 0; i < 32; i++) {
+            const int v = (int)nearbyintf(xb[i] * inv); /* ties to even, as vcvtps2dq */
+            q[b * 32 + i] = (int8_t)v;
+            sum += v;
+        }
+#endif
+        d[b] = scale, s[b] = scale * (float)sum;
+    }
+}
+
+#if defined(__AVX2__)
+
+/* acc + the sums of four u8 x s8 products per 32-bit lane. */
+static inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+static inline __m256i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* acc[r][h] = int32 sums of block b for rows 0..R-1, features 8h..8h+7. */
+static inline __attribute__((always_inline)) void block_q4(__m256i acc[][2], const uint8_t *w,
+                                                           const int8_t *const xq[], int R) {
+    const __m256i low = _mm256_set1_epi8(15);
+#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+    for (int g = 0; g < 4; g++) {
+        const __m256i w0 = _mm256_loadu_si256((const __m256i *)(w + g * 64));
+        const __m256i w1 = _mm256_loadu_si256((const __m256i *)(w + g * 64 + 32));
+        const __m256i l0 = _mm256_and_si256(w0, low), h0 = _mm256_and_si256(_mm256_srli_epi16(w0, 4), low);
+        const __m256i l1 = _mm256_and_si256(w1, low), h1 = _mm256_and_si256(_mm256_srli_epi16(w1, 4), low);
+        for (int r = 0; r < R; r++) {
+            const __m256i xl = bcast4(xq[r] + 4 * g), xh = bcast4(xq[r] + 16 + 4 * g);
+            acc[r][0] = dot4(dot4(acc[r][0], l0, xl), h0, xh);
+            acc[r][1] = dot4(dot4(acc[r][1], l1, xl), h1, xh);
+        }
+    }
+#else
+    /* vpmaddubsw's int16 pairs: a nibble times |qx| <= 127, twice, is at most 3810, so
+     * all eight of a block add up in int16 (<= 30480) before one widening vpmaddwd. */
+    __m256i a16[ROWS][2];
+    for (int r = 0; r < R; r++) a16[r][0] = a16[r][1] = _mm256_setzero_si256();
+    for (int g = 0; g < 4; g++) {
+        const __m256i w0 = _mm256_loadu_si256((const __m256i *)(w + g * 64));
+        const __m256i w1 = _mm256_loadu_si256((const __m256i *)(w + g * 64 + 32));
+        const __m256i l0 = _mm256_and_si256(w0, low), h0 = _mm256_and_si256(_mm256_srli_epi16(w0, 4), low);
+        const __m256i l1 = _mm256_and_si256(w1, low), h1 = _mm256_and_si256(_mm256_srli_epi16(w1, 4), low);
+        for (int r = 0; r < R; r++) {
+            const __m256i xl = bcast4(xq[r] + 4 * g), xh = bcast4(xq[r] + 16 + 4 * g);
+            a16[r][0] = _mm256_add_epi16(a16[r][0], _mm256_add_epi16(_mm256_maddubs_epi16(l0, xl),
+                                                                      _mm256_maddubs_epi16(h0, xh)));
+            a16[r][1] = _mm256_add_epi16(a16[r][1], _mm256_add_epi16(_mm256_maddubs_epi16(l1, xl),
+                                                                      _mm256_maddubs_epi16(h1, xh)));
+        }
+    }
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int r = 0; r < R; r++)
+        for (int h = 0; h < 2; h++) acc[r][h] = _mm256_madd_epi16(a16[r][h], ones);
+#endif
+}
+
+static inline __attribute__((always_inline)) void block_q8(__m256i acc[][2], const int8_t *w,
+                                                           const int8_t *const xq[], int R) {
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+    for (int g = 0; g < 8; g++) {
+        for (int h = 0; h < 2; h++) {
+            /* u8 x s8 instructions: |w| times qx carrying w's sign (|qx| <= 127, so no overflow) */
+            const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + g * 64 + h * 32));
+            const __m256i aw = _mm256_abs_epi8(wv);
+            for (int r = 0; r < R; r++) acc[r][h] = dot4(acc[r][h], aw, _mm256_sign_epi8(bcast4(xq[r] + 4 * g), wv));
+        }
+    }
+}
+
+/* out[rows r..r+R) x features 16t..16t+15, over every block. */
+static inline __attribute__((always_inline)) void rows_times_tile(float *out, int64_t N, const int8_t *xq,
+                                                                  const float *xd, const float *xs, int64_t r,
+                                                                  int R, int fmt, const float *scale,
+                                                                  const float *min, const void *q, int64_t t,
+                                                                  int64_t K, const float *bias) {
+    const int64_t nb = K / 32, bytes = fmt == 4 ? 256 : 512;
+    __m256 f[ROWS][2];
+    for (int i = 0; i < R; i++) f[i][0] = f[i][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const int8_t *xr[ROWS];
+        for (int i = 0; i < R; i++) xr[i] = xq + (r + i) * K + b * 32;
+        const uint8_t *w = (const uint8_t *)q + (t * nb + b) * bytes;
+        __m256i acc[ROWS][2];
+        if (fmt == 4)
+            block_q4(acc, w, xr, R);
+        else
+            block_q8(acc, (const int8_t *)w, xr, R);
+        const float *d = scale + (t * nb + b) * TILE;
+        for (int h = 0; h < 2; h++) {
+            const __m256 dw = _mm256_loadu_ps(d + 8 * h);
+            for (int i = 0; i < R; i++) {
+                const __m256 dd = _mm256_mul_ps(dw, _mm256_set1_ps(xd[(r + i) * nb + b]));
+                f[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][h]), dd, f[i][h]);
+            }
+            if (fmt == 4) {
+                const __m256 m = _mm256_loadu_ps(min + (t * nb + b) * TILE + 8 * h);
+                for (int i = 0; i < R; i++) f[i][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[(r + i) * nb + b]), f[i][h]);
+            }
+        }
+    }
+    for (int i = 0; i < R; i++)
+        for (int h = 0; h < 2; h++) {
+            const __m256 bv = bias ? _mm256_loadu_ps(bias + t * TILE + 8 * h) : _mm256_setzero_ps();
+            _mm256_storeu_ps(out + (r + i) * N + t * TILE + 8 * h, _mm256_add_ps(f[i][h], bv));
+        }
+}
+
+static void tile_rows(float *out, int64_t N, const int8_t *xq, const float *xd, const float *xs, int64_t r0,
+                      int64_t r1, int fmt, const float *scale, const float *min, const void *q, int64_t t, int64_t K,
+                      const float *bias) {
+    int64_t r = r0;
+    for (; r + ROWS <= r1; r += ROWS) rows_times_tile(out, N, xq, xd, xs, r, ROWS, fmt, scale, min, q, t, K, bias);
+    switch (r1 - r) { /* a literal R each: the compiler unrolls every row loop */
+    case 3: rows_times_tile(out, N, xq, xd, xs, r, 3, fmt, scale, min, q, t, K, bias); break;
+    case 2: rows_times_tile(out, N, xq, xd, xs, r, 2, fmt, scale, min, q, t, K, bias); break;
+    case 1: rows_times_tile(out, N, xq, xd, xs, r, 1, fmt, scale, min, q, t, K, bias); break;
+    }
+}
+
+#else /* portable C */
+
+/* The int32 sum of block b of feature f times qx (32 values). */
+static int32_t block_dot(int fmt, const void *q, int64_t t, int64_t nb, int64_t b, int f, const int8_t *xq) {
+    int32_t sum = 0;
+    if (fmt == 4) {
+        const uint8_t *w = (const uint8_t *)q + (t * nb + b) * 256;
+        for (int g = 0; g < 4; g++)
+            for (int i = 0; i < 4; i++) {
+                const uint8_t byte = w[(g * TILE + f) * 4 + i];
+                sum += (byte & 15) * xq[4 * g + i] + (byte >> 4) * xq[16 + 4 * g + i];
+            }
+    } else {
+        const int8_t *w = (const int8_t *)q + (t * nb + b) * 512;
+        for (int g = 0; g < 8; g++)
+            for (int i = 0; i < 4; i++) sum += w[(g * TILE + f) * 4 + i] * xq[4 * g + i];
+    }
+    return sum;
+}
+
+static void tile_rows(float *out, int64_t N, const int8_t *xq, const float *xd, const float *xs, int64_t r0,
+                      int64_t r1, int fmt, const float *scale, const float *min, const void *q, int64_t t, int64_t K,
+                      const float *bias) {
+    const int64_t nb = K / 32;
+    for (int64_t r = r0; r < r1; r++)
+        for (int f = 0; f < TILE; f++) {
+            float acc = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                const int64_t at = (t * nb + b) * TILE + f;
+                acc += (float)block_dot(fmt, q, t, nb, b, f, xq + r * K + b * 32) * (scale[at] * xd[r * nb + b]);
+                if (fmt == 4) acc += min[at] * xs[r * nb + b];
+            }
+            out[r * N + t * TILE + f] = acc + (bias ? bias[t * TILE + f] : 0.0f);
+        }
+}
+
+#endif
+
+/* out = x W^T + bias for a block-format W (fmt 4 or 8); nonzero when out of memory. */
+int int8_linear(float *out, const float *x, int64_t rows, int64_t x_stride, int fmt, const float *scale,
+                const float *min, const void *q, const float *bias, int64_t K, int64_t N) {
+    const int64_t nb = K / 32;
+    int8_t *xq = malloc(rows * K);
+    float *xd = malloc(rows * nb * sizeof(float)), *xs = malloc(rows * nb * sizeof(float));
+    if (xq == NULL || xd == NULL || xs == NULL) {
+        free(xq), free(xd), free(xs);
+        return 1;
+    }
+    _Pragma("omp parallel") {
+        _Pragma("omp for schedule(static)") for (int64_t r = 0; r < rows; r++)
+            quantize_row(x + r * x_stride, K, xq + r * K, xd + r * nb, xs + r * nb);
+        for (int64_t r0 = 0; r0 < rows; r0 += ROW_CHUNK) {
+            const int64_t r1 = r0 + ROW_CHUNK < rows ? r0 + ROW_CHUNK : rows;
+            _Pragma("omp for schedule(static) nowait") for (int64_t t = 0; t < N / TILE; t++)
+                tile_rows(out, N, xq, xd, xs, r0, r1, fmt, scale, min, q, t, K, bias);
+        }
+    }
+    free(xq), free(xd), free(xs);
+    return 0;
+}

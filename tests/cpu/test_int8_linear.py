@@ -1,0 +1,120 @@
+"""Integer products over GGUF blocks (``csrc/int8_linear.c``): activations quantized to int8
+per 32 inputs, exact int32 block sums. Checked against the same arithmetic in float64, on
+every instruction-set path the kernel has, and end to end on the default model."""
+
+import json
+import os
+import platform
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType, dequantize, quantize
+
+from kiln_cpu import native
+from kiln_cpu.tiled_weights import TiledLinear, tiled_form, tiled_matmul
+
+pytestmark = pytest.mark.skipif(native.load_kernels() is None, reason="no C compiler for the CPU kernels")
+
+KINDS = {"q4_1": GGMLQuantizationType.Q4_1, "q8_0": GGMLQuantizationType.Q8_0}
+
+
+def gguf_weight(rows: int, cols: int, kind: str, seed: int = 0) -> torch.Tensor:
+    x = np.random.default_rng(seed).standard_normal((rows, cols), dtype=np.float32)
+    x[0, :32] = 0.5  # a constant block: Q4_1 scale 0
+    return torch.from_numpy(dequantize(quantize(x, KINDS[kind]), KINDS[kind]).astype(np.float32))
+
+
+def activations(rows: int, cols: int, seed: int) -> torch.Tensor:
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)) * 3
+    x[0, 32:64] = 0.0  # an all-zero block: scale 0
+    return x
+
+
+def int8_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` after the kernel's quantization: per 32 values, round(x * 127 / max|x|) * max|x| / 127."""
+    blocks = x.view(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax, 0.0)
+    return (torch.round(blocks * inv) * (amax / 127)).view(x.shape)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 64, 65, 131])
+def test_products_are_the_quantized_rows_times_the_weight(kind, rows):
+    w, bias = gguf_weight(208, 96, kind, seed=rows), torch.randn(208)
+    x = activations(rows, 96, seed=rows)
+    got = tiled_matmul(tiled_form(w), x, bias, int8_activations=True)
+    want = (int8_rows(x).double() @ w.double().T + bias.double()).float()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-5)
+    exact = F.linear(x, w, bias)
+    assert 0 < (got - exact).abs().max() < 0.02 * exact.abs().max()  # quantized, and close
+
+
+def test_strided_rows_and_the_exact_path():
+    w = gguf_weight(64, 128, "q4_1")
+    x = torch.randn(5, 160)[:, 16:144]
+    layer = TiledLinear(tiled_form(w), None, int8_activations=True)
+    torch.testing.assert_close(layer(x), layer(x.contiguous()), rtol=0, atol=0)
+    exact = TiledLinear(tiled_form(w), None)  # int8_activations off: the weights widened to fp32
+    torch.testing.assert_close(exact(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_fp32_tiles_ignore_the_int8_flag():
+    w = torch.randn(32, 64)  # not GGUF blocks: fp32 tiles, whose activations stay fp32
+    x = torch.randn(3, 64)
+    form = tiled_form(w)
+    assert form.fmt == 32
+    torch.testing.assert_close(tiled_matmul(form, x, None, int8_activations=True), x @ w.T, rtol=1e-5, atol=1e-5)
+
+
+_PRODUCTS = """
+import json, sys, torch
+sys.path.insert(0, {here!r})
+from test_int8_linear import activations, gguf_weight
+from kiln_cpu.tiled_weights import tiled_form, tiled_matmul
+out = {{}}
+for kind in ("q4_1", "q8_0"):
+    for rows in (1, 3, 4, 9):
+        y = tiled_matmul(tiled_form(gguf_weight(48, 192, kind, rows)), activations(rows, 192, rows), None, True)
+        out[f"{{kind}}-{{rows}}"] = y.tolist()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction-set levels")
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])  # AVX2 without VNNI (vpmaddubsw); portable C
+def test_every_instruction_set_path_gives_the_same_products(march, tmp_path):
+    env = {**os.environ, "KILN_CPU_MARCH": march, "KILN_CACHE_DIR": str(tmp_path)}
+    code = _PRODUCTS.format(here=os.path.dirname(__file__))
+    other = json.loads(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                                      check=True).stdout)  # fmt: skip
+    assert list(tmp_path.glob("cpu-kernels/*.so"))  # built for that level, not this machine's cached library
+    here = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    for key, values in here.items():
+        torch.testing.assert_close(torch.tensor(other[key]), torch.tensor(values), rtol=1e-5, atol=1e-4, msg=key)
+
+
+def test_gguf_models_multiply_in_int8_unless_told_not_to(default_model_dir):
+    from kiln import LLM
+    from kiln.models.loader import default_model_path
+    from kiln.sampling_params import SamplingParams
+
+    def qkv(llm):
+        return llm.engine.executor.runner.model.layers[0].self_attn.qkv_proj
+
+    gguf = LLM(default_model_path(), max_model_len=256)
+    assert gguf.engine.config.quantization == "gguf" and qkv(gguf).int8_activations
+    exact = LLM(default_model_path(), max_model_len=256, quantization="none")
+    assert not qkv(exact).int8_activations
+    folder = LLM(default_model_dir, max_model_len=256)  # the same weights as safetensors: exact
+    assert folder.engine.config.quantization is None and not qkv(folder).int8_activations
+    prompt = [{"prompt_token_ids": list(range(1000, 1040))}]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    ids = [llm.generate(prompt, params)[0].outputs[0].token_ids for llm in (exact, folder)]
+    assert ids[0] == ids[1]
+    with pytest.raises(ValueError, match="--quantization gguf: the model is not a .gguf file"):
+        LLM(default_model_dir, max_model_len=256, quantization="gguf")
