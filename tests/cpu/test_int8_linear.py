@@ -106,12 +106,17 @@ def test_gguf_models_multiply_in_int8_unless_told_not_to(default_model_dir):
     def qkv(llm):
         return llm.engine.executor.runner.model.layers[0].self_attn.qkv_proj
 
-    gguf = LLM(default_model_path(), max_model_len=256)
+    def kv_dtype(llm):
+        return llm.engine.executor.runner.kv_caches[0].dtype
+
+    gguf = LLM(default_model_path(), max_model_len=256)  # K/V in bf16, as llama.cpp keeps them in f16
     assert gguf.engine.config.quantization == "gguf" and qkv(gguf).int8_activations
+    assert kv_dtype(gguf) == torch.bfloat16
     exact = LLM(default_model_path(), max_model_len=256, quantization="none")
-    assert not qkv(exact).int8_activations
+    assert not qkv(exact).int8_activations and kv_dtype(exact) == torch.float32
     folder = LLM(default_model_dir, max_model_len=256)  # the same weights as safetensors: exact
     assert folder.engine.config.quantization is None and not qkv(folder).int8_activations
+    assert kv_dtype(folder) == torch.float32
     prompt = [{"prompt_token_ids": list(range(1000, 1040))}]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     ids = [llm.generate(prompt, params)[0].outputs[0].token_ids for llm in (exact, folder)]

@@ -49,11 +49,11 @@ class LLMEngine:
         self.plugins = plugins or get_plugin_manager()
         registry = self.plugins.registry
         self.platform = select_platform(config.device, registry)
-        self.platform.update_config(config)
         model_id = config.model
         files = resolve_model(model_id, config.load_format, config.revision, config.download_dir)
         config.model = files.path  # later readers (tensor-parallel ranks, platforms) get the local folder
         config.quantization = quant_config.for_model_file(config.quantization, files.gguf)
+        self.platform.update_config(config)  # sees the resolved quantization
         hf_config = load_hf_config(files.path, config)
         pooling = setup_pooling(config, hf_config, registry, files.path)  # resolves --task
         _resolve_lengths(config, hf_config)

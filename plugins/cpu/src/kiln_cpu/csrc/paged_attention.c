@@ -46,6 +46,13 @@ static inline float softmax_numerators(float *s, int64_t padded) {
     return hsum8(sum);
 }
 
+/* Ask for one head's rows of a block ahead of use: blocks lie scattered in a large pool,
+ * and with the weights streaming through the caches every layer, each read would else
+ * wait on memory (measured: 16 decodes x 260 keys took 2.6x longer than from cache). */
+static inline void prefetch_rows(const void *p, int64_t bytes) {
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)p + i);
+}
+
 /* n cache values as fp32: the cache itself, or a bf16 cache widened into `tmp` once per
  * block, so the loops below (which read each block G times) do not widen it G times. */
 static inline const float *widen_f32(const float *src, float *tmp, int64_t n) {
@@ -76,8 +83,12 @@ static inline const float *widen_bf16(const uint16_t *src, float *tmp, int64_t n
             store8(qf + i, LOAD(q + i) * splat(scale));                                                          \
             store8(acc + i, splat(0.0f));                                                                        \
         }                                                                                                        \
+        const int64_t block_bytes = block_size * D * (int64_t)sizeof(KT);                                      \
         for (int64_t t0 = base; t0 < len; t0 += block_size) {                                                    \
             const int64_t n = len - t0 < block_size ? len - t0 : block_size;                                     \
+            const KT *next = t0 + block_size < len ? k : v; /* after the last key block: the first values */     \
+            const int64_t next_block = table[(t0 + block_size < len ? t0 + block_size : base) / block_size];     \
+            prefetch_rows(next + next_block * block_size * row, block_bytes);                                    \
             const float *kb = WIDEN(k + (int64_t)table[t0 / block_size] * block_size * row, tmp, n * D);          \
             for (int64_t g = 0; g < G; g++) {                                                                    \
                 const float *qg = qf + g * D;                                                                    \
@@ -107,6 +118,8 @@ static inline const float *widen_bf16(const uint16_t *src, float *tmp, int64_t n
         }                                                                                                        \
         for (int64_t t0 = base; t0 < len; t0 += block_size) {                                                    \
             const int64_t n = len - t0 < block_size ? len - t0 : block_size;                                     \
+            if (t0 + block_size < len)                                                                           \
+                prefetch_rows(v + (int64_t)table[(t0 + block_size) / block_size] * block_size * row, block_bytes); \
             const float *vb = WIDEN(v + (int64_t)table[t0 / block_size] * block_size * row, tmp, n * D);          \
             for (int64_t g = 0; g < G; g++) {                                                                    \
                 const float *p = scores + g * padded + (t0 - base);                                              \
