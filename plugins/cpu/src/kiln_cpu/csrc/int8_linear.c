@@ -180,6 +180,15 @@ static inline __attribute__((always_inline)) void rows_times_tile(float *out, in
 static void tile_rows(float *out, int64_t N, const int8_t *xq, const float *xd, const float *xs, int64_t r0,
                       int64_t r1, int fmt, const float *scale, const float *min, const void *q, int64_t t, int64_t K,
                       const float *bias) {
+    const int64_t nb = K / 32, bytes = fmt == 4 ? 256 : 512;
+    if (t + 1 < N / TILE) { /* the next tile's weights, while this one computes */
+        const char *next = (const char *)q + (t + 1) * nb * bytes;
+        for (int64_t i = 0; i < nb * bytes; i += 64) __builtin_prefetch(next + i);
+        for (int64_t i = 0; i < nb * TILE * 4; i += 64) {
+            __builtin_prefetch((const char *)(scale + (t + 1) * nb * TILE) + i);
+            if (fmt == 4) __builtin_prefetch((const char *)(min + (t + 1) * nb * TILE) + i);
+        }
+    }
     int64_t r = r0;
     for (; r + ROWS <= r1; r += ROWS) rows_times_tile(out, N, xq, xd, xs, r, ROWS, fmt, scale, min, q, t, K, bias);
     if (r1 - r >= 4) {
