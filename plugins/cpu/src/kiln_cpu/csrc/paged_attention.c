@@ -156,11 +156,14 @@ static inline const float *widen_bf16(const uint16_t *src, float *tmp, int64_t n
                    int64_t, float, float *, int64_t, int64_t, float *) =                                         \
             head_dim == 64 ? head_##NAME##_64 : head_##NAME##_128;                                               \
         const int64_t row = num_kv_heads * head_dim;                                                             \
+        /* A few (request, kv head) items go one at a time, or one thread would take them all;     \
+         * many go four at a time (fewer hand-outs: measured faster at 16 requests). */              \
+        const int chunk = num_reqs * num_kv_heads >= 16 ? 4 : 1;                                                 \
         _Pragma("omp parallel") {                                                                                \
             float *tmp = (float *)malloc(block_size * head_dim * sizeof(float));                                 \
             float *scores = NULL;                                                                                \
             int64_t capacity = 0;                                                                                \
-            _Pragma("omp for collapse(2) schedule(dynamic, 4)") for (int64_t r = 0; r < num_reqs; r++) {         \
+            _Pragma("omp for collapse(2) schedule(dynamic, chunk)") for (int64_t r = 0; r < num_reqs; r++) {         \
                 for (int64_t h = 0; h < num_kv_heads; h++) {                                                     \
                     const int64_t len = seq_lens[r];                                                             \
                     const int64_t start = window > 0 && len > window ? len - window : 0;                         \
