@@ -133,15 +133,19 @@ def test_wrong_kind_of_request_names_the_task(embedder, tiny_model_dir):
 
 def test_default_model_serves_embeddings(default_model_dir):
     """``kiln serve --task embed`` on the embedded SmolLM2: last-token pooling, normalised."""
-    llm = LLM(task="embed", dtype="float32", max_model_len=512)
+    exact = LLM(task="embed", dtype="float32", max_model_len=512, quantization="none")
     texts = ["The capital of France is Paris.", "Embeddings map text to vectors."]
-    outs = llm.embed(texts)
-    tok = llm.get_tokenizer()
+    outs = exact.embed(texts)
+    tok = exact.get_tokenizer()
     prompts = [tok.encode(t) for t in texts]
     assert [o.prompt_token_ids for o in outs] == prompts
-    for out, hidden in zip(outs, hf_hidden_states(default_model_dir, prompts)):
+    expected = [F.normalize(hidden[-1], dim=-1) for hidden in hf_hidden_states(default_model_dir, prompts)]
+    for out, want in zip(outs, expected):
         assert out.outputs.hidden_size == 576
-        assert_same_direction(out.outputs.embedding, F.normalize(hidden[-1], dim=-1))
+        assert_same_direction(out.outputs.embedding, want)
+    # The default: the GGUF file's blocks times int8 activations (llama.cpp's scheme), close to exact.
+    for out, want in zip(LLM(task="embed", max_model_len=512).embed(texts), expected):
+        assert F.cosine_similarity(torch.as_tensor(out.outputs.embedding).double(), want.double(), dim=0) >= 0.999
 
 
 # --------------------------------------------------------------------------- configuration

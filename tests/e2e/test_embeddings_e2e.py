@@ -22,7 +22,10 @@ TEXTS = ["The capital of France is Paris.", "Embeddings map text to vectors.", "
 
 @pytest.fixture(scope="module")
 def embed_server(default_model_dir):
-    args = ["--task", "embed", "--dtype", "float32", "--max-model-len", "512", "--api-key", API_KEY]
+    # --quantization none: the exact products, to compare with transformers (the GGUF default
+    # multiplies in int8, as llama.cpp: tests/core/test_pooling_engine.py bounds that path)
+    args = ["--task", "embed", "--quantization", "none", "--dtype", "float32", "--max-model-len", "512"]
+    args += ["--api-key", API_KEY]
     with RemoteServer([*args, "--served-model-name", MODEL, "--disable-log-stats"]) as srv:
         yield srv
 

@@ -18,6 +18,21 @@ must compute each prompt whole in one step; ``layers`` is empty (no KV cache); n
 ``classify(cls_hidden (num_seqs, hidden)) -> (num_seqs, num_labels)`` float32, their head
 applied to each sequence's first-token (CLS) hidden state.
 
+A decoder layer whose ``decoder_layout`` is ``PRE_NORM_LAYER`` promises a platform that may
+run it another way (e.g. a fused kernel for decode steps) exactly this forward
+``(positions, x, residual, rope_cache, ctx) -> (x, residual)``, one rank, no biases but the
+linear layers' own::
+
+    x, residual = (rms_norm(x), x) if residual is None else fused_add_rms_norm(x, residual)
+    q, k, v = split(self_attn.qkv_proj(x)); rotary_embedding(positions, q, k, rope_cache)
+    o = self_attn.backend.forward(q, k, v, ctx.kv_caches[self_attn.layer_idx], ...,
+                                  scale=self_attn.scale, sliding_window=self_attn.sliding_window)
+    x, residual = fused_add_rms_norm(self_attn.o_proj(o), residual)   # post_attention_layernorm
+    return mlp.down_proj(silu_and_mul(mlp.gate_up_proj(x))), residual
+
+with the norms ``input_layernorm`` / ``post_attention_layernorm`` (``weight``, ``eps``) and
+``self_attn.num_heads``, ``num_kv_heads``, ``head_dim`` per rank.
+
 ``ops`` is resolved once when the model is built (``resolve_ops``): each name
 maps to the platform's override from ``Platform.custom_ops()`` or to the torch
 reference here. ``kiln.models.llama`` is the worked example.
@@ -35,6 +50,9 @@ import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from kiln.interfaces.attention import BatchLayout
+
+
+PRE_NORM_LAYER = "pre-norm"  # a ``decoder_layout``: see the module docstring
 
 
 @dataclass(slots=True)

@@ -17,7 +17,7 @@ from torch import nn
 
 from kiln.distributed import TensorParallel
 from kiln.interfaces.attention import AttentionBackend
-from kiln.interfaces.model import StepContext
+from kiln.interfaces.model import PRE_NORM_LAYER, StepContext
 from kiln.models.rope import cos_sin_cache
 from kiln.models.sliding_window import check_backend, sliding_windows
 from kiln.quantization.config import QuantConfig
@@ -115,6 +115,8 @@ class LlamaDecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_idx, ops, backend, tp, quant, sliding_window)
+        # q/k norms and all-reduces are not part of the pre-norm layout's promise
+        self.decoder_layout = None if self.self_attn.qk_norm or tp.size > 1 else PRE_NORM_LAYER
         self.mlp = LlamaMLP(cfg, ops, tp, f"model.layers.{layer_idx}.mlp", quant)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)

@@ -41,6 +41,7 @@ class CpuMetadata:
     prefills: list[tuple[int, int, int, int, torch.Tensor]]  # q_start, q_end, context, seq_len, block ids
     # Torch decode path: (num_decodes, 1, 1, max_len) bool, True = attend, per sliding window.
     decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    c_step: object = None  # a decode-only step's arguments for csrc/decode_layer.c (kiln_cpu.fused_decode)
 
     def decode_mask(self, sliding_window: int | None) -> torch.Tensor:
         """Built once per step for each window the model's layers use."""

@@ -115,6 +115,7 @@ class CpuPlatform(Platform):
         return "cpu"
 
     def process_weights(self, model: torch.nn.Module, config) -> None:
+        from kiln_cpu.fused_decode import use_fused_decode
         from kiln_cpu.packed_linear import PackedLinear, prepacking_works
         from kiln_cpu.tiled_weights import use_tiled_weights
 
@@ -130,6 +131,9 @@ class CpuPlatform(Platform):
             )  # fmt: skip
         if prepacking_works():
             replace_linears(model, {torch.bfloat16: PackedLinear})
+        fused = use_fused_decode(model)
+        if fused:
+            logger.info("%d decoder layers run decode steps in one C call each", fused)
 
     def linear_method(self, scheme):
         from kiln_cpu.quant_methods import linear_method

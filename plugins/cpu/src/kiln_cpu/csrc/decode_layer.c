@@ -1,0 +1,122 @@
+/*
+ * One Llama-style decoder layer for a step of decodes, in one call: the same kernels, in
+ * the same order, as the layer's Python forward with the CPU plugin's ops (see
+ * kiln_cpu/fused_decode.py), so the results are bit for bit the same. At decode batch
+ * sizes the Python between those kernels cost half of a batch-1 step.
+ *
+ *   x = rms_norm(hidden), residual = hidden        (first layer)
+ *   x, residual = add_rms_norm(hidden, residual)    (others)
+ *   q, k, v = qkv(x); rotary(q, k); cache <- k, v; o = attention(q, cache)
+ *   x, residual = add_rms_norm(o_proj(o), residual)
+ *   hidden = down(silu_and_mul(gate_up(x)))
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "vec.h"
+
+/* The other kernels of this library. */
+int int8_linear(float *, const float *, int64_t, int64_t, int, const float *, const float *, const void *,
+                const float *, int64_t, int64_t);
+int tiled_linear(float *, const float *, int64_t, int64_t, int, const float *, const float *, const void *,
+                 const float *, int64_t, int64_t);
+void rms_norm_f32(float *, const float *, const float *, int64_t, int64_t, int64_t, float);
+void add_rms_norm_f32(float *, float *, const float *, int64_t, int64_t, float);
+void rotary_f32(const int64_t *, float *, float *, const float *, int64_t, int64_t, int64_t, int64_t, int64_t,
+                int64_t);
+void silu_and_mul_f32(float *, const float *, int64_t, int64_t);
+void write_kv_f32(float *, float *, const float *, const float *, const int64_t *, int64_t, int64_t, int64_t,
+                  int64_t, int64_t, int64_t);
+void write_kv_bf16(uint16_t *, uint16_t *, const uint16_t *, const uint16_t *, const int64_t *, int64_t, int64_t,
+                   int64_t, int64_t, int64_t, int64_t);
+int paged_decode_attention_f32(float *, const float *, int64_t, const float *, const float *, const int32_t *,
+                               int64_t, const int32_t *, int64_t, int64_t, int64_t, int64_t, int64_t, float,
+                               int64_t);
+int paged_decode_attention_f32_bf16(float *, const float *, int64_t, const uint16_t *, const uint16_t *,
+                                    const int32_t *, int64_t, const int32_t *, int64_t, int64_t, int64_t, int64_t,
+                                    int64_t, float, int64_t);
+
+/* A TiledLinear: its weight's kernel arguments, bias, and whether activations go int8. */
+struct linear {
+    int64_t fmt, int8;
+    const float *scale, *min;
+    const void *q;
+    const float *bias;
+    int64_t in, out;
+};
+
+struct layer {
+    struct linear qkv, o, gate_up, down;
+    const float *input_norm, *post_norm;
+    double eps, scale;
+    void *k_cache, *v_cache; /* planes (blocks, kv_heads, block_size, head_dim) */
+    int64_t cache_bf16, heads, kv_heads, head_dim, window;
+};
+
+/* What every layer of one step shares. */
+struct step {
+    int64_t rows, block_size, table_stride;
+    const int64_t *positions, *slots;
+    const int32_t *block_table, *seq_lens;
+    const float *cos_sin;
+};
+
+static int linear(const struct linear *l, float *out, const float *x, int64_t rows) {
+    if (l->int8 && l->fmt != 32)
+        return int8_linear(out, x, rows, l->in, (int)l->fmt, l->scale, l->min, l->q, l->bias, l->in, l->out);
+    return tiled_linear(out, x, rows, l->in, (int)l->fmt, l->scale, l->min, l->q, l->bias, l->in, l->out);
+}
+
+/* hidden, residual: (rows, hidden size), updated in place (residual is written on the first
+ * layer). Returns nonzero when out of memory or the attention kernel refuses the shape. */
+int decode_layer(const struct layer *L, const struct step *S, float *hidden, float *residual, int64_t first) {
+    const int64_t rows = S->rows, H = L->o.out, D = L->head_dim;
+    const int64_t q_size = L->heads * D, kv_size = L->kv_heads * D, qkv_size = L->qkv.out;
+    const int64_t inter = L->gate_up.out;
+    float *normed = first ? malloc(rows * H * sizeof(float)) : NULL, *qkv = malloc(rows * qkv_size * sizeof(float));
+    float *attn = malloc(rows * q_size * sizeof(float)), *gate_up = malloc(rows * inter * sizeof(float));
+    float *act = malloc(rows * (inter / 2) * sizeof(float));
+    uint16_t *kv16 = L->cache_bf16 ? malloc(rows * 2 * kv_size * sizeof(uint16_t)) : NULL;
+    int failed = (first && normed == NULL) || qkv == NULL || attn == NULL || gate_up == NULL || act == NULL ||
+                 (L->cache_bf16 && kv16 == NULL);
+    if (failed) goto done;
+    const float eps = (float)L->eps;
+    const float *x = hidden; /* the normed input: in place, except on the first layer */
+    if (first) {
+        memcpy(residual, hidden, rows * H * sizeof(float));
+        rms_norm_f32(normed, hidden, L->input_norm, rows, H, H, eps);
+        x = normed;
+    } else {
+        add_rms_norm_f32(hidden, residual, L->input_norm, rows, H, eps);
+    }
+    if ((failed = linear(&L->qkv, qkv, x, rows))) goto done;
+    float *k = qkv + q_size, *v = qkv + q_size + kv_size;
+    rotary_f32(S->positions, qkv, k, S->cos_sin, rows, L->heads, L->kv_heads, D, qkv_size, qkv_size);
+    if (L->cache_bf16) { /* rounded once, as the Python path's .to(bfloat16) */
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t i = 0; i < kv_size; i++) {
+                kv16[r * 2 * kv_size + i] = to_bf16(k[r * qkv_size + i]);
+                kv16[r * 2 * kv_size + kv_size + i] = to_bf16(v[r * qkv_size + i]);
+            }
+        write_kv_bf16(L->k_cache, L->v_cache, kv16, kv16 + kv_size, S->slots, rows, L->kv_heads, D, S->block_size,
+                      2 * kv_size, 2 * kv_size);
+        failed = paged_decode_attention_f32_bf16(attn, qkv, qkv_size, L->k_cache, L->v_cache, S->block_table,
+                                                 S->table_stride, S->seq_lens, rows, L->heads, L->kv_heads, D,
+                                                 S->block_size, (float)L->scale, L->window);
+    } else {
+        write_kv_f32(L->k_cache, L->v_cache, k, v, S->slots, rows, L->kv_heads, D, S->block_size, qkv_size,
+                     qkv_size);
+        failed = paged_decode_attention_f32(attn, qkv, qkv_size, L->k_cache, L->v_cache, S->block_table,
+                                            S->table_stride, S->seq_lens, rows, L->heads, L->kv_heads, D,
+                                            S->block_size, (float)L->scale, L->window);
+    }
+    if (failed || (failed = linear(&L->o, hidden, attn, rows))) goto done;
+    add_rms_norm_f32(hidden, residual, L->post_norm, rows, H, eps);
+    if ((failed = linear(&L->gate_up, gate_up, hidden, rows))) goto done;
+    silu_and_mul_f32(act, gate_up, rows, inter / 2);
+    failed = linear(&L->down, hidden, act, rows);
+done:
+    free(normed), free(qkv), free(attn), free(gate_up), free(act), free(kv16);
+    return failed;
+}

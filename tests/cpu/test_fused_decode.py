@@ -1,0 +1,66 @@
+"""Decode steps through one C call per layer (``kiln_cpu.fused_decode``): the same tokens and
+log-probs, bit for bit, as the layers' Python forward, which still runs every other step."""
+
+import pytest
+import torch
+
+from kiln import LLM, SamplingParams
+from kiln.models.llama import LlamaDecoderLayer
+from kiln_cpu import native
+from kiln_cpu.fused_decode import FusedDecodeLayer
+
+pytestmark = pytest.mark.skipif(native.load_kernels() is None, reason="no C compiler for the CPU kernels")
+
+
+def run(model: str, prompts: list[list[int]], **engine_args) -> list[tuple[list[int], list[float]]]:
+    llm = LLM(model, max_model_len=256, **engine_args)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=1)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    return [(o.outputs[0].token_ids, [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
+            for o in outs]  # fmt: skip
+
+
+def layer_types(model: str, **engine_args) -> set[type]:
+    layers = LLM(model, max_model_len=256, **engine_args).engine.executor.runner.model.layers
+    return {type(layer) for layer in layers}
+
+
+CASES = {
+    "llama": ("llama", {}, {}),
+    "llama, bf16 K/V, chunked prefills": ("llama", {}, {"kv_cache_dtype": "bfloat16", "max_num_batched_tokens": 16}),
+    "mistral, sliding window": ("mistral", {"sliding_window": 8}, {}),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_fused_steps_match_the_python_forward(case, tiny_model_dir, varied_prompts, monkeypatch):
+    model_type, overrides, engine_args = CASES[case]
+    model = tiny_model_dir(model_type, **overrides)
+    python_calls = []
+    forward = LlamaDecoderLayer.forward
+
+    def counted(self, *args):
+        python_calls.append(args[-1].attn_metadata.prefills != [])  # args: positions, x, residual, rope, ctx
+        return forward(self, *args)
+
+    monkeypatch.setattr(LlamaDecoderLayer, "forward", counted)
+    assert layer_types(model, **engine_args) == {FusedDecodeLayer}
+    fused = run(model, varied_prompts, **engine_args)
+    assert python_calls and all(python_calls)  # the Python forward ran the steps with prefills only
+    monkeypatch.setenv("KILN_CPU_FUSED_DECODE", "0")
+    assert layer_types(model, **engine_args) == {LlamaDecoderLayer}
+    assert run(model, varied_prompts, **engine_args) == fused
+
+
+def test_default_model_int8_path(varied_prompts, monkeypatch):
+    from kiln.models.loader import default_model_path
+
+    fused = run(default_model_path(), varied_prompts[:4])
+    monkeypatch.setenv("KILN_CPU_FUSED_DECODE", "0")
+    assert run(default_model_path(), varied_prompts[:4]) == fused
+
+
+def test_layers_it_cannot_run_keep_their_python_forward(tiny_model_dir):
+    assert layer_types(tiny_model_dir("qwen3")) == {LlamaDecoderLayer}  # q/k norms
+    assert layer_types(tiny_model_dir("llama"), dtype="bfloat16") == {LlamaDecoderLayer}  # oneDNN bf16 linears
+    assert torch.get_default_dtype() == torch.float32
