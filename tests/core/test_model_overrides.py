@@ -56,6 +56,8 @@ def test_rope_flags_equal_editing_the_config(tiny_model_dir, varied_prompts, tmp
         (dict(tokenizer_mode="slow"), "--tokenizer-mode: slow is not supported: Kiln detokenizes incrementally"),
         (dict(tokenizer_mode="mistral"), "--tokenizer-mode: mistral is not supported: mistral_common"),
         (dict(tokenizer_mode="custom"), "--tokenizer-mode"),
+        (dict(num_scheduler_steps=8), "--num-scheduler-steps: 8 is not supported: Kiln has no multi-step"),
+        (dict(multi_step_stream_outputs=False), "--multi-step-stream-outputs: false applies to multi-step"),
     ],
 )
 def test_bad_values_are_named(kwargs, message):
