@@ -112,6 +112,8 @@ def test_gguf_models_multiply_in_int8_unless_told_not_to(default_model_dir):
     gguf = LLM(default_model_path(), max_model_len=256)  # K/V in bf16, as llama.cpp keeps them in f16
     assert gguf.engine.config.quantization == "gguf" and qkv(gguf).int8_activations
     assert kv_dtype(gguf) == torch.bfloat16
+    reference = LLM(default_model_path(), max_model_len=256, attention_backend="torch_ref")
+    assert qkv(reference).int8_activations and kv_dtype(reference) == torch.float32  # a backend without bf16 K/V
     exact = LLM(default_model_path(), max_model_len=256, quantization="none")
     assert not qkv(exact).int8_activations and kv_dtype(exact) == torch.float32
     folder = LLM(default_model_dir, max_model_len=256)  # the same weights as safetensors: exact

@@ -64,8 +64,8 @@ class EngineConfig(BaseModel):
     tensor_parallel_size: int = Field(1, ge=1)
     quantization: str | None = Field(
         None,
-        description="awq, gptq, compressed-tensors, smoothquant (w8a8), weight_only_int8 or none; "
-        "auto-detected from the checkpoint's quantization_config",
+        description="awq, gptq, compressed-tensors, smoothquant (w8a8), weight_only_int8, gguf or none; "
+        "auto-detected from the checkpoint's quantization_config (gguf for a .gguf file; none there: exact fp32)",
     )
     trust_remote_code: bool = False
     revision: str | None = Field(None, description="the Hub revision (branch, tag or commit) of a repo-id model")

@@ -24,7 +24,13 @@ from kiln.engine.pooling import PoolingInputProcessor, PoolingOutputProcessor
 from kiln.engine.request import RequestStatus
 from kiln.engine.scheduler import Scheduler
 from kiln.models.bert import position_offset
-from kiln.models.loader import load_generation_defaults, load_hf_config, resolve_model, resolve_tokenizer
+from kiln.models.loader import (
+    is_gguf_file,
+    load_generation_defaults,
+    load_hf_config,
+    resolve_model,
+    resolve_tokenizer,
+)
 from kiln.models.pooler import setup_pooling
 from kiln.models.rope import context_limit
 from kiln.outputs import RequestOutput
@@ -50,10 +56,11 @@ class LLMEngine:
         registry = self.plugins.registry
         self.platform = select_platform(config.device, registry)
         model_id = config.model
+        gguf = is_gguf_file(model_id, config.load_format)
+        config.quantization = quant_config.for_model_file(config.quantization, gguf)
+        self.platform.update_config(config)  # sees the resolved quantization; fails before any download
         files = resolve_model(model_id, config.load_format, config.revision, config.download_dir)
         config.model = files.path  # later readers (tensor-parallel ranks, platforms) get the local folder
-        config.quantization = quant_config.for_model_file(config.quantization, files.gguf)
-        self.platform.update_config(config)  # sees the resolved quantization
         hf_config = load_hf_config(files.path, config)
         pooling = setup_pooling(config, hf_config, registry, files.path)  # resolves --task
         _resolve_lengths(config, hf_config)

@@ -99,7 +99,9 @@ class Platform(ABC):
         return torch.float16 if torch.float16 in self.supported_dtypes else torch.float32
 
     def update_config(self, config: EngineConfig) -> None:
-        """Fill platform defaults and reject what the device cannot do (raise ``ValueError``)."""
+        """Fill platform defaults and reject what the device cannot do (raise ``ValueError``).
+        Called once per engine, before the model is read, with ``quantization`` resolved
+        (``gguf`` for a GGUF file)."""
         if config.block_size is None:
             config.block_size = self.default_block_size
         if config.block_size not in self.supported_block_sizes:

@@ -115,9 +115,11 @@ class LlamaDecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_idx, ops, backend, tp, quant, sliding_window)
-        # q/k norms and all-reduces are not part of the pre-norm layout's promise
-        self.decoder_layout = None if self.self_attn.qk_norm or tp.size > 1 else PRE_NORM_LAYER
         self.mlp = LlamaMLP(cfg, ops, tp, f"model.layers.{layer_idx}.mlp", quant)
+        # q/k norms, all-reduces and subclasses' own forwards are not part of the layout's promise
+        own = type(self).forward is LlamaDecoderLayer.forward and type(self.self_attn).forward is LlamaAttention.forward
+        own = own and type(self.mlp).forward is LlamaMLP.forward
+        self.decoder_layout = PRE_NORM_LAYER if own and not self.self_attn.qk_norm and tp.size == 1 else None
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.ops = ops

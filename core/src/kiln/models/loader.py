@@ -50,7 +50,6 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 class ModelFiles:
     path: str  # a Hugging Face folder: config.json, tokenizer, maybe safetensors
     name: str  # what to call the model (served model name)
-    gguf: bool = False  # converted from a .gguf file
 
 
 def cache_dir() -> Path:
@@ -68,6 +67,13 @@ def default_model_path() -> str:
     return os.path.join(os.path.dirname(spec.origin), DEFAULT_MODEL_FILE)
 
 
+def is_gguf_file(model: str | None, load_format: str) -> bool:
+    """Whether ``--model`` names a GGUF file (the embedded default is one), which
+    ``resolve_model`` converts."""
+    path = model or default_model_path()
+    return os.path.isfile(path) and (path.endswith(".gguf") or load_format == "gguf")
+
+
 def resolve_model(
     model: str | None, load_format: str, revision: str | None = None, download_dir: str | None = None
 ) -> ModelFiles:
@@ -80,9 +86,9 @@ def resolve_model(
     if not os.path.exists(path):
         raise ValueError(f"model: {path!r} does not exist (expected a Hugging Face folder or a .gguf file)")
     if os.path.isfile(path):
-        if not path.endswith(".gguf") and load_format != "gguf":
+        if not is_gguf_file(path, load_format):
             raise ValueError(f"model: {path!r} is a file but not a .gguf file")
-        return ModelFiles(convert_gguf(path), name, gguf=True)
+        return ModelFiles(convert_gguf(path), name)
     if not os.path.exists(os.path.join(path, "config.json")):
         raise ValueError(f"model: {path!r} has no config.json; is it a Hugging Face model folder?")
     if load_format != "dummy":

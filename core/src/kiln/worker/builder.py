@@ -4,6 +4,7 @@ point of ranks 1..N-1 (see ``kiln.worker.tp_workers``)."""
 
 from __future__ import annotations
 
+import inspect
 import logging
 from multiprocessing.connection import Connection
 
@@ -130,8 +131,17 @@ def build_model(
             layer.method = method
             method.process(layer)
         logger.info("%d linear layers quantized (%s) via %s", len(layers), quant.label, type(method).__name__)
-    platform.process_weights(model, config)
+    _process_weights(platform, model, config)
     return model
+
+
+def _process_weights(platform: Platform, model: torch.nn.Module, config: EngineConfig) -> None:
+    """``Platform.process_weights``; a plugin written before it took the config gets the model only."""
+    if len(inspect.signature(platform.process_weights).parameters) == 1:
+        logger.warning("%s.process_weights(model) is deprecated: take (model, config)", type(platform).__name__)
+        platform.process_weights(model)
+    else:
+        platform.process_weights(model, config)
 
 
 def resolve_quantization(

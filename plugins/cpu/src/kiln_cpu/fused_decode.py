@@ -60,6 +60,7 @@ def _fusable(layer: nn.Module) -> bool:
     return (
         all(type(m) is TiledLinear for m in linears)
         and all(n.dtype == torch.float32 and n.is_contiguous() for n in norms)
+        and layer.input_layernorm.eps == layer.post_attention_layernorm.eps  # the C layer takes one
         and isinstance(attn.backend, CpuAttentionBackend)
         and attn.backend.native is not None
     )
@@ -86,7 +87,10 @@ class FusedDecodeLayer(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            return getattr(self._modules["layer"], name)
+            inner = self.__dict__.get("_modules", {}).get("layer")  # absent while copying or unpickling
+            if inner is None:
+                raise
+            return getattr(inner, name)
 
     def forward(self, positions, x, residual, rope_cache, ctx):
         step = _step_of(ctx, positions, rope_cache, x)
@@ -99,7 +103,7 @@ class FusedDecodeLayer(nn.Module):
             residual = torch.empty_like(x)
         if native.load_kernels().decode_layer(ctypes.byref(self.c), ctypes.byref(step), x.data_ptr(),
                                               residual.data_ptr(), int(first)):  # fmt: skip
-            raise MemoryError("decode_layer: out of memory")
+            raise RuntimeError("decode_layer failed: out of memory, or a shape its attention kernel refuses")
         return x, residual
 
 

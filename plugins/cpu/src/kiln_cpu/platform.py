@@ -96,12 +96,14 @@ class CpuPlatform(Platform):
         self._malloc_tuned = True
 
     def update_config(self, config) -> None:
-        # NOTE: a GGUF model keeps its K/V in bf16 unless --kv-cache-dtype says otherwise, as
-        # llama.cpp keeps them in f16: its products are approximate already (int8 activations),
+        # NOTE: a GGUF model keeps its K/V in bf16 on this plugin's attention backend (exact
+        # path: --quantization none), as llama.cpp keeps them in f16: its products are
+        # approximate already (int8 activations),
         # and decode attention, bound by reading the cache, ran 23 % faster at 16 sequences.
         # Perplexity on the held-out text, prefilled in chunks that read the cache, over exact
         # fp32: +0.45 % with bf16 K/V, +0.52 % with fp32 K/V (int8 activations in both).
-        if config.kv_cache_dtype == "auto" and config.quantization == "gguf":
+        gguf = config.quantization == "gguf" and config.attention_backend in (None, self.attention_backend())
+        if config.kv_cache_dtype == "auto" and gguf:
             config.kv_cache_dtype = "bfloat16"
         super().update_config(config)
 
