@@ -85,11 +85,27 @@ static inline __m256i bcast4(const int8_t *p) {
     return _mm256_set1_epi32(v);
 }
 
+#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+#define HAS_VNNI 1
+#else
+#define HAS_VNNI 0
+#endif
+
+/* acc + a nibble vector times qx's low inputs plus another times its high ones. Without
+ * VNNI, in vpmaddubsw's int16 pairs: a nibble times |qx| <= 127, twice, is at most 3810,
+ * so all eight of a block add up in int16 (<= 30480) before one widening vpmaddwd. */
+static inline __m256i q4_step(__m256i acc, __m256i lo, __m256i xl, __m256i hi, __m256i xh) {
+#if HAS_VNNI
+    return dot4(dot4(acc, lo, xl), hi, xh);
+#else
+    return _mm256_add_epi16(acc, _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh)));
+#endif
+}
+
 /* acc[r][h] = int32 sums of block b for rows 0..R-1, features 8h..8h+7. */
 static inline __attribute__((always_inline)) void block_q4(__m256i acc[][2], const uint8_t *w,
                                                            const int8_t *const xq[], int R) {
     const __m256i low = _mm256_set1_epi8(15);
-#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
     for (int g = 0; g < 4; g++) {
         const __m256i w0 = _mm256_loadu_si256((const __m256i *)(w + g * 64));
@@ -98,31 +114,14 @@ static inline __attribute__((always_inline)) void block_q4(__m256i acc[][2], con
         const __m256i l1 = _mm256_and_si256(w1, low), h1 = _mm256_and_si256(_mm256_srli_epi16(w1, 4), low);
         for (int r = 0; r < R; r++) {
             const __m256i xl = bcast4(xq[r] + 4 * g), xh = bcast4(xq[r] + 16 + 4 * g);
-            acc[r][0] = dot4(dot4(acc[r][0], l0, xl), h0, xh);
-            acc[r][1] = dot4(dot4(acc[r][1], l1, xl), h1, xh);
+            acc[r][0] = q4_step(acc[r][0], l0, xl, h0, xh);
+            acc[r][1] = q4_step(acc[r][1], l1, xl, h1, xh);
         }
     }
-#else
-    /* vpmaddubsw's int16 pairs: a nibble times |qx| <= 127, twice, is at most 3810, so
-     * all eight of a block add up in int16 (<= 30480) before one widening vpmaddwd. */
-    __m256i a16[ROWS][2];
-    for (int r = 0; r < R; r++) a16[r][0] = a16[r][1] = _mm256_setzero_si256();
-    for (int g = 0; g < 4; g++) {
-        const __m256i w0 = _mm256_loadu_si256((const __m256i *)(w + g * 64));
-        const __m256i w1 = _mm256_loadu_si256((const __m256i *)(w + g * 64 + 32));
-        const __m256i l0 = _mm256_and_si256(w0, low), h0 = _mm256_and_si256(_mm256_srli_epi16(w0, 4), low);
-        const __m256i l1 = _mm256_and_si256(w1, low), h1 = _mm256_and_si256(_mm256_srli_epi16(w1, 4), low);
-        for (int r = 0; r < R; r++) {
-            const __m256i xl = bcast4(xq[r] + 4 * g), xh = bcast4(xq[r] + 16 + 4 * g);
-            a16[r][0] = _mm256_add_epi16(a16[r][0], _mm256_add_epi16(_mm256_maddubs_epi16(l0, xl),
-                                                                      _mm256_maddubs_epi16(h0, xh)));
-            a16[r][1] = _mm256_add_epi16(a16[r][1], _mm256_add_epi16(_mm256_maddubs_epi16(l1, xl),
-                                                                      _mm256_maddubs_epi16(h1, xh)));
-        }
-    }
+#if !HAS_VNNI
     const __m256i ones = _mm256_set1_epi16(1);
     for (int r = 0; r < R; r++)
-        for (int h = 0; h < 2; h++) acc[r][h] = _mm256_madd_epi16(a16[r][h], ones);
+        for (int h = 0; h < 2; h++) acc[r][h] = _mm256_madd_epi16(acc[r][h], ones);
 #endif
 }
 
