@@ -8,11 +8,11 @@ import platform
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from gguf import GGMLQuantizationType, dequantize, quantize
+from gguf import GGMLQuantizationType
+from test_tiled_weights import gguf_weight
 
 from kiln_cpu import native
 from kiln_cpu.tiled_weights import TiledLinear, tiled_form, tiled_matmul
@@ -20,12 +20,6 @@ from kiln_cpu.tiled_weights import TiledLinear, tiled_form, tiled_matmul
 pytestmark = pytest.mark.skipif(native.load_kernels() is None, reason="no C compiler for the CPU kernels")
 
 KINDS = {"q4_1": GGMLQuantizationType.Q4_1, "q8_0": GGMLQuantizationType.Q8_0}
-
-
-def gguf_weight(rows: int, cols: int, kind: str, seed: int = 0) -> torch.Tensor:
-    x = np.random.default_rng(seed).standard_normal((rows, cols), dtype=np.float32)
-    x[0, :32] = 0.5  # a constant block: Q4_1 scale 0
-    return torch.from_numpy(dequantize(quantize(x, KINDS[kind]), KINDS[kind]).astype(np.float32))
 
 
 def activations(rows: int, cols: int, seed: int) -> torch.Tensor:
@@ -45,7 +39,7 @@ def int8_rows(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 64, 65, 131])
 def test_products_are_the_quantized_rows_times_the_weight(kind, rows):
-    w, bias = gguf_weight(208, 96, kind, seed=rows), torch.randn(208)
+    w, bias = gguf_weight(208, 96, KINDS[kind], seed=rows), torch.randn(208)
     x = activations(rows, 96, seed=rows)
     got = tiled_matmul(tiled_form(w), x, bias, int8_activations=True)
     want = (int8_rows(x).double() @ w.double().T + bias.double()).float()
@@ -55,7 +49,7 @@ def test_products_are_the_quantized_rows_times_the_weight(kind, rows):
 
 
 def test_strided_rows_and_the_exact_path():
-    w = gguf_weight(64, 128, "q4_1")
+    w = gguf_weight(64, 128, KINDS["q4_1"])
     x = torch.randn(5, 160)[:, 16:144]
     layer = TiledLinear(tiled_form(w), None, int8_activations=True)
     torch.testing.assert_close(layer(x), layer(x.contiguous()), rtol=0, atol=0)
@@ -74,12 +68,12 @@ def test_fp32_tiles_ignore_the_int8_flag():
 _PRODUCTS = """
 import json, sys, torch
 sys.path.insert(0, {here!r})
-from test_int8_linear import activations, gguf_weight
+from test_int8_linear import KINDS, activations, gguf_weight
 from kiln_cpu.tiled_weights import tiled_form, tiled_matmul
 out = {{}}
 for kind in ("q4_1", "q8_0"):
     for rows in (1, 3, 4, 9):
-        y = tiled_matmul(tiled_form(gguf_weight(48, 192, kind, rows)), activations(rows, 192, rows), None, True)
+        y = tiled_matmul(tiled_form(gguf_weight(48, 192, KINDS[kind], rows)), activations(rows, 192, rows), None, True)
         out[f"{{kind}}-{{rows}}"] = y.tolist()
 print(json.dumps(out))
 """

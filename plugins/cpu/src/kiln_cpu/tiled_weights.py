@@ -159,7 +159,7 @@ def tiled_matmul(
         rows = rows.contiguous()
     out = torch.empty(rows.shape[0], out_features)
     lib = native.load_kernels()
-    kernel = lib.int8_linear if int8_activations and weight.fmt != 32 else lib.tiled_linear
+    kernel = lib.int8_linear if int8_activations else lib.tiled_linear  # it leaves fp32 tiles to tiled_linear
     failed = kernel(
         out.data_ptr(), rows.data_ptr(), rows.shape[0], rows.stride(0), *weight.kernel_args,
         None if bias is None else bias.data_ptr(), in_features, out_features,

@@ -63,7 +63,7 @@ struct step {
 };
 
 static int linear(const struct linear *l, float *out, const float *x, int64_t rows) {
-    if (l->int8 && l->fmt != 32)
+    if (l->int8)
         return int8_linear(out, x, rows, l->in, (int)l->fmt, l->scale, l->min, l->q, l->bias, l->in, l->out);
     return tiled_linear(out, x, rows, l->in, (int)l->fmt, l->scale, l->min, l->q, l->bias, l->in, l->out);
 }

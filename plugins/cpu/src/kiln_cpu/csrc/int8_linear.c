@@ -239,10 +239,14 @@ static void tile_rows(float *out, int64_t N, const int8_t *xq, const float *xd, 
 
 #endif
 
-/* out = x W^T + bias for a block-format W (fmt 4 or 8); nonzero when out of memory (or another fmt). */
+int tiled_linear(float *, const float *, int64_t, int64_t, int, const float *, const float *, const void *,
+                 const float *, int64_t, int64_t);
+
+/* out = x W^T + bias with int8 activations for a block-format W (fmt 4 or 8); fp32 tiles have no
+ * integers to multiply and go to tiled_linear. Nonzero when out of memory. */
 int int8_linear(float *out, const float *x, int64_t rows, int64_t x_stride, int fmt, const float *scale,
                 const float *min, const void *q, const float *bias, int64_t K, int64_t N) {
-    if (fmt != 4 && fmt != 8) return -1; /* fp32 tiles: tiled_linear */
+    if (fmt != 4 && fmt != 8) return tiled_linear(out, x, rows, x_stride, fmt, scale, min, q, bias, K, N);
     const int64_t nb = K / 32;
     int8_t *xq = malloc(rows * K);
     float *xd = malloc(rows * nb * sizeof(float)), *xs = malloc(rows * nb * sizeof(float));
