@@ -14,6 +14,7 @@ from kiln.hookspecs import hookimpl
 if TYPE_CHECKING:
     from kiln.config import EngineConfig
     from kiln.entrypoints.llm import LLM
+    from kiln.lora.request import LoRARequest
     from kiln.outputs import BeamSearchOutput, CompletionOutput, Logprob, RequestMetrics, RequestOutput
     from kiln.pooling_outputs import (
         ClassificationRequestOutput,
@@ -29,6 +30,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "LLM": "kiln.entrypoints.llm",
     "EngineConfig": "kiln.config",
+    "LoRARequest": "kiln.lora.request",
     "BeamSearchOutput": "kiln.outputs",
     "BeamSearchParams": "kiln.sampling_params",
     "CompletionOutput": "kiln.outputs",

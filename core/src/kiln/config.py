@@ -90,6 +90,23 @@ class EngineConfig(BaseModel):
         None, description='JSON rope scaling, e.g. \'{"rope_type": "yarn", "factor": 4.0}\''
     )
     rope_theta: float | None = Field(None, gt=0, description="the rope base frequency, over the model's")
+    enable_lora: bool = Field(False, description="serve LoRA adapters (--lora-modules, or per request)")
+    max_loras: int = Field(1, ge=1, description="LoRA adapters in one batch")
+    max_lora_rank: int = Field(16, ge=1, description="the largest LoRA rank an adapter may have")
+    max_cpu_loras: int | None = Field(
+        None, ge=1, description="LoRA adapters kept loaded in host memory, least recently used out (>= --max-loras)"
+    )
+    lora_dtype: Literal["auto", "float16", "bfloat16", "float32"] = Field(
+        "auto", description="dtype of the LoRA weights; auto: the model's"
+    )
+    enable_lora_bias: bool = Field(False, description="allow adapters with a bias on lora_B (PEFT's lora_bias)")
+    fully_sharded_loras: bool = Field(
+        False, description="shard LoRA's A as well under tensor parallelism (refused there; nothing to shard on 1 rank)"
+    )
+    lora_extra_vocab_size: int = Field(
+        256, ge=0, description="accepted at vLLM's default only: adapters that add tokens are refused"
+    )
+    long_lora_scaling_factors: list[float] | None = Field(None, description="LongLoRA: refused (not supported)")
     override_pooler_config: dict[str, Any] | None = Field(
         None, description='JSON pooling over the model\'s, e.g. \'{"pooling_type": "MEAN", "normalize": true}\''
     )
@@ -150,6 +167,26 @@ class EngineConfig(BaseModel):
         if value in reasons:
             raise ValueError(f"{value} is not supported: {reasons[value]}")
         return value
+
+    @model_validator(mode="after")
+    def _lora_flags(self) -> EngineConfig:
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"--max-cpu-loras ({self.max_cpu_loras}) must be at least --max-loras ({self.max_loras})")
+        if self.lora_extra_vocab_size != 256:
+            raise ValueError(
+                "--lora-extra-vocab-size: adapters that add tokens to the vocabulary are not supported (Kiln "
+                "serves adapters over the base model's vocabulary); leave it at its default"
+            )
+        if self.long_lora_scaling_factors:
+            raise ValueError(
+                "--long-lora-scaling-factors: LongLoRA adapters (scaled rotary contexts per adapter) are not supported"
+            )
+        if self.fully_sharded_loras and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "--fully-sharded-loras: Kiln shards LoRA's B over column-parallel layers and A over row-parallel ones "
+                "(vLLM's default split); sharding both is not implemented, drop the flag"
+            )
+        return self
 
     @model_validator(mode="after")
     def _one_code_revision(self) -> EngineConfig:

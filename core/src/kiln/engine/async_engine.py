@@ -23,6 +23,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from kiln.engine.llm_engine import LLMEngine, PromptInput
+from kiln.lora.request import LoRARequest
 from kiln.outputs import RequestOutput
 from kiln.sampling_params import SamplingParams
 
@@ -150,6 +151,7 @@ class AsyncEngine:
         params: SamplingParams,
         priority: int = 0,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Validate and queue a request; raises ``ValueError`` for bad input, ``EngineDeadError`` if stopped."""
         if not self.is_healthy:
@@ -161,7 +163,7 @@ class AsyncEngine:
                 f"the server is at capacity ({len(self._streams)} requests in flight, --max-queued-requests "
                 f"{self.max_in_flight - self.engine.config.max_num_seqs}); retry later"
             )
-        processed = self.engine.process_request(request_id, prompt, params, arrival_time, priority)
+        processed = self.engine.process_request(request_id, prompt, params, arrival_time, priority, lora_request)
         stream = RequestStream(self, request_id)
         self._streams[request_id] = stream
         self._commands.put(("add", processed))

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from kiln.engine.guided_manager import GuidedManager
     from kiln.engine.model_info import ModelInfo
     from kiln.interfaces.guided import CompiledGuide
+    from kiln.lora.request import LoRARequest
     from kiln.sampling_params import SamplingParams
 
 PromptInput = str | list[int] | dict
@@ -70,6 +71,7 @@ class InputProcessor:
         params: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> ProcessedRequest:
         """Tokenize and validate; raises ``ValueError`` naming the bad field."""
         arrival = arrival_time or time.time()
@@ -81,7 +83,7 @@ class InputProcessor:
         if params.bad_words:
             params._bad_words_token_ids = self._bad_words_ids(params.bad_words)
         if params.use_beam_search:
-            return self._beam_search(request_id, text, ids, params, arrival, priority)
+            return self._beam_search(request_id, text, ids, params, arrival, priority, lora_request)
         guide = self.compile_guide(params)
         fanned_out = params.best_of > 1
         requests, sequences = [], []
@@ -96,6 +98,7 @@ class InputProcessor:
                 cache_salt=request_id if fanned_out else None,
                 seed=None if params.seed is None else params.seed + i,
                 matcher=None if guide is None else self.guided.matcher(guide, self.model.eos_token_ids),
+                lora_request=lora_request,
             )
             requests.append(req)
             detok = IncrementalDetokenizer(self.tokenizer, ids, params)
@@ -103,14 +106,21 @@ class InputProcessor:
         return ProcessedRequest(requests, RequestGroup(request_id, text, ids, params, sequences))
 
     def _beam_search(
-        self, request_id: str, text: str | None, ids: list[int], params: SamplingParams, arrival: float, priority: int
+        self,
+        request_id: str,
+        text: str | None,
+        ids: list[int],
+        params: SamplingParams,
+        arrival: float,
+        priority: int,
+        lora_request: LoRARequest | None,
     ) -> ProcessedRequest:
         """One core sequence, the first beam (the scheduler forks the rest), and ``n`` output
         sequences for the best hypotheses; the first shares the request's id, which is how
         the core reports the search."""
         if params.guided_decoding is not None:
             raise ValueError("guided decoding is not supported with beam search (use_beam_search).")
-        req = Request(request_id, ids, params, self.model.eos_token_ids, arrival, priority)
+        req = Request(request_id, ids, params, self.model.eos_token_ids, arrival, priority, lora_request=lora_request)
         sequences = [
             SequenceState(
                 request_id if i == 0 else f"{i}_{request_id}",

@@ -4,7 +4,8 @@ No tensors live here: blocks are ids into the per-layer cache tensors owned by
 the model runner.
 
 Prefix caching: each *full* block gets a hash chained on its parent's,
-``hash((parent, tokens, salt))``. A freed block keeps its hash and sits in the
+``hash((parent, tokens, salt, lora))``: a LoRA adapter's K/V differ from the base
+model's, so blocks are shared only under the same adapter. A freed block keeps its hash and sits in the
 free queue (least recently freed first) until it is handed out again; only then
 is it evicted from the hash table (lazy eviction), so a later request with the
 same prefix can revive it. A hit is verified against the stored tokens, because
@@ -32,6 +33,7 @@ class CachedSequence(Protocol):
     blocks: list[Block]
     block_hashes: list[int]
     cache_salt: object
+    lora_request: object  # hashable; None for the base model
 
     @property
     def num_tokens(self) -> int: ...
@@ -136,7 +138,7 @@ class KVCacheManager:
         hashes = req.block_hashes
         parent = hashes[-1] if hashes else _ROOT_HASH
         for i in range(len(hashes), upto_tokens // bs):
-            parent = hash((parent, tuple(req.all_token_ids[i * bs : (i + 1) * bs]), req.cache_salt))
+            parent = hash((parent, tuple(req.all_token_ids[i * bs : (i + 1) * bs]), req.cache_salt, req.lora_request))
             hashes.append(parent)
         return hashes
 

@@ -23,6 +23,7 @@ from kiln.engine.output_processor import OutputProcessor
 from kiln.engine.pooling import PoolingInputProcessor, PoolingOutputProcessor
 from kiln.engine.request import RequestStatus
 from kiln.engine.scheduler import Scheduler
+from kiln.lora.request import LoRARequest
 from kiln.models.bert import position_offset
 from kiln.models.loader import (
     is_gguf_file,
@@ -119,9 +120,10 @@ class LLMEngine:
         params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Validate and queue a request; raises ``ValueError`` naming the bad field."""
-        processed = self.process_request(request_id, prompt, params, arrival_time, priority)
+        processed = self.process_request(request_id, prompt, params, arrival_time, priority, lora_request)
         self.add_processed(processed)
         return processed.request_id
 
@@ -132,6 +134,7 @@ class LLMEngine:
         params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> ProcessedRequest:
         """Tokenize and validate without queueing (safe off the engine's thread)."""
         check_task(self.model_info.task, params)
@@ -139,7 +142,25 @@ class LLMEngine:
             raise ValueError(f"request_id: {request_id!r} is already running")
         if priority != 0 and self.config.scheduling_policy != "priority":
             raise ValueError("priority: only allowed with --scheduling-policy priority (vLLM refuses it under fcfs)")
-        return self.input_processor.process(request_id, prompt, params, arrival_time, priority)
+        if lora_request is None:
+            return self.input_processor.process(request_id, prompt, params, arrival_time, priority)
+        if isinstance(params, PoolingParams):
+            raise ValueError("lora_request: LoRA adapters apply to generation, not to pooling requests")
+        self.add_lora(lora_request)
+        return self.input_processor.process(request_id, prompt, params, arrival_time, priority, lora_request)
+
+    # ------------------------------------------------------------------ LoRA
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Read (or find already read) and check a LoRA adapter; ``ValueError`` says what is wrong."""
+        slots = self.executor.runner.lora
+        if slots is None:
+            raise ValueError("LoRA adapters need the engine started with --enable-lora")
+        slots.cache.get(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Forget a loaded adapter (requests running on it finish with it)."""
+        if self.executor.runner.lora is not None:
+            self.executor.runner.lora.forget(lora_int_id)
 
     def add_processed(self, processed: ProcessedRequest) -> None:
         """Queue a request made by ``process_request``."""

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from kiln.engine.beam_search import BeamGroup, BeamHypothesis
     from kiln.engine.kv_cache import Block
     from kiln.interfaces.guided import GuideMatcher
+    from kiln.lora.request import LoRARequest
     from kiln.pooling_params import PoolingParams
     from kiln.sampling_params import SamplingParams
 
@@ -69,6 +70,7 @@ class Request:
     # A pooling request (kiln.engine.pooling): prefill-only, ends with its pooled output.
     pooling_params: PoolingParams | None = None
     token_type_ids: list[int] | None = None  # a cross-encoder pair's segment ids, one per prompt token
+    lora_request: LoRARequest | None = None  # the LoRA adapter it runs with (None: the base model)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -92,7 +94,7 @@ class Request:
         metrics (one record per user request); ``KVCacheManager.fork`` shares the blocks."""
         child = Request(
             request_id, self.prompt_token_ids, self.sampling_params, self.eos_token_ids, self.arrival_time,
-            self.priority, self.cache_salt, metrics=self.metrics, beam=self.beam,
+            self.priority, self.cache_salt, metrics=self.metrics, beam=self.beam, lora_request=self.lora_request,
         )  # fmt: skip
         child.output_token_ids = list(self.output_token_ids)
         child.all_token_ids = list(self.all_token_ids)

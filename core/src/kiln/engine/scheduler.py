@@ -9,7 +9,8 @@ request's ``num_computed_tokens`` moves towards its ``num_tokens``:
      later re-prefills prompt + outputs, so its text is unchanged).
   2. Then waiting requests, by policy (fcfs: arrival; priority: lower value
      first, then arrival), while the budget, ``max_num_seqs`` and the free blocks
-     allow. Prefix-cache hits are taken first; with chunked prefill a prompt may
+     allow; a request whose LoRA adapter would make more than ``max_loras`` adapters
+     run at once waits (later requests may pass it). Prefix-cache hits are taken first; with chunked prefill a prompt may
      take whatever budget is left, otherwise it must fit whole.
 
 Admission keeps ``1 - kv_cache_ratio`` of the blocks free for the decodes of
@@ -129,8 +130,10 @@ class Scheduler:
 
         # Beams waiting for their siblings compute nothing: they take no place in the batch.
         busy = sum(not _idle_beam(r) for r in self.running)
+        # At most --max-loras adapters among running requests: the model has that many slots.
+        loras = {r.lora_request for r in self.running if r.lora_request is not None}
         while self.waiting and budget > 0 and busy < self.config.max_num_seqs and not preempted:
-            ready = (r for r in self.waiting if not _idle_beam(r))  # idle beams wait for their group
+            ready = (r for r in self.waiting if not _idle_beam(r) and self._lora_fits(r, loras))
             req = min(ready, key=self._key, default=None) if self.priority else next(ready, None)
             if req is None:
                 break
@@ -157,12 +160,18 @@ class Scheduler:
                 req.metrics.time_in_queue = req.metrics.inference_start_time - req.arrival_time
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            if req.lora_request is not None:
+                loras.add(req.lora_request)
             busy += 1
             scheduled.append((req, n))
             budget -= n
 
         copies = self.kv.take_copies() if scheduled else []  # kept for a step that runs
         return SchedulerOutput(scheduled, self.token_budget - budget, preempted, copies)
+
+    def _lora_fits(self, req: Request, loras: set) -> bool:
+        lora = req.lora_request
+        return lora is None or lora in loras or len(loras) < self.config.max_loras
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

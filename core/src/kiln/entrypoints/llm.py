@@ -9,6 +9,7 @@ from kiln.config import EngineConfig
 from kiln.engine.llm_engine import LLMEngine, PromptInput
 from kiln.entrypoints.chat_rendering import render_chat_template
 from kiln.entrypoints.llm_pooling import PoolingMixin
+from kiln.lora.request import LoRARequest
 from kiln.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from kiln.sampling_params import BeamSearchParams, SamplingParams
 
@@ -33,14 +34,21 @@ class LLM(PoolingMixin):
         prompts: PromptInput | Sequence[PromptInput],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run prompts (strings, token-id lists, or ``{"prompt_token_ids": [...]}``) to completion, in order."""
+        """Run prompts (strings, token-id lists, or ``{"prompt_token_ids": [...]}``) to completion, in order;
+        ``lora_request``: one adapter for all prompts, or one (or None) per prompt (needs ``enable_lora``)."""
         if sampling_params is None:
             sampling_params = self.engine.default_sampling_params()
-        return self._run(self._submit(prompts, sampling_params, "sampling_params", priority))
+        return self._run(self._submit(prompts, sampling_params, "sampling_params", priority, lora_request))
 
     def _submit(
-        self, prompts: PromptInput | Sequence[PromptInput], params: Any, name: str, priority: Sequence[int] | None = None
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        params: Any,
+        name: str,
+        priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[str]:
         """Queue each prompt with its params (one object for all, or a list with one each); a bad
         prompt rejects the whole call, leaving the engine clean. The request ids, in order."""
@@ -50,10 +58,17 @@ class LLM(PoolingMixin):
             raise ValueError(f"{name}: got {len(params)} for {len(prompts)} prompts")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority: got {len(priority)} values for {len(prompts)} prompts")
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"lora_request: got {len(loras)} for {len(prompts)} prompts")
         ids = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
-                ids.append(self.engine.add_request(None, prompt, p, priority=priority[i] if priority else 0))
+                ids.append(
+                    self.engine.add_request(
+                        None, prompt, p, priority=priority[i] if priority else 0, lora_request=loras[i]
+                    )
+                )
         except ValueError:
             for rid in ids:
                 self.engine.abort_request(rid)
@@ -61,13 +76,16 @@ class LLM(PoolingMixin):
         return ids
 
     def beam_search(
-        self, prompts: PromptInput | Sequence[PromptInput], params: BeamSearchParams
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        params: BeamSearchParams,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[BeamSearchOutput]:
         """Beam search over each prompt, on the engine (beams share their KV blocks); the
         same hypotheses and scores as transformers' ``generate(num_beams=...)``."""
         decode = self.engine.model_info.tokenizer.decode
         results = []
-        for out in self.generate(_as_batch(prompts), params.to_sampling_params()):
+        for out in self.generate(_as_batch(prompts), params.to_sampling_params(), lora_request=lora_request):
             sequences = []
             for c in out.outputs:
                 tokens = out.prompt_token_ids + c.token_ids
@@ -87,6 +105,7 @@ class LLM(PoolingMixin):
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template (or ``chat_template``) to each conversation and generate."""
         batch = [messages] if messages and isinstance(messages[0], dict) else list(messages)
@@ -98,7 +117,7 @@ class LLM(PoolingMixin):
             }
             for conv in batch
         ]
-        return self.generate(prompts, sampling_params)
+        return self.generate(prompts, sampling_params, lora_request=lora_request)
 
     def apply_chat_template(
         self,

@@ -48,6 +48,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from kiln.interfaces.lora import LoRAMapping, add_lora
+
 if TYPE_CHECKING:
     from kiln.interfaces.attention import BatchLayout
 
@@ -64,6 +66,7 @@ class StepContext:
     kv_caches: list[torch.Tensor]
     layout: BatchLayout | None = None  # the step's batch (None inside decode graphs)
     token_type_ids: torch.Tensor | None = None  # (num_tokens,) int64 BERT segment ids; None: all 0
+    lora: LoRAMapping | None = None  # the step's adapter per token (``kiln.interfaces.lora``); None: base only
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -107,6 +110,7 @@ REFERENCE_OPS: dict[str, Callable] = {
     "fused_add_rms_norm": fused_add_rms_norm,
     "rotary_embedding": rotary_embedding,
     "silu_and_mul": silu_and_mul,
+    "add_lora": add_lora,
 }
 
 

@@ -138,6 +138,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    # LoRA targets (kiln.lora): a decoder layer's projection -> the PEFT projections it merges
+    lora_modules = {
+        "self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"),
+        "self_attn.o_proj": ("o_proj",),
+        "mlp.gate_up_proj": ("gate_proj", "up_proj"),
+        "mlp.down_proj": ("down_proj",),
+    }
+
     def __init__(
         self,
         cfg,

@@ -16,6 +16,7 @@ from kiln.interfaces.attention import AttentionBackend
 from kiln.interfaces.model import resolve_ops
 from kiln.interfaces.platform import Platform
 from kiln.interfaces.quantization import LinearMethod, QuantLinear
+from kiln.lora.slots import build_lora_slots
 from kiln.models.loader import iter_weights, load_hf_config
 from kiln.quantization import config as quant_config
 from kiln.quantization.checkpoint import canonical_weights
@@ -171,7 +172,8 @@ def build_runner(
 ) -> ModelRunner:
     backend = build_backend(config, registry, platform, hf_config, dtype, tp)
     model = build_model(config, registry, platform, hf_config, dtype, model_path, backend, tp)
-    return ModelRunner(config, platform, model, backend)
+    lora = build_lora_slots(model, config, hf_config, tp, dtype) if config.enable_lora else None
+    return ModelRunner(config, platform, model, backend, lora)
 
 
 def worker_main(

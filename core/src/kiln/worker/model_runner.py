@@ -28,6 +28,8 @@ from kiln.engine.scheduler import SchedulerOutput
 from kiln.interfaces.attention import AttentionBackend, BatchLayout, DecodeGraphInputs
 from kiln.interfaces.model import StepContext
 from kiln.interfaces.platform import Platform
+from kiln.lora.request import LoRARequest
+from kiln.lora.slots import LoRASlots
 from kiln.models.pooler import load_dense_layers, pool
 
 logger = logging.getLogger("kiln.runner")
@@ -72,6 +74,8 @@ class StepBatch:
     query_lens: list[int]
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), done before the forward
     token_type_ids: list[int] | None = None  # every token's segment id, when a request has them (cross-encoders)
+    lora_slots: list[int] | None = None  # each request's LoRA slot (-1: base), when any request has an adapter
+    lora_loads: list[tuple[int, LoRARequest]] = field(default_factory=list)  # adapters to copy into slots first
 
     @classmethod
     def of(cls, batch: list[tuple[Request, int]]) -> StepBatch:
@@ -127,8 +131,16 @@ def _note_unused_graph_flags(config: EngineConfig, platform: Platform, built: bo
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, platform: Platform, model: torch.nn.Module, backend: AttentionBackend):
+    def __init__(
+        self,
+        config: EngineConfig,
+        platform: Platform,
+        model: torch.nn.Module,
+        backend: AttentionBackend,
+        lora: LoRASlots | None = None,
+    ):
         self.config = config
+        self.lora = lora  # --enable-lora: the adapter slots beside the model's projections
         self.platform = platform
         self.device = platform.device()
         self.model = model
@@ -213,9 +225,12 @@ class ModelRunner:
         layout = BatchLayout.build(batch.block_rows, batch.context_lens, batch.query_lens, self.block_size, self.device)
         input_ids = torch.tensor(batch.input_ids, dtype=torch.int64, device=self.device)
         positions = torch.tensor(batch.positions, dtype=torch.int64, device=self.device)
-        size = self._graph_size(layout)
+        lora = None
+        if self.lora is not None:
+            lora = self.lora.apply(batch.lora_loads, batch.lora_slots, batch.query_lens, self.device)
+        size = self._graph_size(layout) if lora is None else None  # graphs hold the base model only
         if size is None:
-            ctx = StepContext(self.backend.build_metadata(layout), self.kv_caches, layout)
+            ctx = StepContext(self.backend.build_metadata(layout), self.kv_caches, layout, lora=lora)
             if batch.token_type_ids is not None:
                 ctx.token_type_ids = torch.tensor(batch.token_type_ids, dtype=torch.int64, device=self.device)
             return self.model(input_ids, positions, ctx)
@@ -229,6 +244,8 @@ class ModelRunner:
         batch = sorted(output.scheduled, key=lambda item: item[1] != 1)
         step = StepBatch.of(batch)
         step.block_copies = output.block_copies
+        if self.lora is not None and any(req.lora_request is not None for req, _ in batch):
+            step.lora_slots, step.lora_loads = self.lora.assign([req.lora_request for req, _ in batch])
 
         rows: list[int] = []  # flat token indices whose logits we need
         sampling_reqs: list[Request] = []

@@ -109,9 +109,11 @@ class FusedDecodeLayer(nn.Module):
 
 def _step_of(ctx, positions: torch.Tensor, rope_cache: torch.Tensor, x: torch.Tensor) -> _Step | None:
     """The step's shared arguments (built by its first layer), or None for a step the C
-    layer does not run: one with prefills, or inputs in another dtype or layout."""
+    layer does not run: one with prefills or LoRA adapters, or inputs in another dtype or layout."""
     meta = ctx.attn_metadata
     if not isinstance(meta, CpuMetadata) or meta.prefills or meta.decode_blocks is None:
+        return None
+    if ctx.lora is not None:  # LoRA adds to the model's linear layers, which the C layer bypasses
         return None
     if meta.c_step is None:
         layout = meta.layout

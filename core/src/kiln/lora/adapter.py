@@ -1,0 +1,178 @@
+"""Reading a PEFT LoRA adapter and checking it against the base model.
+
+PEFT saves ``adapter_config.json`` and ``adapter_model.safetensors`` (or ``.bin``) with
+tensors named ``base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight``
+(A: (rank, in)) and ``...lora_B.weight`` (B: (out, rank)); the update is
+``scaling * B @ A`` with ``scaling = lora_alpha / rank`` (``lora_alpha / sqrt(rank)``
+under rsLoRA), per module after ``rank_pattern`` / ``alpha_pattern``. ``load_adapter``
+returns each module's A and B with the scaling folded into B, in float32 on the host.
+Everything wrong with an adapter is a ``ValueError`` that names the problem.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+
+# The projections Kiln applies LoRA to, as PEFT names them (Llama family).
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_(A|B)\.(weight|bias)$")
+
+
+@dataclass(slots=True)
+class ModuleLoRA:
+    """One projection's update: ``b @ a`` (+ ``bias``), scaling folded into ``b``."""
+
+    a: torch.Tensor  # (rank, in) float32
+    b: torch.Tensor  # (out, rank) float32
+    bias: torch.Tensor | None = None  # (out,) float32
+
+
+@dataclass(slots=True)
+class LoRAAdapter:
+    name: str
+    rank: int  # the largest of its modules'
+    modules: dict[tuple[int, str], ModuleLoRA]  # (layer index, projection) -> update
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * 4 for m in self.modules.values() for t in (m.a, m.b, m.bias) if t is not None)
+
+
+@dataclass(slots=True)
+class BaseModelShape:
+    """What an adapter must fit: layer count and each projection's full (in, out) sizes."""
+
+    num_layers: int
+    dims: dict[str, tuple[int, int]]
+
+    @classmethod
+    def of(cls, hf_config) -> BaseModelShape:
+        from kiln.models.llama import head_dim_of
+
+        hidden, inter = hf_config.hidden_size, hf_config.intermediate_size
+        q = hf_config.num_attention_heads * head_dim_of(hf_config)
+        kv = getattr(hf_config, "num_key_value_heads", hf_config.num_attention_heads) * head_dim_of(hf_config)
+        dims = {
+            "q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
+            "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden),
+        }  # fmt: skip
+        return cls(hf_config.num_hidden_layers, dims)
+
+
+def _read_config(name: str, path: str) -> dict:
+    if not os.path.isdir(path):
+        raise ValueError(f"LoRA adapter {name!r}: {path} is not a folder")
+    config_path = os.path.join(path, "adapter_config.json")
+    if not os.path.isfile(config_path):
+        raise ValueError(f"LoRA adapter {name!r}: no adapter_config.json in {path}")
+    try:
+        with open(config_path) as f:
+            config = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"LoRA adapter {name!r}: cannot read {config_path}: {exc}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"LoRA adapter {name!r}: {config_path} is not a JSON object")
+    return config
+
+
+def _check_config(name: str, config: dict, enable_bias: bool) -> None:
+    peft_type = config.get("peft_type", "LORA")
+    if str(peft_type).upper() != "LORA":
+        raise ValueError(f"LoRA adapter {name!r}: peft_type {peft_type!r} is not LoRA")
+    refused = {
+        "use_dora": "DoRA adapters are not supported",
+        "modules_to_save": "adapters that replace whole modules (modules_to_save) are not supported",
+        "fan_in_fan_out": "fan_in_fan_out (Conv1D) adapters are not supported",
+    }
+    for key, reason in refused.items():
+        if config.get(key):
+            raise ValueError(f"LoRA adapter {name!r}: {reason} ({key}={config[key]!r})")
+    if config.get("lora_bias") and not enable_bias:
+        raise ValueError(f"LoRA adapter {name!r} has biases (lora_bias); start the server with --enable-lora-bias")
+    targets = config.get("target_modules")
+    if isinstance(targets, list):
+        unknown = sorted(set(targets) - set(TARGETS))
+        if unknown:
+            raise ValueError(
+                f"LoRA adapter {name!r} targets {unknown}, which the model lacks or Kiln cannot adapt; "
+                f"supported: {', '.join(TARGETS)}"
+            )
+
+
+def _read_tensors(name: str, path: str) -> dict[str, torch.Tensor]:
+    st = os.path.join(path, "adapter_model.safetensors")
+    pt = os.path.join(path, "adapter_model.bin")
+    try:
+        if os.path.isfile(st):
+            from safetensors.torch import load_file
+
+            return load_file(st)
+        if os.path.isfile(pt):
+            return torch.load(pt, map_location="cpu", weights_only=True)
+    except Exception as exc:  # a truncated or corrupt file: the libraries raise various types
+        raise ValueError(f"LoRA adapter {name!r}: cannot read its weights: {type(exc).__name__}: {exc}") from None
+    raise ValueError(f"LoRA adapter {name!r}: no adapter_model.safetensors (or adapter_model.bin) in {path}")
+
+
+def _pattern_value(patterns: dict, module: str, default: float) -> float:
+    """PEFT's per-module override: a key matches a module name it ends (after a dot)."""
+    for key, value in (patterns or {}).items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+def load_adapter(name: str, path: str, base: BaseModelShape, max_rank: int, enable_bias: bool) -> LoRAAdapter:
+    """The adapter at ``path``, checked against ``base`` and ``--max-lora-rank``."""
+    config = _read_config(name, path)
+    _check_config(name, config, enable_bias)
+    tensors = _read_tensors(name, path)
+    parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        match = _KEY.search(key)
+        if match is None or match.group(2) not in TARGETS:
+            raise ValueError(
+                f"LoRA adapter {name!r}: tensor {key!r} adapts a module the model lacks or Kiln cannot adapt; "
+                f"supported: {', '.join(TARGETS)} of each layer"
+            )
+        layer, module, ab, leaf = int(match.group(1)), match.group(2), match.group(3), match.group(4)
+        if layer >= base.num_layers:
+            raise ValueError(f"LoRA adapter {name!r}: {key!r} is for layer {layer}; the model has {base.num_layers}")
+        if leaf == "bias" and ab == "A":
+            raise ValueError(f"LoRA adapter {name!r}: {key!r}: lora_A has no bias in PEFT's format")
+        if leaf == "bias" and not enable_bias:
+            raise ValueError(f"LoRA adapter {name!r} has biases ({key}); start the server with --enable-lora-bias")
+        parts.setdefault((layer, module), {})[ab + leaf] = tensor
+    if not parts:
+        raise ValueError(f"LoRA adapter {name!r}: its weights file holds no LoRA tensors")
+    alpha = config.get("lora_alpha", 8)
+    rslora = bool(config.get("use_rslora"))
+    modules, top_rank = {}, 0
+    for (layer, module), found in sorted(parts.items()):
+        where = f"layers.{layer}.{module}"
+        if "Aweight" not in found or "Bweight" not in found:
+            raise ValueError(f"LoRA adapter {name!r}: {where} lacks its lora_A or lora_B weight")
+        a, b = found["Aweight"].float(), found["Bweight"].float()
+        rank = a.shape[0]
+        inputs, outputs = base.dims[module]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != inputs or b.shape != (outputs, rank):
+            raise ValueError(
+                f"LoRA adapter {name!r}: {where} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}, expected "
+                f"({rank}, {inputs}) and ({outputs}, {rank}): it was trained for another base model"
+            )
+        if rank > max_rank:
+            raise ValueError(f"LoRA adapter {name!r} has rank {rank} ({where}), over --max-lora-rank {max_rank}")
+        block = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+        module_alpha = _pattern_value(config.get("alpha_pattern"), f"model.layers.{layer}.{block}.{module}", alpha)
+        scaling = module_alpha / (math.sqrt(rank) if rslora else rank)  # rank_pattern ranks are the tensors'
+        bias = found.get("Bbias")
+        bias = None if bias is None else (bias.float() * scaling).contiguous()
+        modules[(layer, module)] = ModuleLoRA(a.contiguous(), (b * scaling).contiguous(), bias)
+        top_rank = max(top_rank, rank)
+    return LoRAAdapter(name, top_rank, modules)

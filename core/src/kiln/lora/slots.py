@@ -1,0 +1,114 @@
+"""Which adapters sit in the model's ``--max-loras`` slots, and loaded adapters on the host.
+
+Per step, rank 0 ``assign``s each request's adapter a slot (the scheduler admits at most
+``--max-loras`` adapters among running requests, so one is always free or reusable), and
+every rank ``apply``s the step: copies newly placed adapters into their slots and sets
+the mapping the layers read. Adapters read from disk stay in an LRU of
+``--max-cpu-loras``; one evicted from it is read again when next needed.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+import torch
+
+from kiln.interfaces.lora import LoRAMapping
+from kiln.lora.adapter import BaseModelShape, LoRAAdapter, load_adapter
+from kiln.lora.layers import LoRALinear, LoRAState
+from kiln.lora.request import LoRARequest
+
+
+class AdapterCache:
+    """Adapters read from disk, least recently used out past ``capacity`` (thread-safe: the
+    API validates adapters while the engine steps)."""
+
+    def __init__(self, shape: BaseModelShape, capacity: int, max_rank: int, enable_bias: bool) -> None:
+        self.shape, self.capacity, self.max_rank, self.enable_bias = shape, capacity, max_rank, enable_bias
+        self._adapters: OrderedDict[int, tuple[LoRARequest, LoRAAdapter]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, req: LoRARequest) -> LoRAAdapter:
+        """The adapter, read on first use; ``ValueError`` says what is wrong with it."""
+        with self._lock:
+            held = self._adapters.get(req.lora_int_id)
+            if held is not None and held[0] == req:
+                self._adapters.move_to_end(req.lora_int_id)
+                return held[1]
+        adapter = load_adapter(req.lora_name, req.lora_path, self.shape, self.max_rank, self.enable_bias)
+        with self._lock:
+            self._adapters[req.lora_int_id] = (req, adapter)
+            self._adapters.move_to_end(req.lora_int_id)
+            while len(self._adapters) > self.capacity:
+                self._adapters.popitem(last=False)
+        return adapter
+
+    def drop(self, lora_int_id: int) -> None:
+        with self._lock:
+            self._adapters.pop(lora_int_id, None)
+
+    def __contains__(self, lora_int_id: int) -> bool:
+        return lora_int_id in self._adapters
+
+
+class LoRASlots:
+    """One rank's LoRA layers, their slots and its adapter cache."""
+
+    def __init__(self, config, shape: BaseModelShape, state: LoRAState, layers: list[LoRALinear]) -> None:
+        self.state, self.layers = state, layers
+        self.num_slots = config.max_loras
+        capacity = config.max_cpu_loras or config.max_loras
+        self.cache = AdapterCache(shape, capacity, config.max_lora_rank, config.enable_lora_bias)
+        self.slot_adapter: list[LoRARequest | None] = [None] * self.num_slots  # rank 0's placement
+        self.slot_used = [0] * self.num_slots  # the step each slot last ran
+        self.steps = 0
+        self.loads = 0  # adapters copied into a slot, for logs and tests
+
+    def assign(self, requests: list[LoRARequest | None]) -> tuple[list[int], list[tuple[int, LoRARequest]]]:
+        """A slot per request (-1: base model), and the adapters to copy in first."""
+        self.steps += 1
+        slot_of = {lora: i for i, lora in enumerate(self.slot_adapter) if lora is not None}
+        wanted = {lora for lora in requests if lora is not None}
+        if len(wanted) > self.num_slots:
+            raise RuntimeError(f"{len(wanted)} adapters in one step, over --max-loras {self.num_slots}")
+        loads = []
+        for lora in sorted(wanted - slot_of.keys(), key=lambda r: r.lora_int_id):
+            free = [i for i, held in enumerate(self.slot_adapter) if held is None or held not in wanted]
+            slot = min(free, key=lambda i: (self.slot_adapter[i] is not None, self.slot_used[i]))
+            self.slot_adapter[slot] = lora
+            slot_of[lora] = slot
+            loads.append((slot, lora))
+        for lora in wanted:
+            self.slot_used[slot_of[lora]] = self.steps
+        return [-1 if lora is None else slot_of[lora] for lora in requests], loads
+
+    def apply(
+        self, loads: list[tuple[int, LoRARequest]], slots: list[int] | None, query_lens: list[int], device
+    ) -> LoRAMapping | None:
+        """Copy ``loads`` into their slots, then set (and return) the step's mapping."""
+        for slot, lora in loads:
+            adapter = self.cache.get(lora)
+            for layer in self.layers:
+                layer.set_slot(slot, adapter)
+            self.loads += 1
+        mapping = None if slots is None else LoRAMapping.of(slots, query_lens, torch.device(device))
+        self.state.mapping = mapping
+        return mapping
+
+    def forget(self, lora_int_id: int) -> None:
+        """An unloaded adapter: out of the cache; its slot is reused once no running request needs it."""
+        self.cache.drop(lora_int_id)
+
+
+LORA_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def build_lora_slots(model: torch.nn.Module, config, hf_config, tp, dtype: torch.dtype) -> LoRASlots:
+    """``--enable-lora``: slots beside the model's projections (after the platform processed it)."""
+    from kiln.lora.layers import add_lora_layers
+
+    shape = BaseModelShape.of(hf_config)
+    lora_dtype = dtype if config.lora_dtype == "auto" else LORA_DTYPES[config.lora_dtype]
+    state, layers = add_lora_layers(model, shape, tp, config, lora_dtype)
+    return LoRASlots(config, shape, state, layers)
