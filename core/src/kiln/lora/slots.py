@@ -48,8 +48,8 @@ class AdapterCache:
         with self._lock:
             self._adapters.pop(lora_int_id, None)
 
-    def __contains__(self, lora_int_id: int) -> bool:
-        return lora_int_id in self._adapters
+    def __len__(self) -> int:
+        return len(self._adapters)
 
 
 class LoRASlots:

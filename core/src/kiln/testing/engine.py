@@ -14,13 +14,15 @@ def make_engine(plugins, **engine_args: Any):
     return LLMEngine(EngineConfig.create(**engine_args), plugins=plugins)
 
 
-def run_greedy(engine, prompts: list[list[int]], max_tokens: int = 8) -> list[list[int]]:
-    """Greedy output token ids of ``prompts`` (token-id lists), batched on ``engine``."""
+def run_greedy(engine, prompts: list[list[int]], max_tokens: int = 8, loras: list | None = None) -> list[list[int]]:
+    """Greedy output token ids of ``prompts`` (token-id lists), batched on ``engine``; ``loras``:
+    each prompt's ``LoRARequest`` (or None)."""
     from kiln.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+        lora = None if loras is None else loras[i]
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, params, lora_request=lora)
     done: dict[str, list[int]] = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -28,9 +30,11 @@ def run_greedy(engine, prompts: list[list[int]], max_tokens: int = 8) -> list[li
     return [done[str(i)] for i in range(len(prompts))]
 
 
-def greedy_tokens(plugins, prompts: list[list[int]], max_tokens: int = 8, **engine_args: Any) -> list[list[int]]:
+def greedy_tokens(
+    plugins, prompts: list[list[int]], max_tokens: int = 8, loras: list | None = None, **engine_args: Any
+) -> list[list[int]]:
     """``run_greedy`` on a fresh engine."""
-    return run_greedy(make_engine(plugins, **engine_args), prompts, max_tokens)
+    return run_greedy(make_engine(plugins, **engine_args), prompts, max_tokens, loras)
 
 
 def run_beam_search(engine, prompts: list[list[int]], width: int, max_tokens: int = 8, **params: Any) -> list[list]:

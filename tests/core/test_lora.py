@@ -1,0 +1,259 @@
+"""Multi-LoRA: a batch mixing several PEFT adapters and the base model gives, per request,
+transformers' greedy tokens with that adapter merged into the base weights by PEFT."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+
+import pytest
+import torch
+
+from kiln import LLM, LoRARequest, SamplingParams
+from kiln.config import EngineConfig
+from kiln.interfaces.lora import LoRAMapping, add_lora
+from kiln.testing.lora import build_lora_adapter, hf_lora_greedy
+
+NEW_TOKENS = 16
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0)
+# Four adapters of different shapes: ranks, targets, rsLoRA, per-module rank and alpha.
+ADAPTERS = {
+    "r8-all": dict(rank=8, seed=1),
+    "r4-some-rslora": dict(rank=4, seed=2, targets=["q_proj", "v_proj", "down_proj"], use_rslora=True),
+    "r16-patterns": dict(rank=16, seed=3, rank_pattern={"o_proj": 2}, alpha_pattern={"down_proj": 4}),
+    "r8-mlp": dict(rank=8, seed=4, targets=["gate_proj", "up_proj"]),
+}
+VARIANTS = {
+    "default": dict(max_loras=4),
+    # Two slots for four adapters and one adapter kept on the host: slots are reused, adapters reread.
+    "two-slots": dict(max_loras=2, max_cpu_loras=2),
+    "chunked-prefill-tiny-budget": dict(max_loras=4, max_num_batched_tokens=16),
+    "forced-preemption": dict(max_loras=4, block_size=16, num_gpu_blocks_override=13, max_model_len=160),
+    "reference-attention": dict(max_loras=3, attention_backend="torch_ref"),
+}
+
+
+@pytest.fixture(scope="module")
+def llama_loras(tiny_model_dir, tmp_path_factory, varied_prompts):
+    """The base, its adapters, and the reference tokens per (adapter or None, prompt)."""
+    base = tiny_model_dir("llama")
+    root = tmp_path_factory.mktemp("loras")
+    paths = {name: build_lora_adapter(base, root / name, **kw) for name, kw in ADAPTERS.items()}
+    expected = {name: hf_lora_greedy(base, paths.get(name), varied_prompts, NEW_TOKENS) for name in [None, *paths]}
+    return base, paths, expected
+
+
+def mixed_requests(paths, prompts):
+    """Every prompt under every adapter and the base, interleaved."""
+    loras = {name: LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(paths.items())}
+    return [(name, loras.get(name), i, p) for i, p in enumerate(prompts) for name in [None, *paths]]
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_mixed_adapters_match_peft(llama_loras, varied_prompts, variant):
+    base, paths, expected = llama_loras
+    flags = {"max_model_len": 256, **VARIANTS[variant]}
+    llm = LLM(base, dtype="float32", enable_lora=True, max_lora_rank=16, **flags)
+    batch = mixed_requests(paths, varied_prompts)
+    outputs = llm.generate([{"prompt_token_ids": p} for *_, p in batch], GREEDY, lora_request=[r for _, r, *_ in batch])
+    for (name, _, i, _), out in zip(batch, outputs):
+        assert out.outputs[0].token_ids == expected[name][i], (name, i)
+    assert all(expected[name] != expected[None] for name in paths)  # each adapter changes the output
+    if variant == "forced-preemption":
+        assert llm.engine.core.scheduler.num_preemptions > 0
+    if variant == "two-slots":  # four adapters went through two slots; two stay on the host
+        slots = llm.engine.executor.runner.lora
+        assert slots.loads >= 4 and len(slots.cache) == 2
+
+
+def test_adapters_keep_apart_in_the_prefix_cache(llama_loras, varied_prompts):
+    base, paths, expected = llama_loras
+    llm = LLM(base, dtype="float32", enable_lora=True, max_lora_rank=16, block_size=16)
+    prompt = {"prompt_token_ids": varied_prompts[3]}  # 77 tokens: 4 full blocks
+    lora = LoRARequest("r8-all", 1, paths["r8-all"])
+    first = llm.generate(prompt, GREEDY)[0]
+    adapted = llm.generate(prompt, GREEDY, lora_request=lora)[0]
+    again = llm.generate(prompt, GREEDY, lora_request=lora)[0]
+    assert first.outputs[0].token_ids == expected[None][3]
+    assert adapted.num_cached_tokens == 0  # the base model's blocks hold other K/V
+    assert again.num_cached_tokens == 64 and again.outputs[0].token_ids == expected["r8-all"][3]
+
+
+def test_at_most_max_loras_adapters_run_at_once(llama_loras, varied_prompts):
+    base, paths, expected = llama_loras
+    llm = LLM(base, dtype="float32", enable_lora=True, max_lora_rank=16, max_loras=1)
+    batch = mixed_requests(paths, varied_prompts[:2])
+    for j, (_, lora, _, p) in enumerate(batch):
+        llm.engine.add_request(str(j), {"prompt_token_ids": p}, GREEDY, lora_request=lora)
+    done, most = {}, 0
+    while llm.engine.has_unfinished_requests():
+        for out in llm.engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        running = llm.engine.core.scheduler.running
+        most = max(most, len({r.lora_request for r in running if r.lora_request is not None}))
+    assert most == 1
+    assert [done[str(j)] for j in range(len(batch))] == [expected[name][i] for name, _, i, _ in batch]
+
+
+def test_two_ranks_match_peft(llama_loras, varied_prompts, cpu_plugins):
+    from kiln.testing.engine import make_engine, run_greedy
+
+    base, paths, expected = llama_loras
+    batch = mixed_requests(paths, varied_prompts[:3])
+    engine = make_engine(
+        cpu_plugins, model=base, device="cpu", dtype="float32", tensor_parallel_size=2, enable_lora=True,
+        max_lora_rank=16, max_loras=4,
+    )  # fmt: skip
+    try:
+        got = run_greedy(engine, [p for *_, p in batch], NEW_TOKENS, [r for _, r, *_ in batch])
+    finally:
+        engine.shutdown()
+    assert got == [expected[name][i] for name, _, i, _ in batch]
+    assert multiprocessing.active_children() == []
+
+
+def test_lora_bias_matches_peft(tiny_model_dir, tmp_path, varied_prompts):
+    base = tiny_model_dir("qwen2")  # q/k/v have biases, which PEFT's lora_bias needs
+    path = build_lora_adapter(base, tmp_path / "bias", rank=8, seed=5, targets=["q_proj", "k_proj", "v_proj"],
+                              lora_bias=True)  # fmt: skip
+    lora = LoRARequest("bias", 1, path)
+    with pytest.raises(ValueError, match="--enable-lora-bias"):
+        LLM(base, dtype="float32", enable_lora=True).generate("hi", GREEDY, lora_request=lora)
+    llm = LLM(base, dtype="float32", enable_lora=True, enable_lora_bias=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in varied_prompts], GREEDY, lora_request=lora)
+    assert [o.outputs[0].token_ids for o in outputs] == hf_lora_greedy(base, path, varied_prompts, NEW_TOKENS)
+
+
+@pytest.mark.slow
+def test_default_model_mixed_ranks_match_peft(default_model_dir, tmp_path):
+    prompts = [[1, 4093, 314, 260, 3575, 282, 4649, 30], [1, 504, 2226, 5248, 314], [1, 33, 34, 35, 36, 37, 38]]
+    specs = {"r8a": dict(rank=8, seed=1), "r64": dict(rank=64, seed=2), "r8b": dict(rank=8, seed=3),
+             "r64-attn": dict(rank=64, seed=4, targets=["q_proj", "k_proj", "v_proj", "o_proj"])}  # fmt: skip
+    paths = {n: build_lora_adapter(default_model_dir, tmp_path / n, std=0.02, **kw) for n, kw in specs.items()}
+    batch = mixed_requests(paths, prompts)
+    llm = LLM(default_model_dir, quantization="none", dtype="float32", enable_lora=True, max_lora_rank=64, max_loras=4)
+    params = SamplingParams(max_tokens=8, min_tokens=8, temperature=0)
+    outputs = llm.generate([{"prompt_token_ids": p} for *_, p in batch], params, lora_request=[r for _, r, *_ in batch])
+    expected = {name: hf_lora_greedy(default_model_dir, paths.get(name), prompts, 8) for name in [None, *paths]}
+    assert all(expected[name] != expected[None] for name in paths)
+    assert [o.outputs[0].token_ids for o in outputs] == [expected[name][i] for name, _, i, _ in batch]
+
+
+# ------------------------------------------------------------------ bad adapters and flags
+def bad_adapter(tmp_path, llama_loras, kind: str) -> str:
+    """A copy of a good adapter, broken one way."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    _, paths, _ = llama_loras
+    path = tmp_path / kind
+    shutil.copytree(paths["r8-all"], path)
+    weights = path / "adapter_model.safetensors"
+    config = json.loads((path / "adapter_config.json").read_text())
+    if kind == "corrupt":
+        weights.write_bytes(weights.read_bytes()[:100])
+    elif kind == "no-weights":
+        weights.unlink()
+    elif kind == "no-config":
+        (path / "adapter_config.json").unlink()
+    elif kind == "unknown-target":
+        config["target_modules"] = ["q_proj", "fc1"]
+    elif kind == "unknown-tensor":
+        tensors = load_file(weights)
+        tensors["base_model.model.model.layers.0.mlp.fc1.lora_A.weight"] = torch.zeros(8, 64)
+        save_file(tensors, weights)
+    elif kind == "dora":
+        config["use_dora"] = True
+    elif kind == "other-base":
+        tensors = load_file(weights)
+        key = "base_model.model.model.layers.1.mlp.down_proj.lora_A.weight"
+        tensors[key] = torch.zeros(8, 96)
+        save_file(tensors, weights)
+    if kind != "no-config":
+        (path / "adapter_config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+BAD = {
+    "missing": r"is not a folder",
+    "no-config": r"no adapter_config.json",
+    "no-weights": r"no adapter_model.safetensors",
+    "corrupt": r"cannot read its weights",
+    "unknown-target": r"targets \['fc1'\], which the model lacks",
+    "unknown-tensor": r"layers.0.mlp.fc1.lora_A.weight.*adapts a module the model lacks",
+    "dora": r"DoRA adapters are not supported",
+    "other-base": r"layers.1.down_proj has lora_A \(8, 96\).*trained for another base model",
+}
+
+
+@pytest.fixture(scope="module")
+def lora_llm(llama_loras):
+    return LLM(llama_loras[0], dtype="float32", enable_lora=True, max_lora_rank=8)
+
+
+@pytest.mark.parametrize("kind", list(BAD))
+def test_bad_adapters_are_refused_with_the_reason(lora_llm, llama_loras, tmp_path, kind):
+    path = str(tmp_path / "nothing") if kind == "missing" else bad_adapter(tmp_path, llama_loras, kind)
+    with pytest.raises(ValueError, match=BAD[kind]):
+        lora_llm.generate("Hello", GREEDY, lora_request=LoRARequest(kind, 99, path))
+    assert not lora_llm.engine.has_unfinished_requests()
+    assert lora_llm.generate("Hello", GREEDY)[0].outputs[0].token_ids  # still serving
+
+
+def test_rank_over_the_maximum_is_refused(lora_llm, llama_loras):
+    lora = LoRARequest("r16", 7, llama_loras[1]["r16-patterns"])
+    with pytest.raises(ValueError, match=r"rank 16 .* over --max-lora-rank 8"):
+        lora_llm.generate("Hello", GREEDY, lora_request=lora)
+
+
+def test_adapters_need_enable_lora(tiny_model_dir, llama_loras):
+    llm = LLM(tiny_model_dir("llama"), dtype="float32")
+    with pytest.raises(ValueError, match="--enable-lora"):
+        llm.generate("Hello", GREEDY, lora_request=LoRARequest("a", 1, llama_loras[1]["r8-all"]))
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (dict(max_loras=4, max_cpu_loras=2), r"--max-cpu-loras \(2\) must be at least --max-loras \(4\)"),
+        (dict(lora_extra_vocab_size=512), r"adapters that add tokens"),
+        (dict(long_lora_scaling_factors=[4.0]), r"LongLoRA"),
+        (dict(fully_sharded_loras=True, tensor_parallel_size=2), r"--fully-sharded-loras"),
+        (dict(max_lora_rank=0), r"--max-lora-rank"),
+    ],
+)
+def test_lora_flags_are_checked(flags, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig.create(**flags)
+
+
+def test_lora_request_ids_must_be_positive():
+    with pytest.raises(ValueError, match="lora_int_id must be > 0"):
+        LoRARequest("a", 0, "/x")
+
+
+# ------------------------------------------------------------------ the reference op
+def test_add_lora_equals_dense_updates():
+    torch.manual_seed(0)
+    slices, rank, inputs = (6, 4, 4), 3, 5
+    a = torch.randn(2, len(slices) * rank, inputs)
+    b = torch.randn(2, sum(slices), rank)
+    bias = torch.randn(2, sum(slices))
+    x, y = torch.randn(7, inputs), torch.randn(7, sum(slices))
+    slots = [1, -1, 0]  # three requests of 3, 2 and 2 tokens
+    mapping = LoRAMapping.of(slots, [3, 2, 2], torch.device("cpu"))
+    assert mapping.segments == [(0, 3, 1), (5, 7, 0)]
+    got = add_lora(y.clone(), x, a, b, bias, mapping, slices)
+    want = y.clone()
+    for t, slot in enumerate([1, 1, 1, -1, -1, 0, 0]):
+        if slot < 0:
+            continue
+        offset = 0
+        for i, size in enumerate(slices):
+            a_i, b_i = a[slot, i * rank : (i + 1) * rank], b[slot, offset : offset + size]
+            want[t, offset : offset + size] += b_i @ (a_i @ x[t]) + bias[slot, offset : offset + size]
+            offset += size
+    torch.testing.assert_close(got, want)
+    assert LoRAMapping.of([-1, -1], [2, 1], torch.device("cpu")) is None
