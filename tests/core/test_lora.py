@@ -130,7 +130,10 @@ def test_default_model_mixed_ranks_match_peft(default_model_dir, tmp_path):
     prompts = [[1, 4093, 314, 260, 3575, 282, 4649, 30], [1, 504, 2226, 5248, 314], [1, 33, 34, 35, 36, 37, 38]]
     specs = {"r8a": dict(rank=8, seed=1), "r64": dict(rank=64, seed=2), "r8b": dict(rank=8, seed=3),
              "r64-attn": dict(rank=64, seed=4, targets=["q_proj", "k_proj", "v_proj", "o_proj"])}  # fmt: skip
-    paths = {n: build_lora_adapter(default_model_dir, tmp_path / n, std=0.02, **kw) for n, kw in specs.items()}
+    paths = {
+        n: build_lora_adapter(default_model_dir, tmp_path / n, std=0.05, alpha=2 * kw["rank"], **kw)
+        for n, kw in specs.items()
+    }
     batch = mixed_requests(paths, prompts)
     llm = LLM(default_model_dir, quantization="none", dtype="float32", enable_lora=True, max_lora_rank=64, max_loras=4)
     params = SamplingParams(max_tokens=8, min_tokens=8, temperature=0)

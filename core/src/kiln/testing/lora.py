@@ -30,7 +30,9 @@ def build_lora_adapter(
     if (path / "adapter_config.json").exists():
         return str(path)
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets or ALL_TARGETS, lora_dropout=0.0, **lora_config)
+    config = LoraConfig(
+        r=rank, lora_alpha=alpha, target_modules=targets or ALL_TARGETS, lora_dropout=0.0, **lora_config
+    )
     model = get_peft_model(base, config)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -41,7 +43,9 @@ def build_lora_adapter(
     return str(path)
 
 
-def hf_lora_greedy(base_dir: str, adapter_dir: str | None, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+def hf_lora_greedy(
+    base_dir: str, adapter_dir: str | None, prompts: list[list[int]], max_new_tokens: int
+) -> list[list[int]]:
     """Reference: transformers greedy (EOS suppressed) with the adapter merged into the base
     weights by PEFT (``merge_and_unload``); the base model alone for ``adapter_dir`` None."""
     import torch
