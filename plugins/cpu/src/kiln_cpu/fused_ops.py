@@ -12,7 +12,9 @@ from collections.abc import Callable
 
 import torch
 
+from kiln.interfaces import lora as lora_reference
 from kiln.interfaces import model as reference
+from kiln.interfaces.lora import LoRAMapping
 from kiln_cpu import native
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -68,6 +70,35 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+_SLICE_SIZES: dict[tuple[int, ...], torch.Tensor] = {}  # a projection's slice sizes, as the kernel reads them
+
+
+def add_lora(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    lora_bias: torch.Tensor | None,
+    mapping: LoRAMapping,
+    slices: tuple[int, ...],
+) -> torch.Tensor:
+    tensors = (y, x, lora_a, lora_b) + (() if lora_bias is None else (lora_bias,))
+    if any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
+        return lora_reference.add_lora(y, x, lora_a, lora_b, lora_bias, mapping, slices)
+    sizes = _SLICE_SIZES.get(slices)
+    if sizes is None:
+        sizes = _SLICE_SIZES.setdefault(slices, torch.tensor(slices, dtype=torch.int64))
+    slots = mapping.token_slots
+    failed = native.load_kernels().lora_add_f32(
+        y.data_ptr(), y.shape[1], x.data_ptr(), x.shape[1], y.shape[0], slots.data_ptr(), lora_a.data_ptr(),
+        lora_b.data_ptr(), None if lora_bias is None else lora_bias.data_ptr(), x.shape[1], y.shape[1],
+        lora_b.shape[-1], len(slices), sizes.data_ptr(),
+    )  # fmt: skip
+    if failed:
+        raise MemoryError("lora_add_f32: out of memory")
+    return y
+
+
 def fused_ops() -> dict[str, Callable]:
     """The overrides, when the C kernels are built (``KILN_CPU_NATIVE=0`` turns them off)."""
     if native.load_kernels() is None:
@@ -77,4 +108,5 @@ def fused_ops() -> dict[str, Callable]:
         "fused_add_rms_norm": fused_add_rms_norm,
         "rotary_embedding": rotary_embedding,
         "silu_and_mul": silu_and_mul,
+        "add_lora": add_lora,
     }

@@ -24,7 +24,7 @@ import torch
 logger = logging.getLogger("kiln.cpu")
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / n for n in ("paged_attention.c", "fused_ops.c", "tiled_linear.c", "int8_linear.c", "decode_layer.c")]
+SOURCES = [CSRC / n for n in ("paged_attention.c", "fused_ops.c", "tiled_linear.c", "int8_linear.c", "decode_layer.c", "lora.c")]
 FLAGS = ["-O3", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c11", f"-I{CSRC}"]
 
 
@@ -87,6 +87,8 @@ def load_kernels() -> ctypes.CDLL | None:
     for fn in (lib.tiled_linear, lib.int8_linear):
         fn.argtypes = [ptr, ptr, i64, i64, fmt, ptr, ptr, ptr, ptr, i64, i64]
         fn.restype = ctypes.c_int
+    lib.lora_add_f32.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ptr]
+    lib.lora_add_f32.restype = ctypes.c_int
     lib.decode_layer.argtypes = [ptr, ptr, ptr, ptr, i64]
     lib.decode_layer.restype = ctypes.c_int
     lib.tiled_unpack.argtypes = [ptr, fmt, ptr, ptr, ptr, i64, i64]

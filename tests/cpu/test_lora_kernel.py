@@ -1,0 +1,42 @@
+"""The CPU plugin's LoRA kernel (csrc/lora.c) against the reference op."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln.interfaces.lora import LoRAMapping
+from kiln.interfaces.lora import add_lora as reference
+from kiln_cpu import native
+from kiln_cpu.fused_ops import add_lora
+
+pytestmark = pytest.mark.skipif(native.load_kernels() is None, reason="no C compiler")
+
+
+@pytest.mark.parametrize(
+    ("slices", "rank", "inputs", "bias"),
+    [((96, 32, 32), 16, 64, True), ((40,), 8, 37, False), ((128, 128), 64, 256, False)],
+)
+@pytest.mark.parametrize("query_lens", [[1, 1, 1, 1], [5, 17, 1]])  # decodes; a prefill mix
+def test_kernel_matches_the_reference(slices, rank, inputs, bias, query_lens):
+    torch.manual_seed(0)
+    slots = [2, -1, 0, 2][: len(query_lens)]
+    a = torch.randn(3, len(slices) * rank, inputs)
+    a[:, rank // 2 :] = 0  # ranks below the maximum are zero-padded
+    b = torch.randn(3, sum(slices), rank)
+    lora_bias = torch.randn(3, sum(slices)) if bias else None
+    x = torch.randn(sum(query_lens), inputs)
+    y = torch.randn(sum(query_lens), sum(slices))
+    mapping = LoRAMapping.of(slots, query_lens, torch.device("cpu"))
+    want = reference(y.clone(), x, a, b, lora_bias, mapping, slices)
+    got = add_lora(y.clone(), x, a, b, lora_bias, mapping, slices)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    base_rows = mapping.token_slots < 0
+    assert torch.equal(got[base_rows], y[base_rows])  # the base model's tokens untouched
+
+
+def test_other_dtypes_take_the_reference():
+    x, y = torch.randn(2, 8, dtype=torch.bfloat16), torch.randn(2, 4, dtype=torch.bfloat16)
+    a, b = torch.randn(1, 2, 8, dtype=torch.bfloat16), torch.randn(1, 4, 2, dtype=torch.bfloat16)
+    mapping = LoRAMapping.of([0], [2], torch.device("cpu"))
+    torch.testing.assert_close(add_lora(y, x, a, b, None, mapping, (4,)), reference(y, x, a, b, None, mapping, (4,)))
