@@ -12,10 +12,10 @@ from kiln_cpu.fused_decode import FusedDecodeLayer
 pytestmark = pytest.mark.skipif(native.load_kernels() is None, reason="no C compiler for the CPU kernels")
 
 
-def run(model: str, prompts: list[list[int]], **engine_args) -> list[tuple[list[int], list[float]]]:
+def run(model: str, prompts: list[list[int]], loras=None, **engine_args) -> list[tuple[list[int], list[float]]]:
     llm = LLM(model, max_model_len=256, **engine_args)
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=1)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=loras)
     return [(o.outputs[0].token_ids, [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
             for o in outs]  # fmt: skip
 
@@ -64,3 +64,26 @@ def test_layers_it_cannot_run_keep_their_python_forward(tiny_model_dir):
     assert layer_types(tiny_model_dir("qwen3")) == {LlamaDecoderLayer}  # q/k norms
     assert layer_types(tiny_model_dir("llama"), dtype="bfloat16") == {LlamaDecoderLayer}  # oneDNN bf16 linears
     assert torch.get_default_dtype() == torch.float32
+
+
+def test_lora_decode_steps_match_the_python_forward(tiny_model_dir, tmp_path, varied_prompts, monkeypatch):
+    from kiln import LoRARequest
+    from kiln.testing.lora import build_lora_adapter
+
+    model = tiny_model_dir("llama")
+    adapters = [LoRARequest(f"a{i}", i + 1, build_lora_adapter(model, tmp_path / f"a{i}", seed=i)) for i in range(2)]
+    loras = [adapters[0], None, adapters[1], adapters[0], None]  # one per prompt
+    flags = dict(enable_lora=True, max_loras=2, max_lora_rank=8)
+    python_calls = []
+    forward = LlamaDecoderLayer.forward
+
+    def counted(self, *args):
+        python_calls.append(args[-1].attn_metadata.prefills != [])
+        return forward(self, *args)
+
+    monkeypatch.setattr(LlamaDecoderLayer, "forward", counted)
+    fused = run(model, varied_prompts, loras, **flags)
+    assert python_calls and all(python_calls)  # decode steps with adapters ran in C
+    monkeypatch.setenv("KILN_CPU_FUSED_DECODE", "0")
+    assert run(model, varied_prompts, loras, **flags) == fused
+    assert run(model, varied_prompts, **flags) != fused  # the adapters change the output

@@ -14,8 +14,10 @@ below ``max_rank`` are zero-padded, so every slot has the same shape.
 Each step that runs an adapter sets a ``LoRAMapping`` on ``StepContext.lora``; the layers
 then call ``ops.add_lora`` (a ``Platform.custom_ops()`` name) after their base matmul.
 ``add_lora`` here is the reference every platform's version must match. A platform layer
-that runs the model's linear layers another way (a fused decode kernel) must run the
-model's own forward when ``ctx.lora`` is set.
+that runs the model's linear layers another way (a fused decode kernel) must, when
+``ctx.lora`` is set, either run the model's own forward or add the same update itself: each
+adapted projection module holds ``lora_a``, ``lora_b``, ``lora_bias`` and ``slices`` (the
+tuple of output sizes) as attributes.
 """
 
 from __future__ import annotations

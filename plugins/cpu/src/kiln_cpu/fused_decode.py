@@ -2,12 +2,14 @@
 
 At decode batch sizes the Python between a layer's kernels (module calls, views, tensor
 allocations, ctypes argument conversion for seven kernels) took about half of a batch-1
-decode step of the default model (6.1 ms a step before, 3.1 after). ``use_fused_decode`` wraps each Llama-style decoder layer whose parts
-are all the CPU plugin's (tiled linear layers, C attention, C fused ops) and whose
-``decoder_layout`` promises the pre-norm forward (``kiln.interfaces.model``): a step
-made only of decodes runs the layer in C, with the same kernels in the same order, so the
-outputs are bit for bit those of the Python forward; any other step runs the Python forward.
-``KILN_CPU_FUSED_DECODE=0`` turns it off.
+decode step of the default model (6.1 ms a step before, 3.1 after). ``use_fused_decode``
+wraps each Llama-style decoder layer whose parts are all the CPU plugin's (tiled linear
+layers, C attention, C fused ops) and whose ``decoder_layout`` promises the pre-norm forward
+(``kiln.interfaces.model``): a step made only of decodes runs the layer in C, with the same
+kernels in the same order, so the outputs are bit for bit those of the Python forward; any
+other step runs the Python forward. Under LoRA (``ctx.lora``) the C layer adds each
+projection's adapter update with the kernel the Python forward's ``add_lora`` calls
+(``csrc/lora.c``). ``KILN_CPU_FUSED_DECODE=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 class _Linear(ctypes.Structure):
     _fields_ = [("fmt", _i64), ("int8", _i64), ("scale", _ptr), ("min", _ptr), ("q", _ptr), ("bias", _ptr),
-                ("inp", _i64), ("out", _i64)]  # fmt: skip
+                ("inp", _i64), ("out", _i64), ("lora_a", _ptr), ("lora_b", _ptr), ("lora_bias", _ptr),
+                ("lora_rank", _i64), ("lora_slices", _i64), ("lora_sizes", _ptr)]  # fmt: skip
 
 
 class _Layer(ctypes.Structure):
@@ -40,7 +43,7 @@ class _Layer(ctypes.Structure):
 
 class _Step(ctypes.Structure):
     _fields_ = [("rows", _i64), ("block_size", _i64), ("table_stride", _i64), ("positions", _ptr), ("slots", _ptr),
-                ("block_table", _ptr), ("seq_lens", _ptr), ("cos_sin", _ptr)]  # fmt: skip
+                ("block_table", _ptr), ("seq_lens", _ptr), ("cos_sin", _ptr), ("lora_slots", _ptr)]  # fmt: skip
 
 
 def _linear(m: TiledLinear) -> _Linear:
@@ -74,6 +77,7 @@ class FusedDecodeLayer(nn.Module):
         self.layer = layer
         attn, mlp = layer.self_attn, layer.mlp
         self.layer_idx = attn.layer_idx
+        self.lora_ready: bool | None = None  # known on the first step with LoRA adapters
         self.c = _Layer(
             _linear(attn.qkv_proj), _linear(attn.o_proj), _linear(mlp.gate_up_proj), _linear(mlp.down_proj),
             layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
@@ -92,9 +96,28 @@ class FusedDecodeLayer(nn.Module):
                 raise
             return getattr(inner, name)
 
+    def _lora_ready(self) -> bool:
+        """Point the C layer at the LoRA slots beside its projections (``kiln.interfaces.lora``);
+        False when they are not all fp32 and contiguous (the Python forward runs them then)."""
+        if self.lora_ready is None:
+            attn, mlp = self.layer.self_attn, self.layer.mlp
+            pairs = ((self.c.qkv, attn.qkv_proj), (self.c.o, attn.o_proj), (self.c.gate_up, mlp.gate_up_proj),
+                     (self.c.down, mlp.down_proj))  # fmt: skip
+            tensors = [t for _, m in pairs for t in (m.lora_a, m.lora_b, m.lora_bias) if t is not None]
+            self.lora_ready = all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+            if self.lora_ready:
+                self.lora_sizes = []
+                for c, m in pairs:
+                    sizes = torch.tensor(m.slices, dtype=torch.int64)
+                    self.lora_sizes.append(sizes)  # owns the pointer below
+                    c.lora_a, c.lora_b = m.lora_a.data_ptr(), m.lora_b.data_ptr()
+                    c.lora_bias = None if m.lora_bias is None else m.lora_bias.data_ptr()
+                    c.lora_rank, c.lora_slices, c.lora_sizes = m.lora_b.shape[-1], len(m.slices), sizes.data_ptr()
+        return self.lora_ready
+
     def forward(self, positions, x, residual, rope_cache, ctx):
         step = _step_of(ctx, positions, rope_cache, x)
-        if step is None:
+        if step is None or (ctx.lora is not None and not self._lora_ready()):
             return self.layer(positions, x, residual, rope_cache, ctx)
         kv = ctx.kv_caches[self.layer_idx]
         self.c.k_cache, self.c.v_cache = kv[0].data_ptr(), kv[1].data_ptr()
@@ -109,11 +132,9 @@ class FusedDecodeLayer(nn.Module):
 
 def _step_of(ctx, positions: torch.Tensor, rope_cache: torch.Tensor, x: torch.Tensor) -> _Step | None:
     """The step's shared arguments (built by its first layer), or None for a step the C
-    layer does not run: one with prefills or LoRA adapters, or inputs in another dtype or layout."""
+    layer does not run: one with prefills, or inputs in another dtype or layout."""
     meta = ctx.attn_metadata
     if not isinstance(meta, CpuMetadata) or meta.prefills or meta.decode_blocks is None:
-        return None
-    if ctx.lora is not None:  # LoRA adds to the model's linear layers, which the C layer bypasses
         return None
     if meta.c_step is None:
         layout = meta.layout
@@ -126,6 +147,8 @@ def _step_of(ctx, positions: torch.Tensor, rope_cache: torch.Tensor, x: torch.Te
             x.shape[0], layout.block_size, layout.block_table.stride(0), positions.data_ptr(), slots.data_ptr(),
             layout.block_table.data_ptr(), layout.seq_lens.data_ptr(), rope_cache.data_ptr(),
         )  # fmt: skip
+        if ctx.lora is not None:  # the LoRA layers' slots are read by _lora_ready
+            step.lora_slots = ctx.lora.token_slots.data_ptr()
         step.tensors = (positions, slots)  # the pointers' owners live as long as the step
         meta.c_step = step
     return meta.c_step

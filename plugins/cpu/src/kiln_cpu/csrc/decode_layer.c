@@ -37,13 +37,20 @@ int paged_decode_attention_f32_bf16(float *, const float *, int64_t, const uint1
                                     const int32_t *, int64_t, const int32_t *, int64_t, int64_t, int64_t, int64_t,
                                     int64_t, float, int64_t);
 
-/* A TiledLinear: its weight's kernel arguments, bias, and whether activations go int8. */
+int lora_add_f32(float *, int64_t, const float *, int64_t, int64_t, const int64_t *, const float *, const float *,
+                 const float *, int64_t, int64_t, int64_t, int64_t, const int64_t *);
+
+/* A TiledLinear: its weight's kernel arguments, bias, and whether activations go int8; and,
+ * under --enable-lora, its adapter slots (kiln.interfaces.lora; lora_a NULL: none). */
 struct linear {
     int64_t fmt, int8;
     const float *scale, *min;
     const void *q;
     const float *bias;
     int64_t in, out;
+    const float *lora_a, *lora_b, *lora_bias;
+    int64_t lora_rank, lora_slices;
+    const int64_t *lora_sizes;
 };
 
 struct layer {
@@ -60,12 +67,17 @@ struct step {
     const int64_t *positions, *slots;
     const int32_t *block_table, *seq_lens;
     const float *cos_sin;
+    const int64_t *lora_slots; /* each row's adapter slot (-1: none); NULL: no adapters this step */
 };
 
-static int linear(const struct linear *l, float *out, const float *x, int64_t rows) {
-    if (l->int8)
-        return int8_linear(out, x, rows, l->in, (int)l->fmt, l->scale, l->min, l->q, l->bias, l->in, l->out);
-    return tiled_linear(out, x, rows, l->in, (int)l->fmt, l->scale, l->min, l->q, l->bias, l->in, l->out);
+static int linear(const struct linear *l, const struct step *S, float *out, const float *x) {
+    const int64_t rows = S->rows;
+    int failed = l->int8 ? int8_linear(out, x, rows, l->in, (int)l->fmt, l->scale, l->min, l->q, l->bias, l->in, l->out)
+                         : tiled_linear(out, x, rows, l->in, (int)l->fmt, l->scale, l->min, l->q, l->bias, l->in, l->out);
+    if (!failed && S->lora_slots && l->lora_a)
+        failed = lora_add_f32(out, l->out, x, l->in, rows, S->lora_slots, l->lora_a, l->lora_b, l->lora_bias, l->in,
+                              l->out, l->lora_rank, l->lora_slices, l->lora_sizes);
+    return failed;
 }
 
 /* hidden, residual: (rows, hidden size), updated in place (residual is written on the first
@@ -90,7 +102,7 @@ int decode_layer(const struct layer *L, const struct step *S, float *hidden, flo
     } else {
         add_rms_norm_f32(hidden, residual, L->input_norm, rows, H, eps);
     }
-    if ((failed = linear(&L->qkv, qkv, x, rows))) goto done;
+    if ((failed = linear(&L->qkv, S, qkv, x))) goto done;
     float *k = qkv + q_size, *v = qkv + q_size + kv_size;
     rotary_f32(S->positions, qkv, k, S->cos_sin, rows, L->heads, L->kv_heads, D, qkv_size, qkv_size);
     if (L->cache_bf16) { /* rounded once, as the Python path's .to(bfloat16) */
@@ -111,11 +123,11 @@ int decode_layer(const struct layer *L, const struct step *S, float *hidden, flo
                                             S->table_stride, S->seq_lens, rows, L->heads, L->kv_heads, D,
                                             S->block_size, (float)L->scale, L->window);
     }
-    if (failed || (failed = linear(&L->o, hidden, attn, rows))) goto done;
+    if (failed || (failed = linear(&L->o, S, hidden, attn))) goto done;
     add_rms_norm_f32(hidden, residual, L->post_norm, rows, H, eps);
-    if ((failed = linear(&L->gate_up, gate_up, hidden, rows))) goto done;
+    if ((failed = linear(&L->gate_up, S, gate_up, hidden))) goto done;
     silu_and_mul_f32(act, gate_up, rows, inter / 2);
-    failed = linear(&L->down, hidden, act, rows);
+    failed = linear(&L->down, S, hidden, act);
 done:
     free(normed), free(qkv), free(attn), free(gate_up), free(act), free(kv16);
     return failed;
