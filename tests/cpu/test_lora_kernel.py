@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(native.load_kernels() is None, reason="no C comp
 
 @pytest.mark.parametrize(
     ("slices", "rank", "inputs", "bias"),
-    [((96, 32, 32), 16, 64, True), ((40,), 8, 37, False), ((128, 128), 64, 256, False)],
+    [((96, 32, 32), 16, 64, True), ((40,), 8, 37, False), ((128, 128), 64, 256, False), ((12, 6, 6), 3, 20, True)],
 )
 @pytest.mark.parametrize("query_lens", [[1, 1, 1, 1], [5, 17, 1]])  # decodes; a prefill mix
 def test_kernel_matches_the_reference(slices, rank, inputs, bias, query_lens):
