@@ -38,6 +38,7 @@ bench: setup
 	$(PY) bench/guided_compare.py
 	$(PY) bench/quantization.py
 	$(PY) bench/embeddings.py
+	$(PY) bench/lora.py
 	$(PY) bench/beam_search.py
 
 lint: setup

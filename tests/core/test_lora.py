@@ -56,8 +56,9 @@ def test_mixed_adapters_match_peft(llama_loras, varied_prompts, variant):
     llm = LLM(base, dtype="float32", enable_lora=True, max_lora_rank=16, **flags)
     batch = mixed_requests(paths, varied_prompts)
     outputs = llm.generate([{"prompt_token_ids": p} for *_, p in batch], GREEDY, lora_request=[r for _, r, *_ in batch])
-    for (name, _, i, _), out in zip(batch, outputs):
+    for (name, lora, i, _), out in zip(batch, outputs):
         assert out.outputs[0].token_ids == expected[name][i], (name, i)
+        assert out.lora_request == lora
     assert all(expected[name] != expected[None] for name in paths)  # each adapter changes the output
     if variant == "forced-preemption":
         assert llm.engine.core.scheduler.num_preemptions > 0

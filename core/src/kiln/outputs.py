@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kiln.lora.request import LoRARequest
 
 
 @dataclass(slots=True)
@@ -59,7 +63,7 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     error_code: int | None = None
     error_msg: str | None = None
-    lora_request: None = field(default=None, repr=False)
+    lora_request: LoRARequest | None = field(default=None, repr=False)  # the adapter it ran with
 
 
 @dataclass(slots=True)

@@ -21,6 +21,7 @@ from functools import lru_cache
 from kiln.engine.beam_search import BeamHypothesis
 from kiln.engine.detokenizer import IncrementalDetokenizer
 from kiln.engine.request import EngineCoreOutput, TopLogprobs
+from kiln.lora.request import LoRARequest
 from kiln.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
 from kiln.sampling_params import RequestOutputKind, SamplingParams
 
@@ -56,6 +57,7 @@ class RequestGroup:
     params: SamplingParams
     sequences: list[SequenceState]
     sent_prompt_logprobs: bool = False
+    lora_request: LoRARequest | None = None
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None:
@@ -92,6 +94,7 @@ class RequestGroup:
             prompt_logprobs=prompt_logprobs,
             num_cached_tokens=first.num_cached_tokens,
             metrics=first.metrics,
+            lora_request=self.lora_request,
         )
 
     def take_beams(self, beams: list[BeamHypothesis], now: float) -> None:
