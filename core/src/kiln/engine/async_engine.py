@@ -170,6 +170,14 @@ class AsyncEngine:
         self._wake.set()
         return stream
 
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """``LLMEngine.add_lora`` (reads the adapter: call it off the event loop)."""
+        self.engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """``LLMEngine.remove_lora``."""
+        self.engine.remove_lora(lora_int_id)
+
     def abort(self, request_id: str) -> None:
         if self._streams.pop(request_id, None) is not None:
             self._commands.put(("abort", request_id))

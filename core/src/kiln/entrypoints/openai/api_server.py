@@ -37,6 +37,8 @@ from kiln.entrypoints.openai.protocol import (
 from kiln.entrypoints.openai.serving import Prompt, ServerOptions, error_message, new_id
 from kiln.entrypoints.openai.serving_chat import ChatServing
 from kiln.entrypoints.openai.serving_completion import CompletionServing
+from kiln.entrypoints.openai.serving_models import ServingModels, runtime_updates_enabled
+from kiln.entrypoints.openai.serving_models import add_routes as add_lora_routes
 from kiln.entrypoints.openai.serving_pooling import PoolingServing
 from kiln.entrypoints.openai.serving_pooling import add_routes as add_pooling_routes
 from kiln.entrypoints.openai.serving_responses import add_routes as add_responses_routes
@@ -62,12 +64,15 @@ def _validation_error(exc: RequestValidationError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=400)
 
 
-def build_app(engine: AsyncEngine, options: ServerOptions, args: argparse.Namespace) -> FastAPI:
+def build_app(
+    engine: AsyncEngine, options: ServerOptions, args: argparse.Namespace, models: ServingModels | None = None
+) -> FastAPI:
+    """The app; ``models`` holds the LoRA adapters registered at start-up (default: none)."""
+    models = models if models is not None else ServingModels(engine, options.served_model_names)
     metrics = ServerMetrics(engine, options.served_model_names[0])
-    completions = CompletionServing(engine, options, metrics)
-    chat = ChatServing(engine, options, metrics)
+    completions = CompletionServing(engine, options, metrics, models)
+    chat = ChatServing(engine, options, metrics, models)
     model = engine.model_info
-    created = int(time.time())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -109,25 +114,14 @@ def build_app(engine: AsyncEngine, options: ServerOptions, args: argparse.Namesp
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    def model_card(name: str) -> dict:
-        return {
-            "id": name,
-            "object": "model",
-            "created": created,
-            "owned_by": "kiln",
-            "root": model.path,
-            "parent": None,
-            "max_model_len": model.max_model_len,
-        }
-
     @app.get("/v1/models")
-    async def models() -> dict:
-        return {"object": "list", "data": [model_card(name) for name in options.served_model_names]}
+    async def list_models() -> dict:
+        return {"object": "list", "data": models.cards()}
 
     @app.get("/v1/models/{model_id:path}")  # served names may hold slashes ("org/model")
     async def retrieve_model(model_id: str) -> dict:
-        completions.check_model(model_id)
-        return model_card(model_id)
+        models.check_model(model_id)
+        return models.card(model_id)
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, raw: Request):
@@ -138,6 +132,8 @@ def build_app(engine: AsyncEngine, options: ServerOptions, args: argparse.Namesp
         return await chat.create(body, raw)
 
     add_responses_routes(app, chat)
+    if runtime_updates_enabled(getattr(args, "enable_lora_runtime_updates", False)):
+        add_lora_routes(app, models)
     add_pooling_routes(app, PoolingServing(engine, options, metrics, chat))
 
     @app.post("/tokenize")
@@ -288,7 +284,10 @@ def run_server(args: argparse.Namespace) -> int:
     check_tls_args(args)
     check_generation_overrides(args.override_generation_config or {})
     iteration_timeout = _iteration_timeout()
+    runtime_updates_enabled(args.enable_lora_runtime_updates)  # a bad KILN_ALLOW_RUNTIME_LORA_UPDATING fails here
     config = EngineConfig.create(model=args.model_tag or args.model, **engine_kwargs(args))
+    if args.lora_modules and not config.enable_lora:
+        raise ValueError("--lora-modules: needs --enable-lora")
     llm = LLMEngine(config)
     _warm_up(llm)
     options = ServerOptions(
@@ -330,7 +329,13 @@ def run_server(args: argparse.Namespace) -> int:
         iteration_timeout=iteration_timeout,
         on_stuck=exit_stuck,
     )
-    app = build_app(engine, options, args)
+    models = ServingModels(engine, options.served_model_names)
+    try:
+        models.add_static(args.lora_modules or [])  # a bad adapter fails start-up, naming it
+    except ValueError:
+        llm.shutdown()  # tensor-parallel workers, if any
+        raise
+    app = build_app(engine, options, args, models)
     logger.info(
         "model loaded in %.1f s; serving %s on %s:%d",
         time.monotonic() - started,

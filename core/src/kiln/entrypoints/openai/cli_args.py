@@ -10,6 +10,7 @@ import ssl
 import yaml
 
 from kiln.engine_args import add_engine_args
+from kiln.entrypoints.openai.serving_models import parse_lora_module
 
 
 def _json_list(value: str) -> list[str]:
@@ -140,6 +141,21 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="JSON sampling defaults over the model's generation config, e.g. '{\"temperature\": 0.5}'",
     )
+    lora = parser.add_argument_group("LoRA adapters (with --enable-lora)")
+    lora.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=parse_lora_module,
+        default=None,
+        help='adapters served by name: name=path, or JSON \'{"name": ..., "path": ..., "base_model_name": ...}\' '
+        "(several values; needs --enable-lora)",
+    )
+    lora.add_argument(
+        "--enable-lora-runtime-updates",
+        action="store_true",
+        help="add POST /v1/load_lora_adapter and /v1/unload_lora_adapter (also: KILN_ALLOW_RUNTIME_LORA_UPDATING=true "
+        "or vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)",
+    )
     tools = parser.add_argument_group("tool calling and reasoning")
     tools.add_argument("--enable-auto-tool-choice", action="store_true", help='parse tool calls for tool_choice "auto"')
     tools.add_argument("--tool-call-parser", default=None, help="a registered tool parser (see `kiln plugins`)")
@@ -181,7 +197,21 @@ def apply_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> None:
         if dest not in actions or dest in ("config", "help"):
             parser.error(f"--config: unknown flag {key!r} in {path}")
         action = actions[dest]
-        if action.type is not None and isinstance(value, str):
-            value = action.type(value)
+        if action.nargs in ("+", "*") and not isinstance(value, list):
+            value = [value]
+        if action.type is not None and isinstance(value, list) and action.nargs in ("+", "*"):
+            value = [_config_value(parser, action, key, v) for v in value]
+        elif action.type is not None and isinstance(value, str):
+            value = _config_value(parser, action, key, value)
         defaults[dest] = value
     parser.set_defaults(**defaults)
+
+
+def _config_value(parser: argparse.ArgumentParser, action: argparse.Action, key: str, value: object) -> object:
+    """A ``--config`` value through the flag's ``type``, as the command line would give it."""
+    if not isinstance(value, str) and action.type is not parse_lora_module:  # a mapping is a JSON object
+        return value
+    try:
+        return action.type(value)
+    except (argparse.ArgumentTypeError, ValueError) as exc:
+        parser.error(f"--config: {key}: {exc}")

@@ -2,7 +2,8 @@
 
 Engine-wide figures (running/waiting requests, KV usage, prefix-cache and
 token counters) are read from the engine when scraped; per-request latencies
-are observed by the front end as requests finish.
+are observed by the front end as requests finish, labelled with the model the request
+named (a LoRA adapter's name, as vLLM labels them; else the first served name).
 """
 
 from __future__ import annotations
@@ -100,9 +101,9 @@ class ServerMetrics:
             registry=self.registry,
         )
 
-    def observe_finished(self, out: RequestOutput, generated: list[int]) -> None:
+    def observe_finished(self, out: RequestOutput, generated: list[int], model_name: str | None = None) -> None:
         """Record a finished request; ``generated`` is each completion's token count (streams send deltas)."""
-        m, name = out.metrics, self.model_name
+        m, name = out.metrics, model_name or self.model_name
         for completion in out.outputs:
             self.finished.labels(name, completion.finish_reason or "abort").inc()
         self.prompt_len.labels(name).observe(len(out.prompt_token_ids))
@@ -116,12 +117,12 @@ class ServerMetrics:
             first = m.arrival_time + m.first_token_time
             self.tpot.labels(name).observe((m.last_token_time - first) / (generated[0] - 1))
 
-    def observe_aborted(self, count: int = 1) -> None:
-        self.finished.labels(self.model_name, "abort").inc(count)
+    def observe_aborted(self, count: int = 1, model_name: str | None = None) -> None:
+        self.finished.labels(model_name or self.model_name, "abort").inc(count)
 
-    def observe_rejected(self, reason: str) -> None:
+    def observe_rejected(self, reason: str, model_name: str | None = None) -> None:
         """A request refused before it was queued (e.g. ``overloaded``: past ``--max-queued-requests``)."""
-        self.rejected.labels(self.model_name, reason).inc()
+        self.rejected.labels(model_name or self.model_name, reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -186,3 +186,18 @@ class GenerateRequest(BaseModel):
     prompt: str | list[int]
     stream: bool = False
     structured_outputs: StructuredOutputs | None = None
+
+
+class LoadLoRAAdapterRequest(StrictModel):
+    """vLLM's ``/v1/load_lora_adapter`` body; ``load_inplace`` replaces an adapter of that name."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+    load_inplace: bool = False
+
+
+class UnloadLoRAAdapterRequest(StrictModel):
+    """vLLM's ``/v1/unload_lora_adapter`` body: the adapter's name, or its ``lora_int_id``."""
+
+    lora_name: str | None = None
+    lora_int_id: int | None = None

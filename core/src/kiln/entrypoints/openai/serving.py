@@ -21,8 +21,10 @@ from kiln.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloa
 from kiln.engine.model_info import ModelInfo
 from kiln.entrypoints.openai.metrics import ServerMetrics
 from kiln.entrypoints.openai.protocol import APIError, SamplingFields
+from kiln.entrypoints.openai.serving_models import ServingModels
 from kiln.entrypoints.openai.structured_outputs import request_constraint
 from kiln.interfaces.guided import GuidedDecodingParams
+from kiln.lora.request import LoRARequest
 from kiln.outputs import PositionLogprobs, RequestOutput
 from kiln.sampling_params import SAMPLING_SHAPERS, RequestOutputKind, SamplingParams
 
@@ -78,8 +80,11 @@ def error_message(exc: ValueError) -> APIError:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, options: ServerOptions, metrics: ServerMetrics) -> None:
+    def __init__(
+        self, engine: AsyncEngine, options: ServerOptions, metrics: ServerMetrics, models: ServingModels | None = None
+    ) -> None:
         self.engine = engine
+        self.models = models if models is not None else ServingModels(engine, options.served_model_names)
         self.model = engine.model_info
         self.tokenizer = self.model.tokenizer
         self.options = options
@@ -89,9 +94,9 @@ class OpenAIServing:
         self.system_fingerprint = system_fingerprint(self.model)
 
     # ------------------------------------------------------------ validation
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.options.served_model_names:
-            raise APIError(f"The model `{model}` does not exist.", status=404, param="model")
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter ``model`` names (None: the base model); an unknown name is a 404."""
+        return self.models.check_model(model)
 
     def check_unsupported(self, req: SamplingFields) -> None:
         if req.stream_options is not None and not req.stream:
@@ -203,9 +208,14 @@ class OpenAIServing:
 
     # ------------------------------------------------------------- streams
     def start(
-        self, request_id: str, items: Sequence[tuple[Prompt, SamplingParams]], priority: int = 0
+        self,
+        request_id: str,
+        items: Sequence[tuple[Prompt, SamplingParams]],
+        priority: int = 0,
+        lora: LoRARequest | None = None,
     ) -> list[RequestStream]:
-        """Queue one engine request per prompt; if any is refused, none stays queued."""
+        """Queue one engine request per prompt (on adapter ``lora``, if given); if any is refused,
+        none stays queued."""
         streams: list[RequestStream] = []
         try:
             for i, (prompt, params) in enumerate(items):
@@ -213,26 +223,27 @@ class OpenAIServing:
                 inputs = {"prompt": prompt.text, "prompt_token_ids": prompt.token_ids}
                 if prompt.token_type_ids is not None:
                     inputs["token_type_ids"] = prompt.token_type_ids
-                streams.append(self.engine.add_request(rid, inputs, params, priority=priority))
-                self.log_request(rid, prompt, params)
+                streams.append(self.engine.add_request(rid, inputs, params, priority=priority, lora_request=lora))
+                self.log_request(rid, prompt, params, lora)
         except (ValueError, EngineDeadError, EngineOverloadedError) as exc:
             for stream in streams:
                 stream.close()
             if isinstance(exc, EngineOverloadedError):
-                self.metrics.observe_rejected("overloaded")
+                self.metrics.observe_rejected("overloaded", self.models.model_name(lora))
                 raise APIError(str(exc), status=503, headers={"Retry-After": "1"}) from None
             if isinstance(exc, EngineDeadError):
                 raise APIError(str(exc), status=503) from None
             raise error_message(exc) from None
         return streams
 
-    def log_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> None:
+    def log_request(self, request_id: str, prompt: Prompt, params: SamplingParams, lora: LoRARequest | None) -> None:
         if self.options.disable_log_requests:
             return
         limit = self.options.max_log_len
         text = prompt.text if prompt.text is None or limit is None else prompt.text[:limit]
         ids = prompt.token_ids if limit is None else prompt.token_ids[:limit]
-        logger.info("request %s: prompt=%r, prompt_token_ids=%s, params=%s", request_id, text, ids, params)
+        adapter = "" if lora is None else f", lora_request={lora}"
+        logger.info("request %s: prompt=%r, prompt_token_ids=%s, params=%s%s", request_id, text, ids, params, adapter)
 
     async def merged(self, streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Outputs of several streams as they come, tagged with the stream's index."""
@@ -266,8 +277,11 @@ class OpenAIServing:
             for task in tasks:
                 task.cancel()
 
-    async def final_outputs(self, streams: list[RequestStream], raw: HTTPRequest) -> list[RequestOutput]:
-        """Wait for every stream's final output; a client that goes away aborts them."""
+    async def final_outputs(
+        self, streams: list[RequestStream], raw: HTTPRequest, model_name: str | None = None
+    ) -> list[RequestOutput]:
+        """Wait for every stream's final output; a client that goes away aborts them. ``model_name``
+        labels the metrics (default: the first served name)."""
         results: list[RequestOutput | None] = [None] * len(streams)
 
         async def collect() -> None:
@@ -290,12 +304,12 @@ class OpenAIServing:
             for stream in streams:
                 stream.close()
         for out in results:
-            self.observe_finished(out)
+            self.observe_finished(out, model_name)
         return results
 
-    def observe_finished(self, out: RequestOutput) -> None:
+    def observe_finished(self, out: RequestOutput, model_name: str | None = None) -> None:
         """Record a finished request in the metrics (pooling endpoints record theirs differently)."""
-        self.metrics.observe_finished(out, [len(c.token_ids) for c in out.outputs])
+        self.metrics.observe_finished(out, [len(c.token_ids) for c in out.outputs], model_name)
 
     # ------------------------------------------------------------- formats
     def tokens_as_ids(self, req: SamplingFields) -> bool:

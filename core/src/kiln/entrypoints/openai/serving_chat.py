@@ -18,6 +18,7 @@ from kiln.entrypoints.openai.chat_utils import (
 from kiln.entrypoints.openai.protocol import APIError, ChatCompletionRequest, TokenizeRequest
 from kiln.entrypoints.openai.serving import OpenAIServing, Prompt, new_id, now, sse
 from kiln.entrypoints.openai.tool_calling import ChoiceOutput, ToolSetup, messages_for_template, tool_setup
+from kiln.lora.request import LoRARequest
 from kiln.outputs import PositionLogprobs
 from kiln.sampling_params import SamplingParams
 
@@ -34,15 +35,15 @@ class ChatServing(OpenAIServing):
         return render_chat(self.tokenizer, messages, template, **args)
 
     async def create(self, req: ChatCompletionRequest, raw: HTTPRequest):
-        prompt, params, setup = await self.prepare(req)
+        prompt, params, setup, lora = await self.prepare(req)
+        model_name = self.models.model_name(lora)
         request_id = new_id("chatcmpl", req.request_id)
-        streams = self.start(request_id, [(prompt, params)], req.priority)
+        streams = self.start(request_id, [(prompt, params)], req.priority, lora)
         echo = self.echo_text(req)
         if req.stream:
-            return StreamingResponse(
-                self.stream(req, request_id, prompt, streams[0], echo, setup), media_type="text/event-stream"
-            )
-        out = (await self.final_outputs(streams, raw))[0]
+            chunks = self.stream(req, request_id, prompt, streams[0], echo, setup, model_name)
+            return StreamingResponse(chunks, media_type="text/event-stream")
+        out = (await self.final_outputs(streams, raw, model_name))[0]
         choices = []
         for c in out.outputs:
             reasoning, content, calls = ChoiceOutput(setup).whole(c.text)
@@ -67,7 +68,7 @@ class ChatServing(OpenAIServing):
             "id": request_id,
             "object": "chat.completion",
             "created": now(),
-            "model": self.model_name,
+            "model": model_name,
             "system_fingerprint": self.system_fingerprint,
             "choices": choices,
             "usage": self.usage(
@@ -81,10 +82,10 @@ class ChatServing(OpenAIServing):
             body["prompt_logprobs"] = self.prompt_logprobs_json(out)
         return JSONResponse(body)
 
-    async def prepare(self, req: ChatCompletionRequest) -> tuple[Prompt, SamplingParams, ToolSetup]:
+    async def prepare(self, req: ChatCompletionRequest) -> tuple[Prompt, SamplingParams, ToolSetup, LoRARequest | None]:
         """Validate, render and tokenize the conversation; its sampling parameters, tool constraint
-        included and compiled (shared with ``/v1/responses``)."""
-        self.check_model(req.model)
+        included and compiled, and the LoRA adapter ``model`` names (shared with ``/v1/responses``)."""
+        lora = self.check_model(req.model)
         self.check_unsupported(req)
         options = self.options
         setup = tool_setup(
@@ -102,7 +103,7 @@ class ChatServing(OpenAIServing):
                 raise APIError("tool_choice: cannot be combined with another constraint", param="tool_choice")
             params.guided_decoding = setup.guided
         await self.compile_guide(params)
-        return prompt, params, setup
+        return prompt, params, setup, lora
 
     def reasoning_tokens(
         self, setup: ToolSetup, outputs: list[tuple[str, Sequence[int]]], skip_special_tokens: bool
@@ -159,6 +160,7 @@ class ChatServing(OpenAIServing):
         stream: RequestStream,
         echo: str,
         setup: ToolSetup,
+        model_name: str,
     ) -> AsyncIterator[str]:
         created, role = now(), self.options.response_role
         readers = [ChoiceOutput(setup) for _ in range(req.n)]
@@ -175,7 +177,7 @@ class ChatServing(OpenAIServing):
                 "id": request_id,
                 "object": "chat.completion.chunk",
                 "created": created,
-                "model": self.model_name,
+                "model": model_name,
                 "system_fingerprint": self.system_fingerprint,
                 "choices": choices,
             }
@@ -220,7 +222,7 @@ class ChatServing(OpenAIServing):
                         choice["stop_reason"] = c.stop_reason
                     yield chunk([choice], continuous)
                 if out.finished:
-                    self.metrics.observe_finished(out, counts)
+                    self.metrics.observe_finished(out, counts, model_name)
             if options and options.include_usage:
                 outputs = [("".join(t), ids) for t, ids in zip(texts, token_ids)]
                 yield chunk([], True, self.reasoning_tokens(setup, outputs, req.skip_special_tokens))
@@ -228,6 +230,6 @@ class ChatServing(OpenAIServing):
             yield sse(APIError(str(exc), status=503).body())
         finally:
             if not stream.finished:
-                self.metrics.observe_aborted()
+                self.metrics.observe_aborted(model_name=model_name)
             stream.close()
         yield "data: [DONE]\n\n"

@@ -23,7 +23,8 @@ FIM_MARKERS = (
 
 class CompletionServing(OpenAIServing):
     async def create(self, req: CompletionRequest, raw: HTTPRequest):
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
+        model_name = self.models.model_name(lora)
         self.check_unsupported(req)
         prompts = self.prompts(req)
         if req.suffix is not None:
@@ -38,10 +39,11 @@ class CompletionServing(OpenAIServing):
         ]
         await self.compile_guide(items[0][1])  # every prompt shares the constraint
         request_id = new_id("cmpl", req.request_id)
-        streams = self.start(request_id, items, req.priority)
+        streams = self.start(request_id, items, req.priority, lora)
         if req.stream:
-            return StreamingResponse(self.stream(req, request_id, prompts, streams), media_type="text/event-stream")
-        outputs = await self.final_outputs(streams, raw)
+            chunks = self.stream(req, request_id, prompts, streams, model_name)
+            return StreamingResponse(chunks, media_type="text/event-stream")
+        outputs = await self.final_outputs(streams, raw, model_name)
         choices = []
         for p, (prompt, out) in enumerate(zip(prompts, outputs)):
             for c in out.outputs:
@@ -66,7 +68,7 @@ class CompletionServing(OpenAIServing):
                 "id": request_id,
                 "object": "text_completion",
                 "created": now(),
-                "model": self.model_name,
+                "model": model_name,
                 "system_fingerprint": self.system_fingerprint,
                 "choices": choices,
                 "usage": usage,
@@ -155,7 +157,12 @@ class CompletionServing(OpenAIServing):
         }, offset
 
     async def stream(
-        self, req: CompletionRequest, request_id: str, prompts: list[Prompt], streams: list[RequestStream]
+        self,
+        req: CompletionRequest,
+        request_id: str,
+        prompts: list[Prompt],
+        streams: list[RequestStream],
+        model_name: str,
     ) -> AsyncIterator[str]:
         created, n = now(), req.n
         counts = [[0] * n for _ in prompts]
@@ -191,7 +198,7 @@ class CompletionServing(OpenAIServing):
                         "id": request_id,
                         "object": "text_completion",
                         "created": created,
-                        "model": self.model_name,
+                        "model": model_name,
                         "system_fingerprint": self.system_fingerprint,
                         "choices": [choice],
                     }
@@ -199,14 +206,14 @@ class CompletionServing(OpenAIServing):
                         chunk["usage"] = usage()
                     yield sse(chunk)
                 if out.finished:
-                    self.metrics.observe_finished(out, counts[p])
+                    self.metrics.observe_finished(out, counts[p], model_name)
             if options and options.include_usage:
                 yield sse(
                     {
                         "id": request_id,
                         "object": "text_completion",
                         "created": created,
-                        "model": self.model_name,
+                        "model": model_name,
                         "system_fingerprint": self.system_fingerprint,
                         "choices": [],
                         "usage": usage(),
@@ -217,6 +224,6 @@ class CompletionServing(OpenAIServing):
         finally:
             for stream in streams:
                 if not stream.finished:
-                    self.metrics.observe_aborted()
+                    self.metrics.observe_aborted(model_name=model_name)
                 stream.close()
         yield "data: [DONE]\n\n"

@@ -46,7 +46,7 @@ ENDPOINT_TASKS = {
 
 class PoolingServing(OpenAIServing):
     def __init__(self, engine: AsyncEngine, options: ServerOptions, metrics: ServerMetrics, chat: ChatServing) -> None:
-        super().__init__(engine, options, metrics)
+        super().__init__(engine, options, metrics, chat.models)
         self.chat = chat  # renders the chat form of /v1/embeddings and /pooling
 
     # ------------------------------------------------------------ endpoints
@@ -115,8 +115,12 @@ class PoolingServing(OpenAIServing):
 
     # ------------------------------------------------------------ shared
     def check_request(self, model: str | None, endpoint: str) -> None:
-        """The model exists and is served for a task ``endpoint`` answers."""
-        self.check_model(model)
+        """The model exists, is not a LoRA adapter, and is served for a task ``endpoint`` answers."""
+        if self.check_model(model) is not None:
+            raise APIError(
+                f"model: {model!r} is a LoRA adapter; LoRA adapters apply to generation, not to {endpoint}",
+                param="model",
+            )
         allowed, task = ENDPOINT_TASKS[endpoint], self.model.task
         if task not in allowed:
             served = "text generation" if task == "generate" else f"the {task} task"
@@ -206,7 +210,7 @@ class PoolingServing(OpenAIServing):
             raise
         return await self.final_outputs(streams, raw)
 
-    def observe_finished(self, out: PoolingRequestOutput) -> None:
+    def observe_finished(self, out: PoolingRequestOutput, model_name: str | None = None) -> None:
         m, name = self.metrics, self.model_name
         m.finished.labels(name, "stop").inc()
         m.prompt_len.labels(name).observe(len(out.prompt_token_ids))

@@ -301,6 +301,7 @@ class _Turn:
     setup: ToolSetup
     prompt_len: int
     conversation: list[dict]  # without instructions
+    model_name: str  # the served name or the LoRA adapter the request named
     created_at: int = field(default_factory=now)
 
 
@@ -317,16 +318,17 @@ class ResponsesServing:
         conversation = history + items_to_messages(items)
         system = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
         try:
-            prompt, params, setup = await self.chat.prepare(chat_request(req, system + conversation))
+            prompt, params, setup, lora = await self.chat.prepare(chat_request(req, system + conversation))
         except APIError as exc:
             exc.param = _PARAMS.get(exc.param, exc.param)
             raise
         response_id = req.request_id or f"resp_{uuid.uuid4().hex}"
-        stream = self.chat.start(response_id, [(prompt, params)], req.priority)[0]
-        turn = _Turn(req, response_id, params, setup, len(prompt.token_ids), conversation)
+        stream = self.chat.start(response_id, [(prompt, params)], req.priority, lora)[0]
+        model_name = self.chat.models.model_name(lora)
+        turn = _Turn(req, response_id, params, setup, len(prompt.token_ids), conversation, model_name)
         if req.stream:
             return StreamingResponse(self.stream(turn, stream), media_type="text/event-stream")
-        out = (await self.chat.final_outputs([stream], raw))[0]
+        out = (await self.chat.final_outputs([stream], raw, model_name))[0]
         c = out.outputs[0]
         reasoning, content, calls = ChoiceOutput(setup).whole(c.text)
         output = OutputItems()
@@ -359,7 +361,7 @@ class ResponsesServing:
                         output.feed(delta)
                 if out.finished:
                     output.finish(incomplete=finish == "length")
-                    self.chat.metrics.observe_finished(out, [len(ids)])
+                    self.chat.metrics.observe_finished(out, [len(ids)], turn.model_name)
                 for payload in output.take_events():
                     yield event(payload)
             body = self.complete(turn, output, finish, text, ids, cached)
@@ -368,7 +370,7 @@ class ResponsesServing:
             yield event({"type": "error", "code": "engine_dead", "message": str(exc), "param": None})
         finally:
             if not stream.finished:
-                self.chat.metrics.observe_aborted()
+                self.chat.metrics.observe_aborted(model_name=turn.model_name)
             stream.close()
 
     def complete(
@@ -410,7 +412,7 @@ class ResponsesServing:
             "instructions": req.instructions,
             "max_output_tokens": req.max_output_tokens,
             "metadata": req.metadata or {},
-            "model": self.chat.model_name,
+            "model": turn.model_name,
             "output": output,
             "parallel_tool_calls": req.parallel_tool_calls,
             "previous_response_id": req.previous_response_id,
