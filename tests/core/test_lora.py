@@ -144,6 +144,27 @@ def test_default_model_mixed_ranks_match_peft(default_model_dir, tmp_path):
     assert [o.outputs[0].token_ids for o in outputs] == [expected[name][i] for name, _, i, _ in batch]
 
 
+def test_an_adapter_gone_from_disk_ends_only_its_requests(llama_loras, varied_prompts, tmp_path):
+    import shutil
+
+    base, paths, expected = llama_loras
+    llm = LLM(base, dtype="float32", enable_lora=True, max_lora_rank=16, max_loras=1, max_cpu_loras=1)
+    gone = LoRARequest("gone", 50, shutil.copytree(paths["r8-all"], tmp_path / "gone"))
+    kept = LoRARequest("r8-mlp", 2, paths["r8-mlp"])
+    for j, lora in enumerate([gone, kept, gone, kept]):  # read and checked here; `kept` evicts `gone`
+        llm.engine.add_request(str(j), {"prompt_token_ids": varied_prompts[j]}, GREEDY, lora_request=lora)
+    llm.engine.remove_lora(gone.lora_int_id)  # unloaded, then deleted while its requests wait
+    shutil.rmtree(gone.lora_path)
+    done = {}
+    while llm.engine.has_unfinished_requests():
+        for out in llm.engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0]
+    assert [done[str(j)].finish_reason for j in range(4)] == ["abort", "length", "abort", "length"]
+    assert [done[str(j)].token_ids for j in (1, 3)] == [expected["r8-mlp"][1], expected["r8-mlp"][3]]
+    assert llm.generate("Hello", GREEDY)[0].outputs[0].token_ids  # the engine still serves
+
+
 # ------------------------------------------------------------------ bad adapters and flags
 def bad_adapter(tmp_path, llama_loras, kind: str) -> str:
     """A copy of a good adapter, broken one way."""

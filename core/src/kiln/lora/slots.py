@@ -17,7 +17,9 @@ import torch
 from kiln.interfaces.lora import LoRAMapping
 from kiln.lora.adapter import BaseModelShape, LoRAAdapter, load_adapter
 from kiln.lora.layers import LoRALinear, LoRAState
-from kiln.lora.request import LoRARequest
+from kiln.lora.request import LoRARequest, LoRAUnavailableError
+
+SlotLoad = tuple[int, LoRAAdapter]  # an adapter to copy into a slot before a step
 
 
 class AdapterCache:
@@ -65,30 +67,36 @@ class LoRASlots:
         self.steps = 0
         self.loads = 0  # adapters copied into a slot, for logs and tests
 
-    def assign(self, requests: list[LoRARequest | None]) -> tuple[list[int], list[tuple[int, LoRARequest]]]:
-        """A slot per request (-1: base model), and the adapters to copy in first."""
-        self.steps += 1
+    def assign(self, requests: list[LoRARequest | None]) -> tuple[list[int], list[SlotLoad]]:
+        """A slot per request (-1: base model), and the adapters to copy in first, read here
+        (rank 0) so that other ranks need no disk. ``LoRAUnavailableError``: an adapter can no
+        longer be read; nothing is placed then."""
         slot_of = {lora: i for i, lora in enumerate(self.slot_adapter) if lora is not None}
         wanted = {lora for lora in requests if lora is not None}
         if len(wanted) > self.num_slots:
             raise RuntimeError(f"{len(wanted)} adapters in one step, over --max-loras {self.num_slots}")
-        loads = []
+        loads, placed = [], list(self.slot_adapter)
         for lora in sorted(wanted - slot_of.keys(), key=lambda r: r.lora_int_id):
+            try:
+                adapter = self.cache.get(lora)
+            except ValueError as exc:
+                self.slot_adapter = placed
+                raise LoRAUnavailableError(lora, str(exc)) from None
             free = [i for i, held in enumerate(self.slot_adapter) if held is None or held not in wanted]
             slot = min(free, key=lambda i: (self.slot_adapter[i] is not None, self.slot_used[i]))
             self.slot_adapter[slot] = lora
             slot_of[lora] = slot
-            loads.append((slot, lora))
+            loads.append((slot, adapter))
+        self.steps += 1
         for lora in wanted:
             self.slot_used[slot_of[lora]] = self.steps
         return [-1 if lora is None else slot_of[lora] for lora in requests], loads
 
     def apply(
-        self, loads: list[tuple[int, LoRARequest]], slots: list[int] | None, query_lens: list[int], device
+        self, loads: list[SlotLoad], slots: list[int] | None, query_lens: list[int], device
     ) -> LoRAMapping | None:
         """Copy ``loads`` into their slots, then set (and return) the step's mapping."""
-        for slot, lora in loads:
-            adapter = self.cache.get(lora)
+        for slot, adapter in loads:
             for layer in self.layers:
                 layer.set_slot(slot, adapter)
             self.loads += 1

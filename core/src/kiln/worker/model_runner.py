@@ -28,8 +28,7 @@ from kiln.engine.scheduler import SchedulerOutput
 from kiln.interfaces.attention import AttentionBackend, BatchLayout, DecodeGraphInputs
 from kiln.interfaces.model import StepContext
 from kiln.interfaces.platform import Platform
-from kiln.lora.request import LoRARequest
-from kiln.lora.slots import LoRASlots
+from kiln.lora.slots import LoRASlots, SlotLoad
 from kiln.models.pooler import load_dense_layers, pool
 
 logger = logging.getLogger("kiln.runner")
@@ -75,7 +74,7 @@ class StepBatch:
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), done before the forward
     token_type_ids: list[int] | None = None  # every token's segment id, when a request has them (cross-encoders)
     lora_slots: list[int] | None = None  # each request's LoRA slot (-1: base), when any request has an adapter
-    lora_loads: list[tuple[int, LoRARequest]] = field(default_factory=list)  # adapters to copy into slots first
+    lora_loads: list[SlotLoad] = field(default_factory=list)  # adapters to copy into slots first (sent whole)
 
     @classmethod
     def of(cls, batch: list[tuple[Request, int]]) -> StepBatch:
