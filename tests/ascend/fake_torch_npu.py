@@ -327,6 +327,108 @@ def npu_weight_quant_batchmatmul(
     return out.to(x.dtype)
 
 
+# Grouped matmul (op-plugin docs/context/torch_npu-npu_grouped_matmul.md, GroupedMatmulKernelNpuOpApi.cpp):
+#   npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=None,
+#       antiquant_offset=None, per_token_scale=None, group_list=None, activation_input=None,
+#       activation_quant_scale=None, activation_quant_offset=None, split_item=0, group_type=None,
+#       group_list_type=0, act_type=0, output_dtype=None, tuning_config=None) -> List[Tensor]
+# y_i = x_i @ weight_i + bias_i, the non-quantized cases of A2/A3. The plugin calls it eagerly only
+# (steps with LoRA adapters never run in a graph), so it stays a plain function. Quantization,
+# activations and group_list_type 2 (int8 only) raise NotImplementedError.
+
+GMM_BIAS_DTYPE = {torch.float16: torch.float16, torch.bfloat16: torch.float32, torch.float32: torch.float32}
+
+
+def _gmm_weight_ok(w: torch.Tensor) -> bool:
+    """Contiguous, or the transpose of the last two dims of a contiguous tensor ("weight转置")."""
+    if w.is_contiguous():
+        return True
+    return w.dim() in (2, 3) and w.transpose(-1, -2).is_contiguous()
+
+
+def npu_grouped_matmul(
+    x: list[torch.Tensor], weight: list[torch.Tensor], *, bias: list[torch.Tensor] | None = None,
+    scale=None, offset=None, antiquant_scale=None, antiquant_offset=None, per_token_scale=None,
+    group_list: torch.Tensor | list[int] | None = None, activation_input=None, activation_quant_scale=None,
+    activation_quant_offset=None, split_item: int = 0, group_type: int | None = None, group_list_type: int = 0,
+    act_type: int = 0, output_dtype: torch.dtype | None = None, tuning_config=None,
+) -> list[torch.Tensor]:  # fmt: skip
+    """Groups of rows of x times their own weight. With a Tensor group_list and group_type 0 (m axis),
+    x is one (M, K) tensor whose rows are split into groups by group_list (group_list_type 0: cumulative
+    ends, non-decreasing, the last M; 1: sizes summing to M, more than one), and weight is one (E, K, N)
+    tensor (group i: weight[i], E = len(group_list) <= 1024) or a list of (K, N) tensors (<= 128, one per
+    group, N equal); split_item 2/3: one (M, N) output. With group_list None (group_type -1), x and weight
+    are lists of the same length, y_i = x_i @ weight_i (split_item 0/1: a list; 2/3: rows concatenated).
+    x must be contiguous; a weight contiguous or the transpose (last two dims) of a contiguous tensor.
+    fp16 x/weight take fp16 bias, bf16 take fp32 bias, fp32 (Tensor group_list: only x, weight and y
+    all single tensors) take fp32 bias; products summed in fp32, bias added, rounded once to the output."""
+    calls.append("npu_grouped_matmul")
+    quant = (scale, offset, antiquant_scale, antiquant_offset, per_token_scale, activation_input,
+             activation_quant_scale, activation_quant_offset)  # fmt: skip
+    if any(q is not None for q in quant) or act_type != 0 or group_list_type == 2:
+        raise NotImplementedError("emulation: quantized grouped matmul, activations, group_list_type 2")
+    assert split_item in (0, 1, 2, 3), f"Invalid value of split_item [{split_item}]: one of 0/1/2/3"
+    assert isinstance(x, (list, tuple)) and isinstance(weight, (list, tuple)), "x and weight are tensor lists"
+    assert 0 < len(x) <= 128 and 0 < len(weight) <= 128, "Invalid inputs: neither x nor weight could be empty."
+    dtype = x[0].dtype
+    assert dtype in GMM_BIAS_DTYPE, f"x must be float16, bfloat16 or float32 here, not {dtype}"
+    assert all(t.dtype == dtype for t in [*x, *weight]), "x and weight must share one dtype (non-quantized)"
+    assert output_dtype in (None, dtype), f"output_dtype must be None or {dtype}, not {output_dtype}"
+    assert all(t.is_contiguous() for t in x), "x does not support transposition: contiguous only"
+    assert all(_gmm_weight_ok(w) for w in weight), "weight: contiguous, or the transpose of a contiguous tensor"
+    single_weight = len(weight) == 1 and weight[0].dim() == 3
+    if bias is not None:
+        assert not single_weight, "emulation: bias with a single 3-D weight"
+        assert len(bias) == len(weight), "bias: one tensor per weight"
+        assert all(b.dtype == GMM_BIAS_DTYPE[dtype] and b.dim() == 1 for b in bias), (
+            f"bias must be 1-D {GMM_BIAS_DTYPE[dtype]} for {dtype} x"
+        )
+    groups = list(weight[0]) if single_weight else list(weight)
+    assert all(w.dim() == 2 for w in groups), "weight: 2-D tensors, or one 3-D tensor"
+
+    def mm(xi: torch.Tensor, i: int) -> torch.Tensor:
+        assert xi.shape[-1] == groups[i].shape[0], f"group {i}: (m, k) @ (k, n), not {xi.shape} @ {groups[i].shape}"
+        out = xi.float() @ groups[i].float()
+        if bias is not None:
+            out = out + bias[i].float()
+        return out.to(dtype)
+
+    if group_list is None:
+        assert group_type in (None, -1), "group_type must be -1 without a group_list"
+        assert len(x) == len(weight), "without a group_list, the num of x tensors must equal the num of weight tensors"
+        ys = [mm(xi, i) for i, xi in enumerate(x)]
+        return ys if split_item in (0, 1) else [torch.cat(ys, dim=0)]
+    if isinstance(group_list, torch.Tensor):
+        assert group_type == 0, f"a Tensor group_list groups the m axis here: group_type 0, not {group_type}"
+        assert group_list.dtype == torch.int64 and group_list.dim() == 1, "group_list: 1-D int64"
+        assert split_item in (2, 3), "group_type 0: split_item 2 or 3 (one output tensor)"
+        assert len(x) == 1 and x[0].dim() == 2, "emulation: one 2-D x split by group_list"
+        assert dtype != torch.float32 or single_weight, "float32: x, weight and y single tensors only"
+        values = group_list.tolist()
+        m = x[0].shape[0]
+        assert len(values) == len(groups) and len(values) <= (1024 if single_weight else 128), (
+            f"group_list has {len(values)} entries for {len(groups)} weights"
+        )
+        assert all(v >= 0 for v in values), "group_list must be non-negative"
+        if group_list_type == 0:
+            assert values == sorted(values) and values[-1] == m, f"cumulative group ends ending at {m}: {values}"
+            ends = values
+        else:
+            assert group_list_type == 1 and len(values) != 1 and sum(values) == m, f"group sizes summing to {m}"
+            ends = [sum(values[: i + 1]) for i in range(len(values))]
+    else:
+        assert group_type is None, "a List[int] group_list takes group_type None"
+        assert len(group_list) != 1 and list(group_list) == sorted(group_list), "group_list: increasing, not 1 long"
+        assert len(x) == 1 and len(group_list) == len(groups), "one x split into one group per weight"
+        ends = list(group_list)
+        assert ends[-1] == x[0].shape[0], "the last group_list value is x's row count"
+    n = {w.shape[1] for w in groups}
+    assert split_item in (0, 1) or len(n) == 1, "one output tensor: every weight has the same N"
+    starts = [0, *ends[:-1]]
+    ys = [mm(x[0][start:end], i) for i, (start, end) in enumerate(zip(starts, ends))]
+    return ys if split_item in (0, 1) else [torch.cat(ys, dim=0)]
+
+
 # Shape rules, for tracing (dynamo runs these on fake tensors instead of the ops).
 npu_rms_norm.register_fake(
     lambda x, gamma, epsilon=1e-6: (torch.empty_like(x), x.new_empty(*x.shape[:-1], 1, dtype=torch.float32))

@@ -49,8 +49,7 @@ class EngineCore:
             output = self.executor.execute_model(scheduled)
         except LoRAUnavailableError as exc:
             return self._end_adapter(scheduled, exc)
-        bitmask = self.executor.grammar_bitmask(output)
-        sampled = self.executor.sample(output, bitmask)
+        sampled = self.executor.sample(output, self.executor.grammar_bitmask(output))
         self.num_prompt_tokens += scheduled.num_prompt_tokens
         self.num_generation_tokens += len(sampled)
         outputs = self.scheduler.update_from_output(scheduled, sampled, output.prompt_logprobs)

@@ -6,6 +6,8 @@ from collections.abc import Callable
 
 import torch
 
+from kiln_ascend.lora import add_lora
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     import torch_npu
@@ -51,4 +53,5 @@ def fused_ops() -> dict[str, Callable]:
         "fused_add_rms_norm": fused_add_rms_norm,
         "rotary_embedding": rotary_embedding,
         "silu_and_mul": silu_and_mul,
+        "add_lora": add_lora,
     }

@@ -8,6 +8,7 @@ import torch
 import triton
 
 from kiln_cuda import kernels
+from kiln_cuda.lora import add_lora
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -69,4 +70,5 @@ def fused_ops() -> dict[str, Callable]:
         "fused_add_rms_norm": fused_add_rms_norm,
         "rotary_embedding": rotary_embedding,
         "silu_and_mul": silu_and_mul,
+        "add_lora": add_lora,
     }
