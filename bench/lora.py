@@ -45,6 +45,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--lora-dtype", default="auto", help="the adapters' dtype (auto: bf16 for a GGUF model on the CPU)")
     args = parser.parse_args()
 
     from kiln import LLM, LoRARequest, SamplingParams
@@ -57,7 +58,10 @@ def main() -> None:
     loras = [LoRARequest(f"a{i}", i + 1, p) for i, p in enumerate(paths)]
 
     base = LLM(max_num_seqs=args.concurrency)
-    lora = LLM(max_num_seqs=args.concurrency, enable_lora=True, max_loras=ADAPTERS, max_lora_rank=args.rank)
+    lora = LLM(
+        max_num_seqs=args.concurrency, enable_lora=True, max_loras=ADAPTERS, max_lora_rank=args.rank,
+        lora_dtype=args.lora_dtype,
+    )  # fmt: skip
     load_ms = []
     for req in loras:
         start = time.perf_counter()
@@ -91,6 +95,7 @@ def main() -> None:
                 "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
                 "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
                 "workload": vars(args),
+                "lora_dtype": lora.engine.config.lora_dtype,
                 "output_tok_per_s": rates,
                 "adapter_load_ms": load_ms,
                 "ratio": ratio,

@@ -66,14 +66,15 @@ def test_layers_it_cannot_run_keep_their_python_forward(tiny_model_dir):
     assert torch.get_default_dtype() == torch.float32
 
 
-def test_lora_decode_steps_match_the_python_forward(tiny_model_dir, tmp_path, varied_prompts, monkeypatch):
+@pytest.mark.parametrize("lora_dtype", ["float32", "bfloat16"])
+def test_lora_decode_steps_match_the_python_forward(tiny_model_dir, tmp_path, varied_prompts, monkeypatch, lora_dtype):
     from kiln import LoRARequest
     from kiln.testing.lora import build_lora_adapter
 
     model = tiny_model_dir("llama")
     adapters = [LoRARequest(f"a{i}", i + 1, build_lora_adapter(model, tmp_path / f"a{i}", seed=i)) for i in range(2)]
     loras = [adapters[0], None, adapters[1], adapters[0], None]  # one per prompt
-    flags = dict(enable_lora=True, max_loras=2, max_lora_rank=8)
+    flags = dict(enable_lora=True, max_loras=2, max_lora_rank=8, lora_dtype=lora_dtype)
     python_calls = []
     forward = LlamaDecoderLayer.forward
 

@@ -35,8 +35,22 @@ def test_kernel_matches_the_reference(slices, rank, inputs, bias, query_lens):
     assert torch.equal(got[base_rows], y[base_rows])  # the base model's tokens untouched
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_slots_match_the_reference_in_fp32(bias):
+    """bf16 adapter weights, fp32 activations: products and sums in fp32 on the widened weights."""
+    torch.manual_seed(1)
+    slices, rank = (40, 24, 24), 8
+    a = torch.randn(2, 3 * rank, 48).bfloat16()
+    b = torch.randn(2, sum(slices), rank).bfloat16()
+    lora_bias = torch.randn(2, sum(slices)).bfloat16() if bias else None
+    x, y = torch.randn(9, 48), torch.randn(9, sum(slices))
+    mapping = LoRAMapping.of([1, 0, -1, 1], [4, 2, 2, 1], torch.device("cpu"))
+    wide = reference(y.clone(), x, a.float(), b.float(), None if lora_bias is None else lora_bias.float(), mapping, slices)
+    torch.testing.assert_close(add_lora(y.clone(), x, a, b, lora_bias, mapping, slices), wide, rtol=1e-5, atol=1e-4)
+
+
 def test_other_dtypes_take_the_reference():
-    x, y = torch.randn(2, 8, dtype=torch.bfloat16), torch.randn(2, 4, dtype=torch.bfloat16)
+    x, y = torch.randn(2, 8, dtype=torch.bfloat16), torch.randn(2, 4, dtype=torch.bfloat16)  # bf16 activations
     a, b = torch.randn(1, 2, 8, dtype=torch.bfloat16), torch.randn(1, 4, 2, dtype=torch.bfloat16)
     mapping = LoRAMapping.of([0], [2], torch.device("cpu"))
     torch.testing.assert_close(add_lora(y, x, a, b, None, mapping, (4,)), reference(y, x, a, b, None, mapping, (4,)))

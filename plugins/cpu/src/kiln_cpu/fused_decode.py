@@ -23,6 +23,7 @@ from torch import nn
 from kiln.interfaces.model import PRE_NORM_LAYER
 from kiln_cpu import native
 from kiln_cpu.attention import CpuAttentionBackend, CpuMetadata
+from kiln_cpu.fused_ops import LORA_KERNELS, transposed_lora_b
 from kiln_cpu.tiled_weights import TiledLinear
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
@@ -31,7 +32,7 @@ _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 class _Linear(ctypes.Structure):
     _fields_ = [("fmt", _i64), ("int8", _i64), ("scale", _ptr), ("min", _ptr), ("q", _ptr), ("bias", _ptr),
                 ("inp", _i64), ("out", _i64), ("lora_a", _ptr), ("lora_b", _ptr), ("lora_bias", _ptr),
-                ("lora_rank", _i64), ("lora_slices", _i64), ("lora_sizes", _ptr)]  # fmt: skip
+                ("lora_rank", _i64), ("lora_slices", _i64), ("lora_sizes", _ptr), ("lora_bf16", _i64)]  # fmt: skip
 
 
 class _Layer(ctypes.Structure):
@@ -97,22 +98,28 @@ class FusedDecodeLayer(nn.Module):
             return getattr(inner, name)
 
     def _lora_ready(self) -> bool:
-        """Point the C layer at the LoRA slots beside its projections (``kiln.interfaces.lora``);
-        False when they are not all fp32 and contiguous (the Python forward runs them then)."""
+        """Point the C layer at the LoRA slots beside its projections (``kiln.interfaces.lora``), B
+        transposed as the kernel reads it (again after a slot changed); False when they are not
+        all fp32 or all bf16, contiguous (the Python forward runs them then)."""
+        attn, mlp = self.layer.self_attn, self.layer.mlp
+        pairs = ((self.c.qkv, attn.qkv_proj), (self.c.o, attn.o_proj), (self.c.gate_up, mlp.gate_up_proj),
+                 (self.c.down, mlp.down_proj))  # fmt: skip
         if self.lora_ready is None:
-            attn, mlp = self.layer.self_attn, self.layer.mlp
-            pairs = ((self.c.qkv, attn.qkv_proj), (self.c.o, attn.o_proj), (self.c.gate_up, mlp.gate_up_proj),
-                     (self.c.down, mlp.down_proj))  # fmt: skip
             tensors = [t for _, m in pairs for t in (m.lora_a, m.lora_b, m.lora_bias) if t is not None]
-            self.lora_ready = all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+            dtype = tensors[0].dtype
+            self.lora_ready = dtype in LORA_KERNELS and all(t.dtype == dtype and t.is_contiguous() for t in tensors)
             if self.lora_ready:
                 self.lora_sizes = []
                 for c, m in pairs:
                     sizes = torch.tensor(m.slices, dtype=torch.int64)
                     self.lora_sizes.append(sizes)  # owns the pointer below
-                    c.lora_a, c.lora_b = m.lora_a.data_ptr(), m.lora_b.data_ptr()
+                    c.lora_a = m.lora_a.data_ptr()
                     c.lora_bias = None if m.lora_bias is None else m.lora_bias.data_ptr()
                     c.lora_rank, c.lora_slices, c.lora_sizes = m.lora_b.shape[-1], len(m.slices), sizes.data_ptr()
+                    c.lora_bf16 = int(dtype == torch.bfloat16)
+        if self.lora_ready:
+            for c, m in pairs:
+                c.lora_b = transposed_lora_b(m.lora_b).data_ptr()
         return self.lora_ready
 
     def forward(self, positions, x, residual, rope_cache, ctx):

@@ -8,6 +8,7 @@ as vLLM's kernels do: the model never reuses their inputs.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -70,7 +71,19 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+LORA_KERNELS = {torch.float32: "lora_add_f32", torch.bfloat16: "lora_add_bf16w"}  # by the slots' dtype
 _SLICE_SIZES: dict[tuple[int, ...], torch.Tensor] = {}  # a projection's slice sizes, as the kernel reads them
+_TRANSPOSED: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}  # id(lora_b) -> (it, its version, B^T)
+
+
+def transposed_lora_b(lora_b: torch.Tensor) -> torch.Tensor:
+    """``lora_b`` as the C kernel reads it, (slots, rank, out): made again only after a slot
+    changed (an in-place write bumps the tensor's version), so decode steps reuse it."""
+    held = _TRANSPOSED.get(id(lora_b))
+    if held is None or held[0]() is not lora_b or held[1] != lora_b._version:
+        held = (weakref.ref(lora_b), lora_b._version, lora_b.transpose(1, 2).contiguous())
+        _TRANSPOSED[id(lora_b)] = held
+    return held[2]
 
 
 def add_lora(
@@ -82,20 +95,22 @@ def add_lora(
     mapping: LoRAMapping,
     slices: tuple[int, ...],
 ) -> torch.Tensor:
-    tensors = (y, x, lora_a, lora_b) + (() if lora_bias is None else (lora_bias,))
-    if any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
+    weights = (lora_a, lora_b) + (() if lora_bias is None else (lora_bias,))
+    kernel = LORA_KERNELS.get(lora_a.dtype)
+    ok = y.dtype == x.dtype == torch.float32 and y.is_contiguous() and x.is_contiguous() and kernel is not None
+    if not ok or any(w.dtype != lora_a.dtype or not w.is_contiguous() for w in weights):
         return lora_reference.add_lora(y, x, lora_a, lora_b, lora_bias, mapping, slices)
     sizes = _SLICE_SIZES.get(slices)
     if sizes is None:
         sizes = _SLICE_SIZES.setdefault(slices, torch.tensor(slices, dtype=torch.int64))
     slots = mapping.token_slots
-    failed = native.load_kernels().lora_add_f32(
+    failed = getattr(native.load_kernels(), kernel)(
         y.data_ptr(), y.shape[1], x.data_ptr(), x.shape[1], y.shape[0], slots.data_ptr(), lora_a.data_ptr(),
-        lora_b.data_ptr(), None if lora_bias is None else lora_bias.data_ptr(), x.shape[1], y.shape[1],
+        transposed_lora_b(lora_b).data_ptr(), None if lora_bias is None else lora_bias.data_ptr(), x.shape[1], y.shape[1],
         lora_b.shape[-1], len(slices), sizes.data_ptr(),
     )  # fmt: skip
     if failed:
-        raise MemoryError("lora_add_f32: out of memory")
+        raise MemoryError(f"{kernel}: out of memory")
     return y
 
 

@@ -87,8 +87,9 @@ def load_kernels() -> ctypes.CDLL | None:
     for fn in (lib.tiled_linear, lib.int8_linear):
         fn.argtypes = [ptr, ptr, i64, i64, fmt, ptr, ptr, ptr, ptr, i64, i64]
         fn.restype = ctypes.c_int
-    lib.lora_add_f32.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ptr]
-    lib.lora_add_f32.restype = ctypes.c_int
+    for fn in (lib.lora_add_f32, lib.lora_add_bf16w):
+        fn.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ptr]
+        fn.restype = ctypes.c_int
     lib.decode_layer.argtypes = [ptr, ptr, ptr, ptr, i64]
     lib.decode_layer.restype = ctypes.c_int
     lib.tiled_unpack.argtypes = [ptr, fmt, ptr, ptr, ptr, i64, i64]

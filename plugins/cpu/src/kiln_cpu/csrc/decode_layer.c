@@ -39,18 +39,22 @@ int paged_decode_attention_f32_bf16(float *, const float *, int64_t, const uint1
 
 int lora_add_f32(float *, int64_t, const float *, int64_t, int64_t, const int64_t *, const float *, const float *,
                  const float *, int64_t, int64_t, int64_t, int64_t, const int64_t *);
+int lora_add_bf16w(float *, int64_t, const float *, int64_t, int64_t, const int64_t *, const uint16_t *,
+                   const uint16_t *, const uint16_t *, int64_t, int64_t, int64_t, int64_t, const int64_t *);
 
 /* A TiledLinear: its weight's kernel arguments, bias, and whether activations go int8; and,
- * under --enable-lora, its adapter slots (kiln.interfaces.lora; lora_a NULL: none). */
+ * under --enable-lora, its adapter slots (kiln.interfaces.lora, B transposed as lora.c reads
+ * it; lora_a NULL: none). */
 struct linear {
     int64_t fmt, int8;
     const float *scale, *min;
     const void *q;
     const float *bias;
     int64_t in, out;
-    const float *lora_a, *lora_b, *lora_bias;
+    const void *lora_a, *lora_b, *lora_bias;
     int64_t lora_rank, lora_slices;
     const int64_t *lora_sizes;
+    int64_t lora_bf16; /* the slots' dtype: bf16, else fp32 */
 };
 
 struct layer {
@@ -74,7 +78,10 @@ static int linear(const struct linear *l, const struct step *S, float *out, cons
     const int64_t rows = S->rows;
     int failed = l->int8 ? int8_linear(out, x, rows, l->in, (int)l->fmt, l->scale, l->min, l->q, l->bias, l->in, l->out)
                          : tiled_linear(out, x, rows, l->in, (int)l->fmt, l->scale, l->min, l->q, l->bias, l->in, l->out);
-    if (!failed && S->lora_slots && l->lora_a)
+    if (!failed && S->lora_slots && l->lora_a && l->lora_bf16)
+        failed = lora_add_bf16w(out, l->out, x, l->in, rows, S->lora_slots, l->lora_a, l->lora_b, l->lora_bias, l->in,
+                                l->out, l->lora_rank, l->lora_slices, l->lora_sizes);
+    else if (!failed && S->lora_slots && l->lora_a)
         failed = lora_add_f32(out, l->out, x, l->in, rows, S->lora_slots, l->lora_a, l->lora_b, l->lora_bias, l->in,
                               l->out, l->lora_rank, l->lora_slices, l->lora_sizes);
     return failed;

@@ -5,10 +5,13 @@
  *   h = A[s] x[t]                       (num_slices * rank values; s = slots[t], < 0: none)
  *   y[t, off_i : off_i + n_i] += B[s, off_i : off_i + n_i, :] h[i * rank : (i + 1) * rank]  (+ bias)
  *
- * a: (num_slots, num_slices * rank, in), b: (num_slots, out, rank), bias: (num_slots, out)
- * or NULL, all fp32 and contiguous. Tokens are grouped by slot, so each slot's A and B are read
- * once per call (SGMV-style) rather than once per token: at decode batch sizes re-reading
- * them per token cost more than the products.
+ * a: (num_slots, num_slices * rank, in), bt: B transposed, (num_slots, rank, out), bias:
+ * (num_slots, out) or NULL, contiguous, all fp32 (lora_add_f32) or all bf16 (lora_add_bf16w);
+ * x and y fp32. Tokens are grouped by slot, so each slot's
+ * A and B are read once per call (SGMV-style) rather than once per token: at decode batch sizes
+ * re-reading them per token cost more than the products. B comes transposed so that the expand
+ * adds whole rows of B^T into y (FMAs only; a dot product per output needs a horizontal sum,
+ * which at LoRA's small ranks cost more than its multiplies).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -16,26 +19,43 @@
 #include "vec.h"
 
 #define LORA_PARALLEL_MIN_MACS 65536
+#define INLINE static inline __attribute__((always_inline))
 
-static float dot_f32(const float *a, const float *b, int64_t n) {
+/* Adapter weights are fp32 or bf16 (half the bytes: at decode a step reads every running
+ * adapter's weights once, as many bytes as a 4-bit base model's for four rank-16 adapters);
+ * products and sums are fp32 either way. `bf16` is a constant in each exported kernel. */
+INLINE v8 loadw(const void *w, int64_t i, int bf16) {
+    return bf16 ? load8_bf16((const uint16_t *)w + i) : load8_f32((const float *)w + i);
+}
+
+INLINE float getw(const void *w, int64_t i, int bf16) {
+    if (!bf16) return ((const float *)w)[i];
+    const uint32_t bits = (uint32_t)((const uint16_t *)w)[i] << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* A weight row's dot product with one token. */
+INLINE float dot_w(const void *w, const float *x, int64_t n, int bf16) {
     v8 acc0 = splat(0.0f), acc1 = splat(0.0f);
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
-        acc0 += load8_f32(a + i) * load8_f32(b + i);
-        acc1 += load8_f32(a + i + 8) * load8_f32(b + i + 8);
+        acc0 += loadw(w, i, bf16) * load8_f32(x + i);
+        acc1 += loadw(w, i + 8, bf16) * load8_f32(x + i + 8);
     }
-    for (; i + 8 <= n; i += 8) acc0 += load8_f32(a + i) * load8_f32(b + i);
+    for (; i + 8 <= n; i += 8) acc0 += loadw(w, i, bf16) * load8_f32(x + i);
     float sum = hsum8(acc0 + acc1);
-    for (; i < n; i++) sum += a[i] * b[i];
+    for (; i < n; i++) sum += getw(w, i, bf16) * x[i];
     return sum;
 }
 
 /* Four tokens' dot products with one weight row, which is loaded once for all four. */
-static void dot4_f32(const float *w, const float *const x[4], int64_t n, float out[4]) {
+INLINE void dot4_w(const void *w, const float *const x[4], int64_t n, float out[4], int bf16) {
     v8 a0 = splat(0.0f), a1 = splat(0.0f), a2 = splat(0.0f), a3 = splat(0.0f);
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
-        const v8 wv = load8_f32(w + i);
+        const v8 wv = loadw(w, i, bf16);
         a0 += wv * load8_f32(x[0] + i);
         a1 += wv * load8_f32(x[1] + i);
         a2 += wv * load8_f32(x[2] + i);
@@ -43,7 +63,7 @@ static void dot4_f32(const float *w, const float *const x[4], int64_t n, float o
     }
     out[0] = hsum8(a0), out[1] = hsum8(a1), out[2] = hsum8(a2), out[3] = hsum8(a3);
     for (; i < n; i++)
-        for (int j = 0; j < 4; j++) out[j] += w[i] * x[j][i];
+        for (int j = 0; j < 4; j++) out[j] += getw(w, i, bf16) * x[j][i];
 }
 
 /* The eight sums of v[0..7]'s lanes, as one vector (a transpose folded into the adds). */
@@ -62,27 +82,51 @@ static inline v8 hsum8x8(const v8 v[8]) {
            __builtin_shufflevector(q03, q47, 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
-/* y[0..8) += B[0..8) h (+ bias): eight rows of B (rank values each, row stride rank). */
-static inline void expand8(float *y, const float *br, const float *hi, int64_t rank, const float *bias) {
+/* y[j][0..16) += sum_r h[j][r] * bt[r * out + (0..16)] (+ bias) for n <= 4 tokens. */
+INLINE void expand16x4(float *const y[4], const float *const h[4], int n, const void *bt, int64_t out, int64_t rank,
+                       const void *bias, int bf16) {
+    v8 acc[4][2];
+    for (int j = 0; j < 4; j++) acc[j][0] = acc[j][1] = splat(0.0f);
+    for (int64_t r = 0; r < rank; r++) {
+        const v8 b0 = loadw(bt, r * out, bf16), b1 = loadw(bt, r * out + 8, bf16);
+        for (int j = 0; j < n; j++) {
+            const v8 hv = splat(h[j][r]);
+            acc[j][0] += hv * b0;
+            acc[j][1] += hv * b1;
+        }
+    }
+    const v8 c0 = bias ? loadw(bias, 0, bf16) : splat(0.0f), c1 = bias ? loadw(bias, 8, bf16) : splat(0.0f);
+    for (int j = 0; j < n; j++) {
+        store8(y[j], load8_f32(y[j]) + acc[j][0] + c0);
+        store8(y[j] + 8, load8_f32(y[j] + 8) + acc[j][1] + c1);
+    }
+}
+
+/* Two weight rows' dot products with four tokens: out[k * 4 + j] = w[k] . x[j]. Each loaded
+ * piece of a row or a token serves four or two products, so the loop is bound by the FMAs. */
+INLINE void dot2x4_w(const void *w0p, const void *w1p, const float *const x[4], int64_t n, float out[8], int bf16) {
     v8 acc[8];
     for (int k = 0; k < 8; k++) acc[k] = splat(0.0f);
-    int64_t r = 0;
-    for (; r + 8 <= rank; r += 8) {
-        const v8 hv = load8_f32(hi + r);
-        for (int k = 0; k < 8; k++) acc[k] += load8_f32(br + k * rank + r) * hv;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const v8 w0 = loadw(w0p, i, bf16), w1 = loadw(w1p, i, bf16);
+        for (int j = 0; j < 4; j++) {
+            const v8 xv = load8_f32(x[j] + i);
+            acc[j] += w0 * xv;
+            acc[4 + j] += w1 * xv;
+        }
     }
-    v8 sums = hsum8x8(acc);
-    for (; r < rank; r++)
-        for (int k = 0; k < 8; k++) sums[k] += br[k * rank + r] * hi[r];
-    if (bias) sums += load8_f32(bias);
-    store8(y, load8_f32(y) + sums);
+    store8(out, hsum8x8(acc));
+    for (; i < n; i++)
+        for (int j = 0; j < 4; j++) out[j] += getw(w0p, i, bf16) * x[j][i], out[4 + j] += getw(w1p, i, bf16) * x[j][i];
 }
 
 #define LORA_TOKEN_CHUNK 16 /* tokens whose inputs stay in cache while A's rows pass over them */
 
-int lora_add_f32(float *y, int64_t y_stride, const float *x, int64_t x_stride, int64_t tokens, const int64_t *slots,
-                 const float *a, const float *b, const float *bias, int64_t in, int64_t out, int64_t rank,
-                 int64_t num_slices, const int64_t *slice_sizes) {
+INLINE int lora_add(float *y, int64_t y_stride, const float *x, int64_t x_stride, int64_t tokens, const int64_t *slots,
+                    const void *a, const void *bt, const void *bias, int64_t in, int64_t out, int64_t rank,
+                    int64_t num_slices, const int64_t *slice_sizes, int bf16) {
+    const int64_t wsize = bf16 ? 2 : 4; /* bytes per weight */
     const int64_t h_len = num_slices * rank;
     int64_t num_slots = 0;
     for (int64_t t = 0; t < tokens; t++)
@@ -101,51 +145,100 @@ int lora_add_f32(float *y, int64_t y_stride, const float *x, int64_t x_stride, i
     for (int64_t s = 0, k = 0; s < num_slots; s++)
         for (int64_t t = 0; t < tokens; t++)
             if (slots[t] == s) order[k++] = t;
-    const int64_t grouped = first[num_slots];
-    const int64_t macs = grouped * (h_len * in + out * rank);
+    /* Work items: for the shrink, a chunk of one slot's tokens by a pair of A's rows; for the
+     * expand, sixteen output rows for every slot's tokens. One barrier between the two. */
+    int64_t num_chunks = 0;
+    for (int64_t s = 0; s < num_slots; s++) num_chunks += (first[s + 1] - first[s] + LORA_TOKEN_CHUNK - 1) / LORA_TOKEN_CHUNK;
+    int64_t *chunk_slot = malloc(sizeof(int64_t) * (num_chunks ? num_chunks : 1));
+    if (chunk_slot == NULL) {
+        free(first), free(order), free(h);
+        return 1;
+    }
+    for (int64_t s = 0, c = 0; s < num_slots; s++)
+        for (int64_t j = first[s]; j < first[s + 1]; j += LORA_TOKEN_CHUNK) chunk_slot[c++] = s;
+    const int64_t pairs = (h_len + 1) / 2, blocks = (out + 15) / 16;
+    const int64_t macs = first[num_slots] * (h_len * in + out * rank);
 #pragma omp parallel if (macs >= LORA_PARALLEL_MIN_MACS)
-    for (int64_t s = 0; s < num_slots; s++) {
-        const int64_t n = first[s + 1] - first[s], base = first[s];
-        if (n == 0) continue;
-        const int64_t *idx = order + base;
-        const float *as = a + s * h_len * in, *bs = b + s * out * rank, *bias_s = bias ? bias + s * out : NULL;
-        const int64_t chunks = (n + LORA_TOKEN_CHUNK - 1) / LORA_TOKEN_CHUNK;
-        /* shrink: h[token] = A[s] x[token], a chunk of tokens per pass over A's rows */
+    {
+        /* shrink: h[token] = A[s] x[token], a chunk of tokens per pass over two of A's rows */
 #pragma omp for schedule(static)
-        for (int64_t task = 0; task < chunks * h_len; task++) {
-            const int64_t c = task / h_len, r = task % h_len, end = c * LORA_TOKEN_CHUNK + LORA_TOKEN_CHUNK;
-            const float *ar = as + r * in;
-            int64_t j = c * LORA_TOKEN_CHUNK;
-            for (; j + 4 <= n && j + 4 <= end; j += 4) {
-                const float *xs[4] = {x + idx[j] * x_stride, x + idx[j + 1] * x_stride, x + idx[j + 2] * x_stride,
-                                      x + idx[j + 3] * x_stride};
-                float d[4];
-                dot4_f32(ar, xs, in, d);
-                for (int q = 0; q < 4; q++) h[(base + j + q) * h_len + r] = d[q];
+        for (int64_t task = 0; task < num_chunks * pairs; task++) {
+            const int64_t c = task / pairs, r = 2 * (task % pairs), s = chunk_slot[c];
+            int64_t j = first[s];
+            for (int64_t k = c - 1; k >= 0 && chunk_slot[k] == s; k--) j += LORA_TOKEN_CHUNK; /* chunk's start */
+            const int64_t end = j + LORA_TOKEN_CHUNK < first[s + 1] ? j + LORA_TOKEN_CHUNK : first[s + 1];
+            const char *ar = (const char *)a + (s * h_len + r) * in * wsize;
+            const int both = r + 1 < h_len;
+            for (; j + 4 <= end; j += 4) {
+                const float *xs[4] = {x + order[j] * x_stride, x + order[j + 1] * x_stride,
+                                      x + order[j + 2] * x_stride, x + order[j + 3] * x_stride};
+                if (both) {
+                    float d[8];
+                    dot2x4_w(ar, ar + in * wsize, xs, in, d, bf16);
+                    for (int q = 0; q < 4; q++) h[(j + q) * h_len + r] = d[q], h[(j + q) * h_len + r + 1] = d[4 + q];
+                } else {
+                    float d[4];
+                    dot4_w(ar, xs, in, d, bf16);
+                    for (int q = 0; q < 4; q++) h[(j + q) * h_len + r] = d[q];
+                }
             }
-            for (; j < n && j < end; j++) h[(base + j) * h_len + r] = dot_f32(ar, x + idx[j] * x_stride, in);
+            for (; j < end; j++) {
+                const float *xj = x + order[j] * x_stride;
+                h[j * h_len + r] = dot_w(ar, xj, in, bf16);
+                if (both) h[j * h_len + r + 1] = dot_w(ar + in * wsize, xj, in, bf16);
+            }
         }
-        /* expand: y[token, row] += B[s, row] h[token, slice of row] (+ bias), eight rows at a time */
-        const int64_t blocks = (out + 7) / 8;
+        /* expand: y[token, row] += B[s, row] h[token, slice of row] (+ bias), sixteen rows and four
+         * tokens at a time; rows of a block that leaves its slice (or the output) one by one */
 #pragma omp for schedule(static)
         for (int64_t blk = 0; blk < blocks; blk++) {
-            for (int64_t row = blk * 8, stop = row + 8 < out ? row + 8 : out; row < stop;) {
-                int64_t i = 0, edge = slice_sizes[0];
-                while (row >= edge) edge += slice_sizes[++i];
-                if (row + 8 <= edge && row + 8 <= stop) { /* eight rows of one slice */
-                    for (int64_t j = 0; j < n; j++)
-                        expand8(y + idx[j] * y_stride + row, bs + row * rank, h + (base + j) * h_len + i * rank,
-                                rank, bias_s ? bias_s + row : NULL);
-                    row += 8;
+            const int64_t row0 = blk * 16, stop = row0 + 16 < out ? row0 + 16 : out;
+            int64_t slice0 = 0, edge0 = slice_sizes[0];
+            while (row0 >= edge0) edge0 += slice_sizes[++slice0];
+            for (int64_t s = 0; s < num_slots; s++) {
+                const char *bts = (const char *)bt + s * rank * out * wsize;
+                const char *bias_s = bias ? (const char *)bias + s * out * wsize : NULL;
+                if (stop == row0 + 16 && stop <= edge0) {
+                    for (int64_t j = first[s]; j < first[s + 1]; j += 4) {
+                        const int m = first[s + 1] - j < 4 ? (int)(first[s + 1] - j) : 4;
+                        float *ys[4];
+                        const float *hs[4];
+                        for (int q = 0; q < m; q++) {
+                            ys[q] = y + order[j + q] * y_stride + row0;
+                            hs[q] = h + (j + q) * h_len + slice0 * rank;
+                        }
+                        expand16x4(ys, hs, m, bts + row0 * wsize, out, rank, bias_s ? bias_s + row0 * wsize : NULL,
+                                   bf16);
+                    }
                     continue;
                 }
-                const float add = bias_s ? bias_s[row] : 0.0f;
-                for (int64_t j = 0; j < n; j++)
-                    y[idx[j] * y_stride + row] += dot_f32(bs + row * rank, h + (base + j) * h_len + i * rank, rank) + add;
-                row++;
+                int64_t i = slice0, edge = edge0;
+                for (int64_t row = row0; row < stop; row++) {
+                    while (row >= edge) edge += slice_sizes[++i];
+                    const float add = bias_s ? getw(bias_s, row, bf16) : 0.0f;
+                    for (int64_t j = first[s]; j < first[s + 1]; j++) {
+                        const float *hj = h + j * h_len + i * rank;
+                        float sum = add;
+                        for (int64_t r = 0; r < rank; r++) sum += hj[r] * getw(bts, r * out + row, bf16);
+                        y[order[j] * y_stride + row] += sum;
+                    }
+                }
             }
         }
     }
+    free(chunk_slot);
     free(first), free(order), free(h);
     return 0;
+}
+
+int lora_add_f32(float *y, int64_t y_stride, const float *x, int64_t x_stride, int64_t tokens, const int64_t *slots,
+                 const float *a, const float *bt, const float *bias, int64_t in, int64_t out, int64_t rank,
+                 int64_t num_slices, const int64_t *slice_sizes) {
+    return lora_add(y, y_stride, x, x_stride, tokens, slots, a, bt, bias, in, out, rank, num_slices, slice_sizes, 0);
+}
+
+int lora_add_bf16w(float *y, int64_t y_stride, const float *x, int64_t x_stride, int64_t tokens, const int64_t *slots,
+                   const uint16_t *a, const uint16_t *bt, const uint16_t *bias, int64_t in, int64_t out, int64_t rank,
+                   int64_t num_slices, const int64_t *slice_sizes) {
+    return lora_add(y, y_stride, x, x_stride, tokens, slots, a, bt, bias, in, out, rank, num_slices, slice_sizes, 1);
 }
