@@ -45,7 +45,9 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--lora-dtype", default="auto", help="the adapters' dtype (auto: bf16 for a GGUF model on the CPU)")
+    parser.add_argument(
+        "--lora-dtype", default="auto", help="the adapters' dtype (auto: bf16 for a GGUF model on the CPU)"
+    )
     args = parser.parse_args()
 
     from kiln import LLM, LoRARequest, SamplingParams

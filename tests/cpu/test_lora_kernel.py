@@ -45,7 +45,9 @@ def test_bf16_slots_match_the_reference_in_fp32(bias):
     lora_bias = torch.randn(2, sum(slices)).bfloat16() if bias else None
     x, y = torch.randn(9, 48), torch.randn(9, sum(slices))
     mapping = LoRAMapping.of([1, 0, -1, 1], [4, 2, 2, 1], torch.device("cpu"))
-    wide = reference(y.clone(), x, a.float(), b.float(), None if lora_bias is None else lora_bias.float(), mapping, slices)
+    wide = reference(
+        y.clone(), x, a.float(), b.float(), None if lora_bias is None else lora_bias.float(), mapping, slices
+    )
     torch.testing.assert_close(add_lora(y.clone(), x, a, b, lora_bias, mapping, slices), wide, rtol=1e-5, atol=1e-4)
 
 
