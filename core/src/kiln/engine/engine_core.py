@@ -9,19 +9,15 @@ it never sees text. Requests finish only in the scheduler (see
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from kiln.engine.pooling import finish_pooled
 from kiln.engine.request import EngineCoreOutput, Request, RequestStatus
-from kiln.lora.request import LoRAUnavailableError
-
-logger = logging.getLogger("kiln.engine")
 
 if TYPE_CHECKING:
-    from kiln.engine.scheduler import Scheduler, SchedulerOutput
+    from kiln.engine.scheduler import Scheduler
     from kiln.worker.executor import Executor
 
 
@@ -45,10 +41,7 @@ class EngineCore:
         if scheduled.is_empty:
             return []
         t0 = time.perf_counter()
-        try:
-            output = self.executor.execute_model(scheduled)
-        except LoRAUnavailableError as exc:
-            return self._end_adapter(scheduled, exc)
+        output = self.executor.execute_model(scheduled)
         sampled = self.executor.sample(output, self.executor.grammar_bitmask(output))
         self.num_prompt_tokens += scheduled.num_prompt_tokens
         self.num_generation_tokens += len(sampled)
@@ -61,13 +54,3 @@ class EngineCore:
         self.executor.free(out.request_id for out in outputs if out.finish_reason is not None)
         return outputs
 
-    def _end_adapter(self, scheduled: SchedulerOutput, exc: LoRAUnavailableError) -> list[EngineCoreOutput]:
-        """A step that could not run: the requests on the adapter it could not read end (aborted);
-        the others, and the step's block copies, run in the next step."""
-        lora = exc.lora_request
-        logger.warning("LoRA adapter %r can no longer be read; ending its requests: %s", lora.lora_name, exc)
-        self.scheduler.kv.pending_copies[:0] = scheduled.block_copies
-        stranded = [r.request_id for r in self.scheduler.running + self.scheduler.waiting if r.lora_request == lora]
-        self.scheduler.finish_requests(stranded, RequestStatus.FINISHED_ABORTED)
-        self.executor.free(stranded)
-        return [EngineCoreOutput(rid, [], finish_reason=RequestStatus.FINISHED_ABORTED.value) for rid in stranded]

@@ -36,6 +36,7 @@ class ProcessedRequest:
 
     requests: list[Request]
     group: RequestGroup
+    lora_adapter: object = None  # the adapter's weights, read when checked, held while it runs
 
     @property
     def request_id(self) -> str:

@@ -146,16 +146,19 @@ class LLMEngine:
             return self.input_processor.process(request_id, prompt, params, arrival_time, priority)
         if isinstance(params, PoolingParams):
             raise ValueError("lora_request: LoRA adapters apply to generation, not to pooling requests")
-        self.add_lora(lora_request)
-        return self.input_processor.process(request_id, prompt, params, arrival_time, priority, lora_request)
+        adapter = self.add_lora(lora_request)
+        processed = self.input_processor.process(request_id, prompt, params, arrival_time, priority, lora_request)
+        processed.lora_adapter = adapter
+        return processed
 
     # ------------------------------------------------------------------ LoRA
-    def add_lora(self, lora_request: LoRARequest) -> None:
-        """Read (or find already read) and check a LoRA adapter; ``ValueError`` says what is wrong."""
+    def add_lora(self, lora_request: LoRARequest):
+        """Read (or find already read) and check a LoRA adapter, and return it; ``ValueError``
+        says what is wrong."""
         slots = self.executor.runner.lora
         if slots is None:
             raise ValueError("LoRA adapters need the engine started with --enable-lora")
-        slots.cache.get(lora_request)
+        return slots.cache.get(lora_request)
 
     def remove_lora(self, lora_int_id: int) -> None:
         """Forget a loaded adapter (requests running on it finish with it)."""
@@ -167,6 +170,8 @@ class LLMEngine:
         if processed.request_id in self.output_processor.groups:
             raise ValueError(f"request_id: {processed.request_id!r} is already running")
         self.output_processor.add(processed.group)
+        if processed.lora_adapter is not None:  # held until the request ends: steps never read a disk
+            self.executor.runner.lora.cache.hold(processed.group.lora_request, processed.lora_adapter)
         now = time.time()
         for req in processed.requests:
             req.metrics.request_start_time = now
@@ -174,7 +179,10 @@ class LLMEngine:
             self.core.add_request(req)
 
     def abort_request(self, request_id: str) -> None:
+        group = self.output_processor.groups.get(request_id)
         self.core.finish_requests(self.output_processor.abort(request_id), RequestStatus.FINISHED_ABORTED)
+        if group is not None:
+            self._release_adapter(group.lora_request)
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()
@@ -185,7 +193,14 @@ class LLMEngine:
         result = self.output_processor.process(self.core.step())
         if result.reqs_to_abort:
             self.core.finish_requests(result.reqs_to_abort, RequestStatus.FINISHED_STOPPED)
+        for out in result.request_outputs:
+            if out.finished:
+                self._release_adapter(out.lora_request)
         return result.request_outputs
+
+    def _release_adapter(self, lora_request: LoRARequest | None) -> None:
+        if lora_request is not None:
+            self.executor.runner.lora.cache.release(lora_request)
 
     def get_stats(self) -> dict:
         scheduler = self.core.scheduler

@@ -36,10 +36,3 @@ class LoRARequest:
     def adapter_id(self) -> int:
         return self.lora_int_id
 
-
-class LoRAUnavailableError(ValueError):
-    """An adapter a scheduled request needs can no longer be read (e.g. unloaded, then deleted)."""
-
-    def __init__(self, lora_request: LoRARequest, reason: str) -> None:
-        super().__init__(reason)
-        self.lora_request = lora_request

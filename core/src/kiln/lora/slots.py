@@ -3,8 +3,8 @@
 Per step, rank 0 ``assign``s each request's adapter a slot (the scheduler admits at most
 ``--max-loras`` adapters among running requests, so one is always free or reusable), and
 every rank ``apply``s the step: copies newly placed adapters into their slots and sets
-the mapping the layers read. Adapters read from disk stay in an LRU of
-``--max-cpu-loras``; one evicted from it is read again when next needed.
+the mapping the layers read. Adapters are read from disk when a request is checked, held
+while requests run on them, then kept in an LRU of ``--max-cpu-loras``.
 """
 
 from __future__ import annotations
@@ -17,41 +17,69 @@ import torch
 from kiln.interfaces.lora import LoRAMapping
 from kiln.lora.adapter import BaseModelShape, LoRAAdapter, load_adapter
 from kiln.lora.layers import LoRALinear, LoRAState
-from kiln.lora.request import LoRARequest, LoRAUnavailableError
+from kiln.lora.request import LoRARequest
 
 SlotLoad = tuple[int, LoRAAdapter]  # an adapter to copy into a slot before a step
 
 
 class AdapterCache:
-    """Adapters read from disk, least recently used out past ``capacity`` (thread-safe: the
-    API validates adapters while the engine steps)."""
+    """Adapters read from disk (thread-safe: the API reads adapters while the engine steps).
+
+    An adapter with unfinished requests is *held* (``hold``/``release``, by the engine) and
+    stays; the others are kept least recently used first, up to ``capacity``. So a step never
+    reads a disk: every adapter it places is held."""
 
     def __init__(self, shape: BaseModelShape, capacity: int, max_rank: int, enable_bias: bool) -> None:
         self.shape, self.capacity, self.max_rank, self.enable_bias = shape, capacity, max_rank, enable_bias
-        self._adapters: OrderedDict[int, tuple[LoRARequest, LoRAAdapter]] = OrderedDict()
+        self._idle: OrderedDict[LoRARequest, LoRAAdapter] = OrderedDict()
+        self._held: dict[LoRARequest, list] = {}  # -> [adapter, number of unfinished requests]
         self._lock = threading.Lock()
 
     def get(self, req: LoRARequest) -> LoRAAdapter:
         """The adapter, read on first use; ``ValueError`` says what is wrong with it."""
         with self._lock:
-            held = self._adapters.get(req.lora_int_id)
-            if held is not None and held[0] == req:
-                self._adapters.move_to_end(req.lora_int_id)
-                return held[1]
+            if req in self._held:
+                return self._held[req][0]
+            if req in self._idle:
+                self._idle.move_to_end(req)
+                return self._idle[req]
         adapter = load_adapter(req.lora_name, req.lora_path, self.shape, self.max_rank, self.enable_bias)
         with self._lock:
-            self._adapters[req.lora_int_id] = (req, adapter)
-            self._adapters.move_to_end(req.lora_int_id)
-            while len(self._adapters) > self.capacity:
-                self._adapters.popitem(last=False)
+            if req not in self._held:
+                self._idle[req] = adapter
+                self._trim()
         return adapter
 
-    def drop(self, lora_int_id: int) -> None:
+    def hold(self, req: LoRARequest, adapter: LoRAAdapter) -> None:
+        """One more unfinished request on ``adapter`` (as ``get`` returned it)."""
         with self._lock:
-            self._adapters.pop(lora_int_id, None)
+            self._idle.pop(req, None)
+            self._held.setdefault(req, [adapter, 0])[1] += 1
+
+    def release(self, req: LoRARequest) -> None:
+        """One request on ``req`` fewer; the last one leaves the adapter idle."""
+        with self._lock:
+            held = self._held.get(req)
+            if held is None:
+                return
+            held[1] -= 1
+            if held[1] == 0:
+                del self._held[req]
+                self._idle[req] = held[0]
+                self._trim()
+
+    def drop(self, lora_int_id: int) -> None:
+        """Forget an idle adapter (a held one stays until its requests end)."""
+        with self._lock:
+            for req in [r for r in self._idle if r.lora_int_id == lora_int_id]:
+                del self._idle[req]
+
+    def _trim(self) -> None:
+        while len(self._idle) > self.capacity:
+            self._idle.popitem(last=False)
 
     def __len__(self) -> int:
-        return len(self._adapters)
+        return len(self._idle) + len(self._held)
 
 
 class LoRASlots:
@@ -63,28 +91,29 @@ class LoRASlots:
         capacity = config.max_cpu_loras or config.max_loras
         self.cache = AdapterCache(shape, capacity, config.max_lora_rank, config.enable_lora_bias)
         self.slot_adapter: list[LoRARequest | None] = [None] * self.num_slots  # rank 0's placement
+        self.slot_weights: list[LoRAAdapter | None] = [None] * self.num_slots  # what each slot was filled with
         self.slot_used = [0] * self.num_slots  # the step each slot last ran
         self.steps = 0
         self.loads = 0  # adapters copied into a slot, for logs and tests
 
     def assign(self, requests: list[LoRARequest | None]) -> tuple[list[int], list[SlotLoad]]:
-        """A slot per request (-1: base model), and the adapters to copy in first, read here
-        (rank 0) so that other ranks need no disk. ``LoRAUnavailableError``: an adapter can no
-        longer be read; nothing is placed then."""
-        slot_of = {lora: i for i, lora in enumerate(self.slot_adapter) if lora is not None}
+        """A slot per request (-1: base model), and the adapters to copy in first (sent whole to
+        the other ranks, which read no disk). A slot whose adapter was read again since (an id
+        unloaded, then loaded anew) is refilled."""
         wanted = {lora for lora in requests if lora is not None}
         if len(wanted) > self.num_slots:
             raise RuntimeError(f"{len(wanted)} adapters in one step, over --max-loras {self.num_slots}")
-        loads, placed = [], list(self.slot_adapter)
-        for lora in sorted(wanted - slot_of.keys(), key=lambda r: r.lora_int_id):
-            try:
-                adapter = self.cache.get(lora)
-            except ValueError as exc:
-                self.slot_adapter = placed
-                raise LoRAUnavailableError(lora, str(exc)) from None
-            free = [i for i, held in enumerate(self.slot_adapter) if held is None or held not in wanted]
-            slot = min(free, key=lambda i: (self.slot_adapter[i] is not None, self.slot_used[i]))
-            self.slot_adapter[slot] = lora
+        slot_of = {lora: i for i, lora in enumerate(self.slot_adapter) if lora is not None}
+        loads = []
+        for lora in sorted(wanted, key=lambda r: r.lora_int_id):
+            adapter = self.cache.get(lora)  # held by the engine while its requests run: no disk read
+            slot = slot_of.get(lora)
+            if slot is not None and self.slot_weights[slot] is adapter:
+                continue
+            if slot is None:
+                free = [i for i, held in enumerate(self.slot_adapter) if held is None or held not in wanted]
+                slot = min(free, key=lambda i: (self.slot_adapter[i] is not None, self.slot_used[i]))
+            self.slot_adapter[slot], self.slot_weights[slot] = lora, adapter
             slot_of[lora] = slot
             loads.append((slot, adapter))
         self.steps += 1
@@ -105,7 +134,8 @@ class LoRASlots:
         return mapping
 
     def forget(self, lora_int_id: int) -> None:
-        """An unloaded adapter: out of the cache; its slot is reused once no running request needs it."""
+        """An unloaded adapter: out of the cache once its requests end, so the same id loaded
+        again is read again (and its slot refilled)."""
         self.cache.drop(lora_int_id)
 
 
