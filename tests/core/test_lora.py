@@ -212,6 +212,15 @@ def bad_adapter(tmp_path, llama_loras, kind: str) -> str:
         save_file(tensors, weights)
     elif kind == "dora":
         config["use_dora"] = True
+    elif kind == "bad-bias":
+        tensors = load_file(weights)
+        tensors["base_model.model.model.layers.0.self_attn.q_proj.lora_B.bias"] = torch.zeros(3)
+        save_file(tensors, weights)
+        config["lora_bias"] = True
+    elif kind == "alpha-not-a-number":
+        config["lora_alpha"] = "sixteen"
+    elif kind == "alora":
+        config["alora_invocation_tokens"] = [5, 6]
     elif kind == "other-base":
         tensors = load_file(weights)
         key = "base_model.model.model.layers.1.mlp.down_proj.lora_A.weight"
@@ -231,12 +240,15 @@ BAD = {
     "unknown-tensor": r"layers.0.mlp.fc1.lora_A.weight.*adapts a module the model lacks",
     "dora": r"DoRA adapters are not supported",
     "other-base": r"layers.1.down_proj has lora_A \(8, 96\).*trained for another base model",
+    "bad-bias": r"layers.0.q_proj has a lora_B bias of \(3,\), expected \(256,\)",
+    "alpha-not-a-number": r"lora_alpha and alpha_pattern must hold numbers",
+    "alora": r"aLoRA",
 }
 
 
 @pytest.fixture(scope="module")
 def lora_llm(llama_loras):
-    return LLM(llama_loras[0], dtype="float32", enable_lora=True, max_lora_rank=8)
+    return LLM(llama_loras[0], dtype="float32", enable_lora=True, max_lora_rank=8, enable_lora_bias=True)
 
 
 @pytest.mark.parametrize("kind", list(BAD))
@@ -273,6 +285,14 @@ def test_adapters_need_enable_lora(tiny_model_dir, llama_loras):
 def test_lora_flags_are_checked(flags, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig.create(**flags)
+
+
+def test_lora_flags_without_enable_lora_say_so(tiny_model_dir, caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="kiln.engine"):
+        LLM(tiny_model_dir("llama"), dtype="float32", max_loras=2, lora_dtype="bfloat16")
+    assert "--max-loras, --lora-dtype change nothing without --enable-lora" in caplog.text
 
 
 def test_lora_request_ids_must_be_positive():

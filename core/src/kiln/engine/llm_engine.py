@@ -56,6 +56,7 @@ class LLMEngine:
         self.plugins = plugins or get_plugin_manager()
         registry = self.plugins.registry
         self.platform = select_platform(config.device, registry)
+        _note_unused_lora_flags(config)
         model_id = config.model
         gguf = is_gguf_file(model_id, config.load_format)
         config.quantization = quant_config.for_model_file(config.quantization, gguf)
@@ -214,6 +215,15 @@ class LLMEngine:
             "generation_tokens": self.core.num_generation_tokens,
             "num_preemptions": scheduler.num_preemptions,
         }
+
+
+def _note_unused_lora_flags(config: EngineConfig) -> None:
+    """Say in the log when LoRA flags change nothing: LoRA is off."""
+    flags = ("max_loras", "max_lora_rank", "max_cpu_loras", "lora_dtype", "enable_lora_bias", "fully_sharded_loras")
+    given = [f for f in flags if getattr(config, f) != EngineConfig.model_fields[f].default]
+    if given and not config.enable_lora:
+        names = ", ".join("--" + f.replace("_", "-") for f in given)
+        logger.warning("%s change nothing without --enable-lora", names)
 
 
 def _resolve_lengths(cfg: EngineConfig, hf_config) -> None:

@@ -21,7 +21,8 @@ import torch
 
 # The projections Kiln applies LoRA to, as PEFT names them (Llama family).
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_(A|B)\.(weight|bias)$")
+# PEFT drops the adapter's name ("default") when saving; files saved otherwise keep it.
+_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_(A|B)(?:\.\w+)?\.(weight|bias)$")
 
 
 @dataclass(slots=True)
@@ -89,6 +90,10 @@ def _check_config(name: str, config: dict, enable_bias: bool) -> None:
         "use_dora": "DoRA adapters are not supported",
         "modules_to_save": "adapters that replace whole modules (modules_to_save) are not supported",
         "fan_in_fan_out": "fan_in_fan_out (Conv1D) adapters are not supported",
+        "alora_invocation_tokens": "activated LoRA (aLoRA) adapters are not supported",
+        "layer_replication": "adapters that replicate layers (layer_replication) are not supported",
+        "use_bdlora": "block-diagonal LoRA adapters are not supported",
+        "arrow_config": "Arrow routing adapters are not supported",
     }
     for key, reason in refused.items():
         if config.get(key):
@@ -96,8 +101,8 @@ def _check_config(name: str, config: dict, enable_bias: bool) -> None:
     if config.get("lora_bias") and not enable_bias:
         raise ValueError(f"LoRA adapter {name!r} has biases (lora_bias); start the server with --enable-lora-bias")
     targets = config.get("target_modules")
-    if isinstance(targets, list):
-        unknown = sorted(set(targets) - set(TARGETS))
+    if isinstance(targets, list):  # names or paths ("self_attn.q_proj"), matched by their last part
+        unknown = sorted(t for t in targets if not isinstance(t, str) or t.rsplit(".", 1)[-1] not in TARGETS)
         if unknown:
             raise ValueError(
                 f"LoRA adapter {name!r} targets {unknown}, which the model lacks or Kiln cannot adapt; "
@@ -114,7 +119,12 @@ def _read_tensors(name: str, path: str) -> dict[str, torch.Tensor]:
 
             return load_file(st)
         if os.path.isfile(pt):
-            return torch.load(pt, map_location="cpu", weights_only=True)
+            tensors = torch.load(pt, map_location="cpu", weights_only=True)
+            if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
+                raise ValueError(f"LoRA adapter {name!r}: {pt} does not hold a dict of tensors")
+            return tensors
+    except ValueError:
+        raise
     except Exception as exc:  # a truncated or corrupt file: the libraries raise various types
         raise ValueError(f"LoRA adapter {name!r}: cannot read its weights: {type(exc).__name__}: {exc}") from None
     raise ValueError(f"LoRA adapter {name!r}: no adapter_model.safetensors (or adapter_model.bin) in {path}")
@@ -122,9 +132,12 @@ def _read_tensors(name: str, path: str) -> dict[str, torch.Tensor]:
 
 def _pattern_value(patterns: dict, module: str, default: float) -> float:
     """PEFT's per-module override: a key matches a module name it ends (after a dot)."""
-    for key, value in (patterns or {}).items():
-        if re.match(rf"(.*\.)?({key})$", module):
-            return value
+    for key, value in patterns.items():
+        try:
+            if re.match(rf"(.*\.)?({key})$", module):
+                return value
+        except re.error as exc:
+            raise ValueError(f"alpha_pattern key {key!r} is not a valid pattern: {exc}") from None
     return default
 
 
@@ -148,10 +161,17 @@ def load_adapter(name: str, path: str, base: BaseModelShape, max_rank: int, enab
             raise ValueError(f"LoRA adapter {name!r}: {key!r}: lora_A has no bias in PEFT's format")
         if leaf == "bias" and not enable_bias:
             raise ValueError(f"LoRA adapter {name!r} has biases ({key}); start the server with --enable-lora-bias")
-        parts.setdefault((layer, module), {})[ab + leaf] = tensor
+        found = parts.setdefault((layer, module), {})
+        if ab + leaf in found:  # e.g. a vision tower's layers beside the language model's
+            raise ValueError(f"LoRA adapter {name!r}: two tensors for layers.{layer}.{module} lora_{ab}.{leaf}")
+        found[ab + leaf] = tensor
     if not parts:
         raise ValueError(f"LoRA adapter {name!r}: its weights file holds no LoRA tensors")
     alpha = config.get("lora_alpha", 8)
+    patterns = config.get("alpha_pattern") or {}
+    numbers = [alpha, *patterns.values()] if isinstance(patterns, dict) else None
+    if numbers is None or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers):
+        raise ValueError(f"LoRA adapter {name!r}: lora_alpha and alpha_pattern must hold numbers")
     rslora = bool(config.get("use_rslora"))
     modules, top_rank = {}, 0
     for (layer, module), found in sorted(parts.items()):
@@ -159,9 +179,9 @@ def load_adapter(name: str, path: str, base: BaseModelShape, max_rank: int, enab
         if "Aweight" not in found or "Bweight" not in found:
             raise ValueError(f"LoRA adapter {name!r}: {where} lacks its lora_A or lora_B weight")
         a, b = found["Aweight"].float(), found["Bweight"].float()
-        rank = a.shape[0]
+        rank = a.shape[0] if a.dim() == 2 else 0
         inputs, outputs = base.dims[module]
-        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != inputs or b.shape != (outputs, rank):
+        if rank < 1 or b.dim() != 2 or a.shape[1] != inputs or b.shape != (outputs, rank):
             raise ValueError(
                 f"LoRA adapter {name!r}: {where} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}, expected "
                 f"({rank}, {inputs}) and ({outputs}, {rank}): it was trained for another base model"
@@ -169,9 +189,16 @@ def load_adapter(name: str, path: str, base: BaseModelShape, max_rank: int, enab
         if rank > max_rank:
             raise ValueError(f"LoRA adapter {name!r} has rank {rank} ({where}), over --max-lora-rank {max_rank}")
         block = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
-        module_alpha = _pattern_value(config.get("alpha_pattern"), f"model.layers.{layer}.{block}.{module}", alpha)
+        try:
+            module_alpha = _pattern_value(patterns, f"model.layers.{layer}.{block}.{module}", alpha)
+        except ValueError as exc:
+            raise ValueError(f"LoRA adapter {name!r}: {exc}") from None
         scaling = module_alpha / (math.sqrt(rank) if rslora else rank)  # rank_pattern ranks are the tensors'
         bias = found.get("Bbias")
+        if bias is not None and tuple(bias.shape) != (outputs,):
+            raise ValueError(
+                f"LoRA adapter {name!r}: {where} has a lora_B bias of {tuple(bias.shape)}, expected ({outputs},)"
+            )
         bias = None if bias is None else (bias.float() * scaling).contiguous()
         modules[(layer, module)] = ModuleLoRA(a.contiguous(), (b * scaling).contiguous(), bias)
         top_rank = max(top_rank, rank)

@@ -81,6 +81,8 @@ def transposed_lora_b(lora_b: torch.Tensor) -> torch.Tensor:
     changed (an in-place write bumps the tensor's version), so decode steps reuse it."""
     held = _TRANSPOSED.get(id(lora_b))
     if held is None or held[0]() is not lora_b or held[1] != lora_b._version:
+        if held is None or held[0]() is not lora_b:  # dropped with its slots (engines come and go)
+            weakref.finalize(lora_b, _TRANSPOSED.pop, id(lora_b), None)
         held = (weakref.ref(lora_b), lora_b._version, lora_b.transpose(1, 2).contiguous())
         _TRANSPOSED[id(lora_b)] = held
     return held[2]

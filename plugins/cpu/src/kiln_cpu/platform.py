@@ -109,7 +109,7 @@ class CpuPlatform(Platform):
         # running adapter's weights, and four rank-16 adapters in fp32 are about as many bytes
         # as the 4-bit model. bench/lora.py (four adapters, concurrency 16): 0.87x the base
         # model's tok/s with bf16 adapters, 0.81x with fp32 ones.
-        if config.lora_dtype == "auto" and gguf:
+        if config.enable_lora and config.lora_dtype == "auto" and gguf:
             config.lora_dtype = "bfloat16"
         super().update_config(config)
 

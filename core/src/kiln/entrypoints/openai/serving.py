@@ -98,6 +98,17 @@ class OpenAIServing:
         """The LoRA adapter ``model`` names (None: the base model); an unknown name is a 404."""
         return self.models.check_model(model)
 
+    async def resolve_model(self, model: str | None) -> LoRARequest | None:
+        """``check_model``, with the adapter read (if it is not still held or cached) off the event
+        loop, so that queueing the request finds it read."""
+        lora = self.check_model(model)
+        if lora is not None:
+            try:
+                await asyncio.to_thread(self.engine.add_lora, lora)
+            except ValueError as exc:  # its folder changed since it was loaded
+                raise APIError(str(exc), param="model") from None
+        return lora
+
     def check_unsupported(self, req: SamplingFields) -> None:
         if req.stream_options is not None and not req.stream:
             raise APIError("stream_options: only allowed when stream is true", param="stream_options")

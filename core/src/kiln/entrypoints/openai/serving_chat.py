@@ -85,7 +85,7 @@ class ChatServing(OpenAIServing):
     async def prepare(self, req: ChatCompletionRequest) -> tuple[Prompt, SamplingParams, ToolSetup, LoRARequest | None]:
         """Validate, render and tokenize the conversation; its sampling parameters, tool constraint
         included and compiled, and the LoRA adapter ``model`` names (shared with ``/v1/responses``)."""
-        lora = self.check_model(req.model)
+        lora = await self.resolve_model(req.model)
         self.check_unsupported(req)
         options = self.options
         setup = tool_setup(

@@ -23,7 +23,7 @@ FIM_MARKERS = (
 
 class CompletionServing(OpenAIServing):
     async def create(self, req: CompletionRequest, raw: HTTPRequest):
-        lora = self.check_model(req.model)
+        lora = await self.resolve_model(req.model)
         model_name = self.models.model_name(lora)
         self.check_unsupported(req)
         prompts = self.prompts(req)
