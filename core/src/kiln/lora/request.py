@@ -35,4 +35,3 @@ class LoRARequest:
     @property
     def adapter_id(self) -> int:
         return self.lora_int_id
-
