@@ -51,6 +51,28 @@ def test_bf16_slots_match_the_reference_in_fp32(bias):
     torch.testing.assert_close(add_lora(y.clone(), x, a, b, lora_bias, mapping, slices), wide, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_ranks_below_the_maximum_are_skipped_exactly(dtype, bias):
+    """Slots of rank 3, 0 (the adapter leaves this projection alone) and 16 of 16: the kernel
+    skips the zero padding, so only the real rows and columns count."""
+    torch.manual_seed(2)
+    slices, max_rank = (48, 16, 16), 16
+    a = torch.randn(3, len(slices) * max_rank, 40)
+    b = torch.randn(3, sum(slices), max_rank)
+    for slot, rank in enumerate([3, 0, 16]):
+        for i in range(len(slices)):
+            a[slot, i * max_rank + rank : (i + 1) * max_rank] = 0
+        b[slot, :, rank:] = 0
+    a, b = a.to(dtype), b.to(dtype)
+    lora_bias = torch.randn(3, sum(slices)).to(dtype) if bias else None
+    x, y = torch.randn(10, 40), torch.randn(10, sum(slices))
+    mapping = LoRAMapping.of([0, 1, 2, 1, 0], [3, 1, 4, 1, 1], torch.device("cpu"))
+    wide = None if lora_bias is None else lora_bias.float()
+    want = reference(y.clone(), x, a.float(), b.float(), wide, mapping, slices)
+    torch.testing.assert_close(add_lora(y.clone(), x, a, b, lora_bias, mapping, slices), want, rtol=1e-5, atol=1e-4)
+
+
 def test_other_dtypes_take_the_reference():
     x, y = torch.randn(2, 8, dtype=torch.bfloat16), torch.randn(2, 4, dtype=torch.bfloat16)  # bf16 activations
     a, b = torch.randn(1, 2, 8, dtype=torch.bfloat16), torch.randn(1, 4, 2, dtype=torch.bfloat16)

@@ -23,7 +23,7 @@ from torch import nn
 from kiln.interfaces.model import PRE_NORM_LAYER
 from kiln_cpu import native
 from kiln_cpu.attention import CpuAttentionBackend, CpuMetadata
-from kiln_cpu.fused_ops import LORA_KERNELS, transposed_lora_b
+from kiln_cpu.fused_ops import LORA_KERNELS, prepared_lora_b
 from kiln_cpu.tiled_weights import TiledLinear
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
@@ -32,7 +32,8 @@ _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 class _Linear(ctypes.Structure):
     _fields_ = [("fmt", _i64), ("int8", _i64), ("scale", _ptr), ("min", _ptr), ("q", _ptr), ("bias", _ptr),
                 ("inp", _i64), ("out", _i64), ("lora_a", _ptr), ("lora_b", _ptr), ("lora_bias", _ptr),
-                ("lora_rank", _i64), ("lora_slices", _i64), ("lora_sizes", _ptr), ("lora_bf16", _i64)]  # fmt: skip
+                ("lora_rank", _i64), ("lora_slices", _i64), ("lora_sizes", _ptr), ("lora_bf16", _i64),
+                ("lora_ranks", _ptr)]  # fmt: skip
 
 
 class _Layer(ctypes.Structure):
@@ -119,7 +120,8 @@ class FusedDecodeLayer(nn.Module):
                     c.lora_bf16 = int(dtype == torch.bfloat16)
         if self.lora_ready:
             for c, m in pairs:
-                c.lora_b = transposed_lora_b(m.lora_b).data_ptr()
+                transposed, ranks = prepared_lora_b(m.lora_b)
+                c.lora_b, c.lora_ranks = transposed.data_ptr(), ranks.data_ptr()
         return self.lora_ready
 
     def forward(self, positions, x, residual, rope_cache, ctx):

@@ -73,19 +73,22 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 LORA_KERNELS = {torch.float32: "lora_add_f32", torch.bfloat16: "lora_add_bf16w"}  # by the slots' dtype
 _SLICE_SIZES: dict[tuple[int, ...], torch.Tensor] = {}  # a projection's slice sizes, as the kernel reads them
-_TRANSPOSED: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}  # id(lora_b) -> (it, its version, B^T)
+_PREPARED: dict[int, tuple] = {}  # id(lora_b) -> (weakref to it, its version, B^T, slot ranks)
 
 
-def transposed_lora_b(lora_b: torch.Tensor) -> torch.Tensor:
-    """``lora_b`` as the C kernel reads it, (slots, rank, out): made again only after a slot
-    changed (an in-place write bumps the tensor's version), so decode steps reuse it."""
-    held = _TRANSPOSED.get(id(lora_b))
+def prepared_lora_b(lora_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``lora_b`` as the C kernel reads it, (slots, rank, out), and each slot's rank (its last
+    nonzero column: the rest is zero padding the kernel skips). Made again only after a slot
+    changed (an in-place write bumps the tensor's version), so decode steps reuse them."""
+    held = _PREPARED.get(id(lora_b))
     if held is None or held[0]() is not lora_b or held[1] != lora_b._version:
         if held is None or held[0]() is not lora_b:  # dropped with its slots (engines come and go)
-            weakref.finalize(lora_b, _TRANSPOSED.pop, id(lora_b), None)
-        held = (weakref.ref(lora_b), lora_b._version, lora_b.transpose(1, 2).contiguous())
-        _TRANSPOSED[id(lora_b)] = held
-    return held[2]
+            weakref.finalize(lora_b, _PREPARED.pop, id(lora_b), None)
+        used = (lora_b != 0).any(dim=1)  # (slots, rank): columns holding anything
+        ranks = torch.where(used.any(-1), used.shape[-1] - used.flip(-1).int().argmax(-1), 0).to(torch.int64)
+        held = (weakref.ref(lora_b), lora_b._version, lora_b.transpose(1, 2).contiguous(), ranks.contiguous())
+        _PREPARED[id(lora_b)] = held
+    return held[2], held[3]
 
 
 def add_lora(
@@ -106,10 +109,11 @@ def add_lora(
     if sizes is None:
         sizes = _SLICE_SIZES.setdefault(slices, torch.tensor(slices, dtype=torch.int64))
     slots = mapping.token_slots
+    transposed, ranks = prepared_lora_b(lora_b)
     failed = getattr(native.load_kernels(), kernel)(
         y.data_ptr(), y.shape[1], x.data_ptr(), x.shape[1], y.shape[0], slots.data_ptr(), lora_a.data_ptr(),
-        transposed_lora_b(lora_b).data_ptr(), None if lora_bias is None else lora_bias.data_ptr(), x.shape[1], y.shape[1],
-        lora_b.shape[-1], len(slices), sizes.data_ptr(),
+        transposed.data_ptr(), None if lora_bias is None else lora_bias.data_ptr(), x.shape[1], y.shape[1],
+        lora_b.shape[-1], len(slices), sizes.data_ptr(), ranks.data_ptr(),
     )  # fmt: skip
     if failed:
         raise MemoryError(f"{kernel}: out of memory")

@@ -88,7 +88,7 @@ def load_kernels() -> ctypes.CDLL | None:
         fn.argtypes = [ptr, ptr, i64, i64, fmt, ptr, ptr, ptr, ptr, i64, i64]
         fn.restype = ctypes.c_int
     for fn in (lib.lora_add_f32, lib.lora_add_bf16w):
-        fn.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ptr]
+        fn.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ptr, ptr]
         fn.restype = ctypes.c_int
     lib.decode_layer.argtypes = [ptr, ptr, ptr, ptr, i64]
     lib.decode_layer.restype = ctypes.c_int

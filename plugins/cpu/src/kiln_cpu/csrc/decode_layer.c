@@ -38,9 +38,10 @@ int paged_decode_attention_f32_bf16(float *, const float *, int64_t, const uint1
                                     int64_t, float, int64_t);
 
 int lora_add_f32(float *, int64_t, const float *, int64_t, int64_t, const int64_t *, const float *, const float *,
-                 const float *, int64_t, int64_t, int64_t, int64_t, const int64_t *);
+                 const float *, int64_t, int64_t, int64_t, int64_t, const int64_t *, const int64_t *);
 int lora_add_bf16w(float *, int64_t, const float *, int64_t, int64_t, const int64_t *, const uint16_t *,
-                   const uint16_t *, const uint16_t *, int64_t, int64_t, int64_t, int64_t, const int64_t *);
+                   const uint16_t *, const uint16_t *, int64_t, int64_t, int64_t, int64_t, const int64_t *,
+                   const int64_t *);
 
 /* A TiledLinear: its weight's kernel arguments, bias, and whether activations go int8; and,
  * under --enable-lora, its adapter slots (kiln.interfaces.lora, B transposed as lora.c reads
@@ -55,6 +56,7 @@ struct linear {
     int64_t lora_rank, lora_slices;
     const int64_t *lora_sizes;
     int64_t lora_bf16; /* the slots' dtype: bf16, else fp32 */
+    const int64_t *lora_ranks; /* each slot's rank here */
 };
 
 struct layer {
@@ -80,10 +82,10 @@ static int linear(const struct linear *l, const struct step *S, float *out, cons
                          : tiled_linear(out, x, rows, l->in, (int)l->fmt, l->scale, l->min, l->q, l->bias, l->in, l->out);
     if (!failed && S->lora_slots && l->lora_a && l->lora_bf16)
         failed = lora_add_bf16w(out, l->out, x, l->in, rows, S->lora_slots, l->lora_a, l->lora_b, l->lora_bias, l->in,
-                                l->out, l->lora_rank, l->lora_slices, l->lora_sizes);
+                                l->out, l->lora_rank, l->lora_slices, l->lora_sizes, l->lora_ranks);
     else if (!failed && S->lora_slots && l->lora_a)
         failed = lora_add_f32(out, l->out, x, l->in, rows, S->lora_slots, l->lora_a, l->lora_b, l->lora_bias, l->in,
-                              l->out, l->lora_rank, l->lora_slices, l->lora_sizes);
+                              l->out, l->lora_rank, l->lora_slices, l->lora_sizes, l->lora_ranks);
     return failed;
 }
 

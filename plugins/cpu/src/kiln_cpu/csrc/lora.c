@@ -7,7 +7,8 @@
  *
  * a: (num_slots, num_slices * rank, in), bt: B transposed, (num_slots, rank, out), bias:
  * (num_slots, out) or NULL, contiguous, all fp32 (lora_add_f32) or all bf16 (lora_add_bf16w);
- * x and y fp32. Tokens are grouped by slot, so each slot's
+ * x and y fp32. ranks: each slot's rank in this projection (the rest of its `rank` rows and
+ * columns are zero padding, skipped), or NULL for all of them. Tokens are grouped by slot, so each slot's
  * A and B are read once per call (SGMV-style) rather than once per token: at decode batch sizes
  * re-reading them per token cost more than the products. B comes transposed so that the expand
  * adds whole rows of B^T into y (FMAs only; a dot product per output needs a horizontal sum,
@@ -125,7 +126,7 @@ INLINE void dot2x4_w(const void *w0p, const void *w1p, const float *const x[4], 
 
 INLINE int lora_add(float *y, int64_t y_stride, const float *x, int64_t x_stride, int64_t tokens, const int64_t *slots,
                     const void *a, const void *bt, const void *bias, int64_t in, int64_t out, int64_t rank,
-                    int64_t num_slices, const int64_t *slice_sizes, int bf16) {
+                    int64_t num_slices, const int64_t *slice_sizes, const int64_t *ranks, int bf16) {
     const int64_t wsize = bf16 ? 2 : 4; /* bytes per weight */
     const int64_t h_len = num_slices * rank;
     int64_t num_slots = 0;
@@ -167,8 +168,13 @@ INLINE int lora_add(float *y, int64_t y_stride, const float *x, int64_t x_stride
             int64_t j = first[s];
             for (int64_t k = c - 1; k >= 0 && chunk_slot[k] == s; k--) j += LORA_TOKEN_CHUNK; /* chunk's start */
             const int64_t end = j + LORA_TOKEN_CHUNK < first[s + 1] ? j + LORA_TOKEN_CHUNK : first[s + 1];
-            const char *ar = (const char *)a + (s * h_len + r) * in * wsize;
-            const int both = r + 1 < h_len;
+            /* rows past the slot's rank in their slice are zero padding: not computed, not read */
+            const int64_t rs = ranks ? ranks[s] : rank;
+            const int need0 = r % rank < rs, need1 = r + 1 < h_len && (r + 1) % rank < rs;
+            if (!need0 && !need1) continue;
+            const int64_t r1 = need0 ? r : r + 1; /* the one row, when only one is needed */
+            const char *ar = (const char *)a + (s * h_len + r) * in * wsize, *ar1 = ar + (r1 - r) * in * wsize;
+            const int both = need0 && need1;
             for (; j + 4 <= end; j += 4) {
                 const float *xs[4] = {x + order[j] * x_stride, x + order[j + 1] * x_stride,
                                       x + order[j + 2] * x_stride, x + order[j + 3] * x_stride};
@@ -178,13 +184,13 @@ INLINE int lora_add(float *y, int64_t y_stride, const float *x, int64_t x_stride
                     for (int q = 0; q < 4; q++) h[(j + q) * h_len + r] = d[q], h[(j + q) * h_len + r + 1] = d[4 + q];
                 } else {
                     float d[4];
-                    dot4_w(ar, xs, in, d, bf16);
-                    for (int q = 0; q < 4; q++) h[(j + q) * h_len + r] = d[q];
+                    dot4_w(ar1, xs, in, d, bf16);
+                    for (int q = 0; q < 4; q++) h[(j + q) * h_len + r1] = d[q];
                 }
             }
             for (; j < end; j++) {
                 const float *xj = x + order[j] * x_stride;
-                h[j * h_len + r] = dot_w(ar, xj, in, bf16);
+                h[j * h_len + r1] = dot_w(ar1, xj, in, bf16);
                 if (both) h[j * h_len + r + 1] = dot_w(ar + in * wsize, xj, in, bf16);
             }
         }
@@ -198,6 +204,8 @@ INLINE int lora_add(float *y, int64_t y_stride, const float *x, int64_t x_stride
             for (int64_t s = 0; s < num_slots; s++) {
                 const char *bts = (const char *)bt + s * rank * out * wsize;
                 const char *bias_s = bias ? (const char *)bias + s * out * wsize : NULL;
+                const int64_t rs = ranks ? ranks[s] : rank;
+                if (rs == 0 && bias_s == NULL) continue; /* the adapter leaves this projection alone */
                 if (stop == row0 + 16 && stop <= edge0) {
                     for (int64_t j = first[s]; j < first[s + 1]; j += 4) {
                         const int m = first[s + 1] - j < 4 ? (int)(first[s + 1] - j) : 4;
@@ -207,7 +215,7 @@ INLINE int lora_add(float *y, int64_t y_stride, const float *x, int64_t x_stride
                             ys[q] = y + order[j + q] * y_stride + row0;
                             hs[q] = h + (j + q) * h_len + slice0 * rank;
                         }
-                        expand16x4(ys, hs, m, bts + row0 * wsize, out, rank, bias_s ? bias_s + row0 * wsize : NULL,
+                        expand16x4(ys, hs, m, bts + row0 * wsize, out, rs, bias_s ? bias_s + row0 * wsize : NULL,
                                    bf16);
                     }
                     continue;
@@ -219,7 +227,7 @@ INLINE int lora_add(float *y, int64_t y_stride, const float *x, int64_t x_stride
                     for (int64_t j = first[s]; j < first[s + 1]; j++) {
                         const float *hj = h + j * h_len + i * rank;
                         float sum = add;
-                        for (int64_t r = 0; r < rank; r++) sum += hj[r] * getw(bts, r * out + row, bf16);
+                        for (int64_t r = 0; r < rs; r++) sum += hj[r] * getw(bts, r * out + row, bf16);
                         y[order[j] * y_stride + row] += sum;
                     }
                 }
@@ -233,12 +241,14 @@ INLINE int lora_add(float *y, int64_t y_stride, const float *x, int64_t x_stride
 
 int lora_add_f32(float *y, int64_t y_stride, const float *x, int64_t x_stride, int64_t tokens, const int64_t *slots,
                  const float *a, const float *bt, const float *bias, int64_t in, int64_t out, int64_t rank,
-                 int64_t num_slices, const int64_t *slice_sizes) {
-    return lora_add(y, y_stride, x, x_stride, tokens, slots, a, bt, bias, in, out, rank, num_slices, slice_sizes, 0);
+                 int64_t num_slices, const int64_t *slice_sizes, const int64_t *ranks) {
+    return lora_add(y, y_stride, x, x_stride, tokens, slots, a, bt, bias, in, out, rank, num_slices, slice_sizes, ranks,
+                    0);
 }
 
 int lora_add_bf16w(float *y, int64_t y_stride, const float *x, int64_t x_stride, int64_t tokens, const int64_t *slots,
                    const uint16_t *a, const uint16_t *bt, const uint16_t *bias, int64_t in, int64_t out, int64_t rank,
-                   int64_t num_slices, const int64_t *slice_sizes) {
-    return lora_add(y, y_stride, x, x_stride, tokens, slots, a, bt, bias, in, out, rank, num_slices, slice_sizes, 1);
+                   int64_t num_slices, const int64_t *slice_sizes, const int64_t *ranks) {
+    return lora_add(y, y_stride, x, x_stride, tokens, slots, a, bt, bias, in, out, rank, num_slices, slice_sizes, ranks,
+                    1);
 }
