@@ -295,6 +295,20 @@ def test_lora_flags_without_enable_lora_say_so(tiny_model_dir, caplog):
     assert "--max-loras, --lora-dtype change nothing without --enable-lora" in caplog.text
 
 
+def test_kiln_generate_takes_an_adapter(llama_loras, varied_prompts):
+    import subprocess
+    import sys
+
+    base, paths, expected = llama_loras
+    tok = LLM(base, dtype="float32").get_tokenizer()
+    prompt = tok.decode(varied_prompts[2])
+    argv = [sys.executable, "-m", "kiln.cli", "generate", prompt, "--model", base, "--dtype", "float32"]
+    common = ["--max-tokens", "6", "--max-lora-rank", "16"]
+    run = [subprocess.run(argv + common + extra, capture_output=True, text=True, check=True).stdout
+           for extra in ([], ["--lora", paths["r8-all"]])]  # fmt: skip
+    assert run[0] != run[1]  # the adapter changes the completion
+
+
 def test_lora_request_ids_must_be_positive():
     with pytest.raises(ValueError, match="lora_int_id must be > 0"):
         LoRARequest("a", 0, "/x")

@@ -37,16 +37,21 @@ def cmd_plugins(ns: argparse.Namespace) -> int:
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
-    from kiln import LLM, SamplingParams
+    from kiln import LLM, LoRARequest, SamplingParams
 
-    llm = LLM(ns.model, **engine_kwargs(ns))
+    flags = engine_kwargs(ns)
+    lora = None
+    if ns.lora is not None:
+        flags["enable_lora"] = True
+        lora = LoRARequest("cli", 1, ns.lora)
+    llm = LLM(ns.model, **flags)
     params = SamplingParams(
         max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, seed=ns.seed_sampling
     )
     if ns.chat:
-        out = llm.chat([{"role": "user", "content": ns.prompt}], params)[0]
+        out = llm.chat([{"role": "user", "content": ns.prompt}], params, lora_request=lora)[0]
     else:
-        out = llm.generate(ns.prompt, params)[0]
+        out = llm.generate(ns.prompt, params, lora_request=lora)[0]
     print(out.outputs[0].text)
     return 0
 
@@ -125,6 +130,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--sampling-seed", dest="seed_sampling", type=int, default=None)
     g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    g.add_argument("--lora", default=None, help="a PEFT LoRA adapter folder to generate with (turns on --enable-lora)")
     add_engine_args(g)
     g.set_defaults(func=cmd_generate)
 
