@@ -10,6 +10,7 @@ import torch
 from tests.ascend import fake_torch_npu, fake_torchair  # noqa: I001
 
 from kiln.testing.contracts import OpsContract, PlatformContract
+from kiln.testing.lora_contract import LoRAOpsContract
 from kiln_ascend import ops, plugin
 from kiln_ascend.platform import NpuPlatform
 from kiln_cpu.platform import CpuPlatform
@@ -62,3 +63,9 @@ class TestAscendOpsContract(OpsContract):
         self.ops["silu_and_mul"](x)
         self.ops["rms_norm"](x, torch.ones(8), 1e-6)
         assert fake_torch_npu.calls == ["npu_swiglu", "npu_rms_norm"]
+
+
+class TestAscendLoRAContract(LoRAOpsContract):
+    """add_lora through the emulated npu_grouped_matmul."""
+
+    ops = ops.fused_ops()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from kiln.testing.contracts import OpsContract, PlatformContract
+from kiln.testing.lora_contract import LoRAOpsContract
 from kiln_cpu import native, plugin
 from kiln_cpu.platform import CpuPlatform
 
@@ -32,6 +33,12 @@ class TestCpuOpsContract(OpsContract):
     # Documented in kiln_cpu.fused_ops: they write their results into x/residual and q/k, as
     # vLLM's kernels do (the model never reuses those inputs).
     in_place_ops = frozenset({"fused_add_rms_norm", "rotary_embedding"})
+
+
+class TestCpuLoRAContract(LoRAOpsContract):
+    """The C kernel for fp32 activations; other dtypes go to the reference inside the wrapper."""
+
+    ops = CpuPlatform().custom_ops()
 
 
 def test_the_ops_contract_runs_the_c_kernels():

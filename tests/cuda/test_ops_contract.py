@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from kiln.testing.contracts import OpsContract
+from kiln.testing.lora_contract import LoRAOpsContract
 from kiln_cuda import ops
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -21,3 +22,9 @@ class TestTritonOpsContract(OpsContract):
     in_place_ops = frozenset({"fused_add_rms_norm", "rotary_embedding"})
     if DEVICE == "cpu":  # the interpreter runs every kernel program in Python: fewer rows
         num_tokens = (1, 5, 17)
+
+
+class TestTritonLoRAContract(LoRAOpsContract):
+    ops = ops.fused_ops()
+    device = DEVICE
+    dtypes = TestTritonOpsContract.dtypes
