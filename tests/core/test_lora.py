@@ -309,6 +309,11 @@ def test_kiln_generate_takes_an_adapter(llama_loras, varied_prompts):
     assert run[0] != run[1]  # the adapter changes the completion
 
 
+def test_pooling_requests_run_on_an_engine_with_lora(tiny_model_dir):
+    llm = LLM(tiny_model_dir("llama"), dtype="float32", task="embed", enable_lora=True)
+    assert len(llm.embed(["hello", "world"])[1].outputs.embedding) == 64
+
+
 def test_lora_request_ids_must_be_positive():
     with pytest.raises(ValueError, match="lora_int_id must be > 0"):
         LoRARequest("a", 0, "/x")

@@ -194,9 +194,10 @@ class LLMEngine:
         result = self.output_processor.process(self.core.step())
         if result.reqs_to_abort:
             self.core.finish_requests(result.reqs_to_abort, RequestStatus.FINISHED_STOPPED)
-        for out in result.request_outputs:
-            if out.finished:
-                self._release_adapter(out.lora_request)
+        if self.executor.runner.lora is not None:
+            for out in result.request_outputs:
+                if out.finished:  # pooling outputs have no adapter
+                    self._release_adapter(getattr(out, "lora_request", None))
         return result.request_outputs
 
     def _release_adapter(self, lora_request: LoRARequest | None) -> None:
