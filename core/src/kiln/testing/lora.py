@@ -52,20 +52,9 @@ def hf_lora_greedy(
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    from kiln.testing.models import greedy_with
+
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     if adapter_dir is not None:
         model = PeftModel.from_pretrained(model, adapter_dir).merge_and_unload()
-    model.eval()
-    out = []
-    with torch.inference_mode():
-        for ids in prompts:
-            gen = model.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=max_new_tokens,
-                min_new_tokens=max_new_tokens,
-                do_sample=False,
-                pad_token_id=0,
-            )
-            out.append(gen[0, len(ids) :].tolist())
-    return out
+    return greedy_with(model.eval(), prompts, max_new_tokens)

@@ -66,6 +66,13 @@ def hf_greedy(
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return greedy_with(model, prompts, max_new_tokens, stop_at_eos)
+
+
+def greedy_with(model, prompts: list[list[int]], max_new_tokens: int, stop_at_eos: bool = False) -> list[list[int]]:
+    """``hf_greedy`` on a transformers model already built (e.g. with a PEFT adapter merged)."""
+    import torch
+
     out = []
     with torch.inference_mode():
         for ids in prompts:
