@@ -97,6 +97,27 @@ def test_at_most_max_loras_adapters_run_at_once(llama_loras, varied_prompts):
     assert [done[str(j)] for j in range(len(batch))] == [expected[name][i] for name, _, i, _ in batch]
 
 
+def test_a_stream_on_one_adapter_does_not_starve_another(llama_loras, varied_prompts):
+    from kiln.engine.scheduler import LORA_PATIENCE
+
+    base, paths, expected = llama_loras
+    llm = LLM(base, dtype="float32", enable_lora=True, max_lora_rank=16, max_loras=1, max_num_seqs=8)
+    a, b = LoRARequest("r8-all", 1, paths["r8-all"]), LoRARequest("r8-mlp", 2, paths["r8-mlp"])
+    engine = llm.engine
+    engine.add_request("a0", {"prompt_token_ids": varied_prompts[0]}, GREEDY, lora_request=a)
+    engine.add_request("b", {"prompt_token_ids": varied_prompts[1]}, GREEDY, lora_request=b)
+    finished_at = None
+    for step in range(10 * LORA_PATIENCE):  # requests on adapter a, overlapping: one every 4 steps
+        if step % 4 == 0:
+            engine.add_request(f"a{step + 1}", {"prompt_token_ids": varied_prompts[0]}, GREEDY, lora_request=a)
+        for out in engine.step():
+            if out.request_id == "b" and out.finished:
+                finished_at, tokens = step, out.outputs[0].token_ids
+        if finished_at is not None:
+            break
+    assert finished_at is not None and tokens == expected["r8-mlp"][1]
+
+
 def test_two_ranks_match_peft(llama_loras, varied_prompts, cpu_plugins):
     from kiln.testing.engine import make_engine, run_greedy
 

@@ -10,7 +10,8 @@ request's ``num_computed_tokens`` moves towards its ``num_tokens``:
   2. Then waiting requests, by policy (fcfs: arrival; priority: lower value
      first, then arrival), while the budget, ``max_num_seqs`` and the free blocks
      allow; a request whose LoRA adapter would make more than ``max_loras`` adapters
-     run at once waits (later requests may pass it). Prefix-cache hits are taken first; with chunked prefill a prompt may
+     run at once waits (later requests may pass it, but after ``LORA_PATIENCE`` steps
+     other adapters' requests wait for it instead). Prefix-cache hits are taken first; with chunked prefill a prompt may
      take whatever budget is left, otherwise it must fit whole.
 
 Admission keeps ``1 - kv_cache_ratio`` of the blocks free for the decodes of
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
     from kiln.engine.kv_cache import KVCacheManager
 
 logger = logging.getLogger("kiln.engine")
+LORA_PATIENCE = 32  # steps a request may wait for an adapter slot before other adapters stop passing it
 
 
 @dataclass(slots=True)
@@ -132,8 +134,9 @@ class Scheduler:
         busy = sum(not _idle_beam(r) for r in self.running)
         # At most --max-loras adapters among running requests: the model has that many slots.
         loras = {r.lora_request for r in self.running if r.lora_request is not None}
+        starved = self._starved_adapter(loras)
         while self.waiting and budget > 0 and busy < self.config.max_num_seqs and not preempted:
-            ready = (r for r in self.waiting if not _idle_beam(r) and self._lora_fits(r, loras))
+            ready = (r for r in self.waiting if not _idle_beam(r) and self._lora_fits(r, loras, starved))
             req = min(ready, key=self._key, default=None) if self.priority else next(ready, None)
             if req is None:
                 break
@@ -169,9 +172,28 @@ class Scheduler:
         copies = self.kv.take_copies() if scheduled else []  # kept for a step that runs
         return SchedulerOutput(scheduled, self.token_budget - budget, preempted, copies)
 
-    def _lora_fits(self, req: Request, loras: set) -> bool:
+    def _starved_adapter(self, loras: set) -> object:
+        """The adapter of the first waiting request kept out of a full set of slots for
+        ``LORA_PATIENCE`` steps, or None. Until it runs no other adapter's request is admitted,
+        so the running adapters drain: otherwise a stream of requests on them could keep it
+        out forever."""
+        if len(loras) < self.config.max_loras:
+            return None
+        starved = None
+        for req in self.waiting:
+            if req.lora_request is not None and req.lora_request not in loras:
+                req.lora_waits += 1
+                if starved is None and req.lora_waits >= LORA_PATIENCE:
+                    starved = req.lora_request
+        return starved
+
+    def _lora_fits(self, req: Request, loras: set, starved: object) -> bool:
         lora = req.lora_request
-        return lora is None or lora in loras or len(loras) < self.config.max_loras
+        if lora is None:
+            return True
+        if starved is not None and lora != starved:
+            return False
+        return lora in loras or len(loras) < self.config.max_loras
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
