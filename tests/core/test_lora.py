@@ -147,22 +147,46 @@ def test_lora_bias_matches_peft(tiny_model_dir, tmp_path, varied_prompts):
     assert [o.outputs[0].token_ids for o in outputs] == hf_lora_greedy(base, path, varied_prompts, NEW_TOKENS)
 
 
-@pytest.mark.slow
-def test_default_model_mixed_ranks_match_peft(default_model_dir, tmp_path):
-    prompts = [[1, 4093, 314, 260, 3575, 282, 4649, 30], [1, 504, 2226, 5248, 314], [1, 33, 34, 35, 36, 37, 38]]
+DEFAULT_PROMPTS = [[1, 4093, 314, 260, 3575, 282, 4649, 30], [1, 504, 2226, 5248, 314], [1, 33, 34, 35, 36, 37, 38]]
+
+
+@pytest.fixture(scope="module")
+def default_model_loras(default_model_dir, tmp_path_factory):
+    """Four random adapters of ranks 8 and 64 on the default model, and PEFT's tokens for each."""
+    root = tmp_path_factory.mktemp("default-loras")
     specs = {"r8a": dict(rank=8, seed=1), "r64": dict(rank=64, seed=2), "r8b": dict(rank=8, seed=3),
              "r64-attn": dict(rank=64, seed=4, targets=["q_proj", "k_proj", "v_proj", "o_proj"])}  # fmt: skip
     paths = {
-        n: build_lora_adapter(default_model_dir, tmp_path / n, std=0.05, alpha=2 * kw["rank"], **kw)
+        n: build_lora_adapter(default_model_dir, root / n, std=0.05, alpha=2 * kw["rank"], **kw)
         for n, kw in specs.items()
     }
-    batch = mixed_requests(paths, prompts)
-    llm = LLM(default_model_dir, quantization="none", dtype="float32", enable_lora=True, max_lora_rank=64, max_loras=4)
-    params = SamplingParams(max_tokens=8, min_tokens=8, temperature=0)
-    outputs = llm.generate([{"prompt_token_ids": p} for *_, p in batch], params, lora_request=[r for _, r, *_ in batch])
-    expected = {name: hf_lora_greedy(default_model_dir, paths.get(name), prompts, 8) for name in [None, *paths]}
+    expected = {name: hf_lora_greedy(default_model_dir, paths.get(name), DEFAULT_PROMPTS, 8) for name in [None, *paths]}
     assert all(expected[name] != expected[None] for name in paths)
+    return paths, expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "variant",
+    [{}, dict(max_num_batched_tokens=16), dict(block_size=8, num_gpu_blocks_override=5, max_model_len=32)],
+    ids=["default", "chunked-prefill", "forced-preemption"],
+)  # fmt: skip
+def test_default_model_mixed_ranks_match_peft(default_model_dir, default_model_loras, variant):
+    """(Its 9 heads do not split over two ranks: tensor parallelism is checked on the tiny model.)"""
+    paths, expected = default_model_loras
+    batch = mixed_requests(paths, DEFAULT_PROMPTS)
+    llm = LLM(default_model_dir, quantization="none", dtype="float32", enable_lora=True, max_lora_rank=64, max_loras=4,
+              **variant)  # fmt: skip
+    params = SamplingParams(max_tokens=8, min_tokens=8, temperature=0)
+    try:
+        outputs = llm.generate(
+            [{"prompt_token_ids": p} for *_, p in batch], params, lora_request=[r for _, r, *_ in batch]
+        )
+    finally:
+        llm.engine.shutdown()
     assert [o.outputs[0].token_ids for o in outputs] == [expected[name][i] for name, _, i, _ in batch]
+    if "num_gpu_blocks_override" in variant:
+        assert llm.engine.core.scheduler.num_preemptions > 0
 
 
 def test_adapters_stay_read_while_their_requests_run(llama_loras, varied_prompts, tmp_path):
