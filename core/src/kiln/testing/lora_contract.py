@@ -26,9 +26,16 @@ from kiln.interfaces.lora import LoRAMapping
 from kiln.interfaces.lora import add_lora as reference
 
 # (slices, max rank, in_features, bias)
-CASES = [((96, 32, 32), 16, 64, True), ((40,), 8, 37, False), ((64, 64), 32, 128, False), ((12, 6, 6), 3, 20, True)]
-# (each request's slot, its tokens): decodes only, and prefills beside decodes
-BATCHES = {"decodes": ([2, -1, 0, 2, 1, 0], [1] * 6), "prefills": ([1, -1, 2, 0], [5, 3, 17, 1])}
+CASES = [
+    ((96, 32, 32), 16, 64, True), ((40,), 8, 37, False), ((64, 64), 32, 128, False), ((12, 6, 6), 3, 20, True),
+    ((200,), 32, 1000, False),  # a long reduction over few outputs (where GPU kernels split K)
+]  # fmt: skip
+# (each request's slot, its tokens): decodes only, prefills beside decodes, one slot's long run
+BATCHES = {
+    "decodes": ([2, -1, 0, 2, 1, 0], [1] * 6),
+    "prefills": ([1, -1, 2, 0], [5, 3, 17, 1]),
+    "long-segment": ([1, 1, -1, 1], [70, 3, 4, 1]),
+}
 
 
 class LoRAOpsContract:
