@@ -6,11 +6,11 @@ import argparse
 import json
 import os
 import ssl
+from dataclasses import dataclass
 
 import yaml
 
 from kiln.engine_args import add_engine_args
-from kiln.entrypoints.openai.serving_models import parse_lora_module
 
 
 def _json_list(value: str) -> list[str]:
@@ -33,6 +33,38 @@ def _json_dict(value: str) -> dict:
     if not isinstance(parsed, dict):
         raise argparse.ArgumentTypeError(f"expected a JSON object, got {value!r}")
     return parsed
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAModulePath:
+    """One ``--lora-modules`` entry (vLLM's type)."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+
+def parse_lora_module(value: str | dict) -> LoRAModulePath:
+    """``name=path`` or a JSON object ``{"name", "path", "base_model_name"}`` (a mapping from
+    ``--config``); the argparse ``type`` of ``--lora-modules``."""
+    if isinstance(value, str) and not value.lstrip().startswith("{"):
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise argparse.ArgumentTypeError(f"expected name=path or a JSON object, got {value!r}")
+        return LoRAModulePath(name, path)
+    if isinstance(value, str):
+        value = _json_dict(value)
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected name=path or a JSON object, got {value!r}")
+    unknown = sorted(set(value) - {"name", "path", "base_model_name"})
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown key {unknown[0]!r} (keys: name, path, base_model_name)")
+    fields = {k: value.get(k) for k in ("name", "path", "base_model_name")}
+    if not all(isinstance(fields[k], str) and fields[k] for k in ("name", "path")):
+        raise argparse.ArgumentTypeError(f"needs a non-empty name and path, got {value!r}")
+    if fields["base_model_name"] is not None and not isinstance(fields["base_model_name"], str):
+        raise argparse.ArgumentTypeError(f"base_model_name must be a string, got {value!r}")
+    return LoRAModulePath(**fields)
 
 
 def _positive_or_zero(value: str) -> int:

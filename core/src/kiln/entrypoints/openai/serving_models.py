@@ -11,19 +11,17 @@ only; the adapter is read and checked (``LLMEngine.add_lora``) in a worker threa
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import itertools
-import json
 import logging
 import os
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
 
+from kiln.entrypoints.openai.cli_args import LoRAModulePath
 from kiln.entrypoints.openai.protocol import APIError, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from kiln.lora.request import LoRARequest
 
@@ -33,41 +31,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kiln.server")
 RUNTIME_UPDATES_ENV = ("KILN_ALLOW_RUNTIME_LORA_UPDATING", "VLLM_ALLOW_RUNTIME_LORA_UPDATING")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
-
-
-@dataclass(frozen=True, slots=True)
-class LoRAModulePath:
-    """One ``--lora-modules`` entry (vLLM's type)."""
-
-    name: str
-    path: str
-    base_model_name: str | None = None
-
-
-def parse_lora_module(value: str | dict) -> LoRAModulePath:
-    """``name=path`` or a JSON object ``{"name", "path", "base_model_name"}`` (a mapping from
-    ``--config``); the argparse ``type`` of ``--lora-modules``."""
-    if isinstance(value, str) and not value.lstrip().startswith("{"):
-        name, sep, path = value.partition("=")
-        if not sep or not name or not path:
-            raise argparse.ArgumentTypeError(f"expected name=path or a JSON object, got {value!r}")
-        return LoRAModulePath(name, path)
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected name=path or a JSON object, got {value!r}")
-    unknown = sorted(set(value) - {"name", "path", "base_model_name"})
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown key {unknown[0]!r} (keys: name, path, base_model_name)")
-    fields = {k: value.get(k) for k in ("name", "path", "base_model_name")}
-    if not all(isinstance(fields[k], str) and fields[k] for k in ("name", "path")):
-        raise argparse.ArgumentTypeError(f"needs a non-empty name and path, got {value!r}")
-    if fields["base_model_name"] is not None and not isinstance(fields["base_model_name"], str):
-        raise argparse.ArgumentTypeError(f"base_model_name must be a string, got {value!r}")
-    return LoRAModulePath(**fields)
 
 
 def runtime_updates_enabled(flag: bool) -> bool:
