@@ -13,14 +13,11 @@ Prints a table (median and spread over the repeats) and writes ``bench/results/b
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import time
 from pathlib import Path
 
-from offline_throughput import make_prompts
+from offline_throughput import make_prompts, save_results
 
 RESULTS = Path(__file__).parent / "results" / "beam_search.json"
 
@@ -62,22 +59,16 @@ def main() -> None:
     for name, times in runs.items():
         print(f"{name:<10}{medians[name]:>10.2f}{min(times):>8.2f}{max(times):>8.2f}{n / medians[name]:>8.1f}")
     print(f"\nbeam width {args.width} / greedy: {ratio:.2f}x (target <= 2x: {'met' if ratio <= 2 else 'not met'})")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(
-        json.dumps(
-            {
-                "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-                "workload": vars(args),
-                "dtype": str(llm.engine.dtype).removeprefix("torch."),
-                "seconds": runs,
-                "ratio": ratio,
-                "meets_target": ratio <= 2,
-            },
-            indent=2,
-        )
+    save_results(
+        RESULTS,
+        {
+            "workload": vars(args),
+            "dtype": str(llm.engine.dtype).removeprefix("torch."),
+            "seconds": runs,
+            "ratio": ratio,
+            "meets_target": ratio <= 2,
+        },
     )
-    print(f"saved {RESULTS}")
 
 
 if __name__ == "__main__":

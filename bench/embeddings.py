@@ -18,13 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from offline_throughput import make_prompts, peak_mb
+from offline_throughput import make_prompts, peak_mb, save_results
 
 RESULTS = Path(__file__).parent / "results" / "embeddings.json"
 WORKER_FLAGS = ("num_inputs", "input_len", "batch_size", "max_num_batched_tokens", "kiln_dtype")
@@ -162,24 +161,8 @@ def report(args: argparse.Namespace, best: dict[str, dict]) -> None:
         summary = {"baseline": base["system"], "kiln": summary}
     for r in best.values():
         r.pop("first")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(
-        json.dumps(
-            {
-                "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                "machine": {
-                    "cpus": os.cpu_count(),
-                    "platform": platform.platform(),
-                    "python": platform.python_version(),
-                },
-                "workload": {k: getattr(args, k) for k in (*WORKER_FLAGS, "repeats")},
-                "results": best,
-                "summary": summary,
-            },
-            indent=2,
-        )
-    )
-    print(f"saved {RESULTS}")
+    workload = {k: getattr(args, k) for k in (*WORKER_FLAGS, "repeats")}
+    save_results(RESULTS, {"workload": workload, "results": best, "summary": summary})
 
 
 if __name__ == "__main__":

@@ -15,15 +15,12 @@ Prints a table (median and spread) and writes ``bench/results/lora.json``.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-from offline_throughput import make_prompts
+from offline_throughput import make_prompts, save_results
 
 RESULTS = Path(__file__).parent / "results" / "lora.json"
 ADAPTERS = 4
@@ -90,23 +87,17 @@ def main() -> None:
         print(f"{name:<12}{medians[name]:>14.1f}{min(r):>8.1f}{max(r):>8.1f}")
     print(f"\nadapter read + check (rank {args.rank}, cold): " + ", ".join(f"{ms:.0f} ms" for ms in load_ms))
     print(f"LoRA / base: {ratio:.2f}x (target >= 0.8x: {'met' if ratio >= 0.8 else 'not met'})")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(
-        json.dumps(
-            {
-                "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-                "workload": vars(args),
-                "lora_dtype": lora.engine.config.lora_dtype,
-                "output_tok_per_s": rates,
-                "adapter_load_ms": load_ms,
-                "ratio": ratio,
-                "meets_target": ratio >= 0.8,
-            },
-            indent=2,
-        )
+    save_results(
+        RESULTS,
+        {
+            "workload": vars(args),
+            "lora_dtype": lora.engine.config.lora_dtype,
+            "output_tok_per_s": rates,
+            "adapter_load_ms": load_ms,
+            "ratio": ratio,
+            "meets_target": ratio >= 0.8,
+        },
     )
-    print(f"saved {RESULTS}")
 
 
 if __name__ == "__main__":

@@ -58,6 +58,16 @@ def make_prompts(num: int, length: int, vocab: int, special: set[int], seed: int
     return [[rng.choice(allowed) for _ in range(length)] for _ in range(num)]
 
 
+def save_results(path: Path, fields: dict) -> None:
+    """Write a benchmark's JSON: when and on what it ran, then ``fields``."""
+    machine = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        json.dumps({"timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine, **fields}, indent=2)
+    )
+    print(f"saved {path}")
+
+
 def peak_mb(device: str) -> float:
     """Peak RSS on the CPU, the device's peak allocation on an accelerator."""
     if device in ("auto", "cpu"):
@@ -224,24 +234,8 @@ def report(args: argparse.Namespace, best: dict[str, dict]) -> None:
         )
         summary = {"baseline": base["system"], "kiln": summary}
     results = RESULTS if args.device in ("auto", "cpu") else RESULTS.with_stem(f"{RESULTS.stem}_{args.device}")
-    results.parent.mkdir(parents=True, exist_ok=True)
-    results.write_text(
-        json.dumps(
-            {
-                "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                "machine": {
-                    "cpus": os.cpu_count(),
-                    "platform": platform.platform(),
-                    "python": platform.python_version(),
-                },
-                "workload": {k: getattr(args, k) for k in (*WORKER_FLAGS, "repeats")},
-                "results": best,
-                "summary": summary,
-            },
-            indent=2,
-        )
-    )
-    print(f"saved {results}")
+    workload = {k: getattr(args, k) for k in (*WORKER_FLAGS, "repeats")}
+    save_results(results, {"workload": workload, "results": best, "summary": summary})
 
 
 if __name__ == "__main__":
