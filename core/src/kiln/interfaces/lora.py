@@ -22,7 +22,7 @@ tuple of output sizes) as attributes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,11 +35,16 @@ class LoRAMapping:
     ``slot_tokens``: each slot in use, with the indices (int64) of its tokens.
     ``segments``: the same as runs ``(start, end, slot)`` of consecutive tokens, since a
     request's tokens are contiguous (for segmented, SGMV-style kernels).
+    ``by_slot``: every adapted token's index, slot 0's first, then slot 1's... (grouped kernels).
+    ``derived``: for a platform's own per-step data built from the mapping (it is the same
+    object for every projection of a step, so build it at the first and find it after).
     """
 
     token_slots: torch.Tensor
     slot_tokens: dict[int, torch.Tensor]
     segments: list[tuple[int, int, int]]
+    by_slot: torch.Tensor
+    derived: dict = field(default_factory=dict)
 
     @classmethod
     def of(cls, slots: list[int], query_lens: list[int], device: torch.device) -> LoRAMapping | None:
@@ -61,7 +66,7 @@ class LoRAMapping:
         slot_tokens = {
             slot: torch.nonzero(token_slots == slot).flatten().to(device) for slot in sorted({s for *_, s in segments})
         }
-        return cls(token_slots.to(device), slot_tokens, segments)
+        return cls(token_slots.to(device), slot_tokens, segments, torch.cat(list(slot_tokens.values())))
 
 
 def add_lora(

@@ -31,28 +31,21 @@ class SlotGroups:
 
     @classmethod
     def of(cls, mapping: LoRAMapping, num_slots: int) -> SlotGroups:
-        ends, total, parts = [], 0, []
+        ends, total = [], 0
         for slot in range(num_slots):
             index = mapping.slot_tokens.get(slot)
-            if index is not None:
-                parts.append(index)
-                total += index.numel()
+            total += 0 if index is None else index.numel()
             ends.append(total)
         device = mapping.token_slots.device
-        token_ids = torch.cat(parts) if parts else mapping.token_slots[:0]
-        return cls(token_ids, torch.tensor(ends, dtype=torch.int64, device=device), total)
-
-
-# NOTE(lora): every projection of a step reads the same mapping; its groups are built (one
-# host-to-device copy) for the first projection only. Holding the mapping keeps its id unique.
-_last: tuple[LoRAMapping, int, SlotGroups] | None = None
+        return cls(mapping.by_slot, torch.tensor(ends, dtype=torch.int64, device=device), total)
 
 
 def slot_groups(mapping: LoRAMapping, num_slots: int) -> SlotGroups:
-    global _last
-    if _last is None or _last[0] is not mapping or _last[1] != num_slots:
-        _last = (mapping, num_slots, SlotGroups.of(mapping, num_slots))
-    return _last[2]
+    """The step's groups, built (one host-to-device copy) at its first projection only."""
+    groups = mapping.derived.get(("npu", num_slots))
+    if groups is None:
+        groups = mapping.derived[("npu", num_slots)] = SlotGroups.of(mapping, num_slots)
+    return groups
 
 
 def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, group_list: torch.Tensor) -> torch.Tensor:

@@ -28,23 +28,19 @@ class SlotGroups:
         for slot, index in mapping.slot_tokens.items():
             rows.append((slot, first, index.numel()))
             first += index.numel()
-        device = mapping.token_slots.device
-        token_ids = torch.cat(list(mapping.slot_tokens.values())) if rows else mapping.token_slots[:0]
-        groups = torch.tensor(rows, dtype=torch.int32).reshape(-1, 3).to(device)
-        return cls(token_ids, groups, first, max((n for *_, n in rows), default=0))
+        groups = torch.tensor(rows, dtype=torch.int32).reshape(-1, 3).to(mapping.token_slots.device)
+        return cls(mapping.by_slot, groups, first, max((n for *_, n in rows), default=0))
 
 
-# NOTE(lora): every projection of a step reads the same mapping; the groups are built (one
-# host-to-device copy) for its first projection only. Holding the mapping keeps its id unique.
-_last: tuple[LoRAMapping, SlotGroups] | None = None
 _bounds: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
 
 
 def slot_groups(mapping: LoRAMapping) -> SlotGroups:
-    global _last
-    if _last is None or _last[0] is not mapping:
-        _last = (mapping, SlotGroups.of(mapping))
-    return _last[1]
+    """The step's groups, built (one host-to-device copy) at its first projection only."""
+    groups = mapping.derived.get("cuda")
+    if groups is None:
+        groups = mapping.derived["cuda"] = SlotGroups.of(mapping)
+    return groups
 
 
 def slice_bounds(slices: tuple[int, ...], device: torch.device) -> torch.Tensor:
