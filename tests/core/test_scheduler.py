@@ -30,7 +30,7 @@ def make_req(n, rid, arrival=0.0, priority=0, max_tokens=8) -> Request:
 
 def run_step(s: Scheduler, token=7):
     out = s.schedule()
-    sampled = {r: SampledToken(token) for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens}
+    sampled = {r: [SampledToken(token)] for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens}
     s.update_from_output(out, sampled, {})
     return out
 

@@ -11,12 +11,16 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from kiln.spec_decode.config import SpeculativeFlags
 
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 
 
-class EngineConfig(BaseModel):
+class EngineConfig(SpeculativeFlags):
+    """Every engine flag; the speculative-decoding ones come from ``SpeculativeFlags``."""
+
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
 
     model: str | None = Field(None, description="HF folder, .gguf file, or None for the embedded default")

@@ -10,8 +10,12 @@ from typing import Any
 
 from kiln.config import EngineConfig
 
-# vLLM's short spellings (seed 002 lists -tp and -q).
-SHORT_FLAGS = {"tensor_parallel_size": "-tp", "quantization": "-q"}
+# vLLM's short spellings (seed 002 lists -tp and -q, seed 003 -spec-draft-tp).
+SHORT_FLAGS = {
+    "tensor_parallel_size": "-tp",
+    "quantization": "-q",
+    "speculative_draft_tensor_parallel_size": "-spec-draft-tp",
+}
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

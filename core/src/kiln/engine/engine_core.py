@@ -1,4 +1,4 @@
-"""``EngineCore``: one step is schedule → execute → bitmask → sample → update (pooling requests
+"""``EngineCore``: one step is schedule → execute → sample (verifying drafts) → update (pooling requests
 end with their pooled output instead: ``kiln.engine.pooling``).
 
 It takes ``Request`` objects from the input processor and returns token-level
@@ -42,9 +42,9 @@ class EngineCore:
             return []
         t0 = time.perf_counter()
         output = self.executor.execute_model(scheduled)
-        sampled = self.executor.sample(output, self.executor.grammar_bitmask(output))
+        sampled = self.executor.sample(output)
         self.num_prompt_tokens += scheduled.num_prompt_tokens
-        self.num_generation_tokens += len(sampled)
+        self.num_generation_tokens += sum(map(len, sampled.values()))
         outputs = self.scheduler.update_from_output(scheduled, sampled, output.prompt_logprobs)
         outputs += finish_pooled(self.scheduler, output.pooled)
         step_time = time.perf_counter() - t0

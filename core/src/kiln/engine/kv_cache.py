@@ -188,8 +188,8 @@ class KVCacheManager:
         need = -(-total // self.block_size) - len(req.blocks)
         if need > 0:
             req.blocks.extend(self.pool.get_new_blocks(need))
-        if self._caches(req):
-            self._cache_full_blocks(req, total)
+        if self._caches(req):  # only known tokens: drafts scheduled past them may be rejected
+            self._cache_full_blocks(req, min(total, req.num_tokens))
         return True
 
     def _cache_full_blocks(self, req: CachedSequence, num_tokens: int) -> None:

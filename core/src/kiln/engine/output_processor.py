@@ -221,16 +221,23 @@ class OutputProcessor:
         if m.first_token_time is None:
             m.first_token_time = now - m.arrival_time
         m.last_token_time = now
-        seq.token_ids.extend(out.new_token_ids)
-        for lp in out.new_logprobs or ():
-            seq.cumulative_logprob += lp.logprob
-            if params.logprobs is not None:
-                seq.logprobs.append(self.formatter.position(lp))
-        if out.finish_reason == "stop" and not params.include_stop_str_in_output:
-            stop = None  # EOS or a stop_token_id ended it: like vLLM, its text is not part of the output
-        else:
+        # Token by token: a step may bring several (speculative decoding), and a stop string
+        # in one ends the sequence there, as it would have one step at a time.
+        new_logprobs = out.new_logprobs or [None] * len(out.new_token_ids)
+        last = len(out.new_token_ids) - 1
+        stop = None
+        for i, (token_id, lp) in enumerate(zip(out.new_token_ids, new_logprobs)):
+            seq.token_ids.append(token_id)
+            if lp is not None:
+                seq.cumulative_logprob += lp.logprob
+                if params.logprobs is not None:
+                    seq.logprobs.append(self.formatter.position(lp))
+            if i == last and out.finish_reason == "stop" and not params.include_stop_str_in_output:
+                break  # EOS or a stop_token_id ended it: like vLLM, its text is not part of the output
             # vLLM looks for stop strings only once min_tokens are out.
-            stop = seq.detokenizer.update(out.new_token_ids, check_stop=len(seq.token_ids) > params.min_tokens)
+            stop = seq.detokenizer.update([token_id], check_stop=len(seq.token_ids) > params.min_tokens)
+            if stop is not None:
+                break
         if stop is not None:
             seq.finish_reason, seq.stop_reason = "stop", stop
         elif out.finish_reason is not None:

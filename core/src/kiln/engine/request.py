@@ -72,6 +72,7 @@ class Request:
     token_type_ids: list[int] | None = None  # a cross-encoder pair's segment ids, one per prompt token
     lora_request: LoRARequest | None = None  # the LoRA adapter it runs with (None: the base model)
     lora_waits: int = 0  # steps it waited for an adapter slot (the scheduler's fairness)
+    spec_token_ids: list[int] = field(default_factory=list)  # draft tokens scheduled after its last token
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -14,6 +14,10 @@ request's ``num_computed_tokens`` moves towards its ``num_tokens``:
      other adapters' requests wait for it instead). Prefix-cache hits are taken first; with chunked prefill a prompt may
      take whatever budget is left, otherwise it must fit whole.
 
+Speculative decoding (``kiln.spec_decode``): a running request that decodes also schedules
+the drafts its proposer offers (within the budget, dropped first when blocks run short);
+``update_from_output`` appends the drafts the executor accepted and the token after them.
+
 Admission keeps ``1 - kv_cache_ratio`` of the blocks free for the decodes of
 running requests (seed 000's ``kv_cache_ratio``), which makes preemption rarer.
 
@@ -38,6 +42,8 @@ from typing import TYPE_CHECKING
 from kiln.engine.beam_search import BeamCandidates, BeamGroup
 from kiln.engine.guided_manager import GuardedMatcher
 from kiln.engine.request import EngineCoreOutput, Request, RequestStatus, TopLogprobs
+from kiln.spec_decode.ngram import NgramProposer
+from kiln.spec_decode.stats import SpecDecodeStats
 
 if TYPE_CHECKING:
     from kiln.config import EngineConfig
@@ -84,6 +90,9 @@ class Scheduler:
         self.priority = config.scheduling_policy == "priority"
         self.reserve = int((1.0 - config.kv_cache_ratio) * (kv.num_blocks - 1))
         self.num_preemptions = 0
+        spec = config.speculative_config
+        self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max) if spec else None
+        self.spec_stats = SpecDecodeStats()
         self.requests: dict[str, Request] = {}  # unfinished, by id
         self.beam_groups: dict[str, BeamGroup] = {}  # unfinished beam searches, by request id
 
@@ -117,7 +126,14 @@ class Scheduler:
             if n == 0:  # a beam waiting for its siblings' candidates
                 i += 1
                 continue
+            if n == 1 and self.proposer is not None:  # a decode: its drafts are checked in the same pass
+                req.spec_token_ids = self._propose(req, budget - 1)
+                n += len(req.spec_token_ids)
             while not self.kv.allocate_slots(req, n):
+                if req.spec_token_ids:  # drafts are optional: drop them before preempting anyone
+                    n -= len(req.spec_token_ids)
+                    req.spec_token_ids = []
+                    continue
                 # Only requests not yet scheduled this step may be preempted.
                 victim = max(self.running[i:], key=self._key)
                 self._preempt(victim)
@@ -172,6 +188,25 @@ class Scheduler:
         copies = self.kv.take_copies() if scheduled else []  # kept for a step that runs
         return SchedulerOutput(scheduled, self.token_budget - budget, preempted, copies)
 
+    def _propose(self, req: Request, room: int) -> list[int]:
+        """Drafts to verify after ``req``'s last token: at most ``room`` (the step's budget) and
+        never more than it may still emit, less the token sampled after them."""
+        spec, params = self.config.speculative_config, req.sampling_params
+        if req.beam is not None or params is None:
+            return []
+        if (
+            spec.disable_by_batch_size is not None
+            and len(self.running) + len(self.waiting) > spec.disable_by_batch_size
+        ):
+            return []
+        if spec.max_model_len is not None and req.num_tokens >= spec.max_model_len:
+            return []
+        left = self.max_model_len - req.num_tokens
+        if params.max_tokens is not None:
+            left = min(left, params.max_tokens - req.num_output_tokens)
+        k = min(spec.num_speculative_tokens, room, left - 1)
+        return self.proposer.propose(req.request_id, req.all_token_ids, k) if k > 0 else []
+
     def _starved_adapter(self, loras: set) -> object:
         """The adapter of the first waiting request kept out of a full set of slots for
         ``LORA_PATIENCE`` steps, or None. Until it runs no other adapter's request is admitted,
@@ -199,6 +234,7 @@ class Scheduler:
         self.running.remove(req)
         self.kv.free(req)
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -207,20 +243,22 @@ class Scheduler:
     def update_from_output(
         self,
         output: SchedulerOutput,
-        sampled: dict[Request, SampledToken],
+        sampled: dict[Request, list[SampledToken]],
         prompt_logprobs: dict[Request, list[TopLogprobs]],
     ) -> list[EngineCoreOutput]:
-        """Advance computed tokens, append sampled tokens (advancing guided matchers), finish
-        requests that hit a stop, and say what changed for each request."""
+        """Advance computed tokens, append sampled tokens (advancing guided matchers; after
+        drafts, the accepted ones and the token sampled after them), finish requests that hit a
+        stop, and say what changed for each request."""
         outputs = []
         ready_groups: list[BeamGroup] = []
         for req, n in output.scheduled:
             req.num_computed_tokens += n
-            token = sampled.get(req)
+            drafts, req.spec_token_ids = req.spec_token_ids, []
+            tokens = sampled.get(req)
             new_prompt_logprobs = prompt_logprobs.get(req)
-            if token is not None and req.beam is not None and req.beam.offer(req, token.beam_candidates):
+            if tokens and req.beam is not None and req.beam.offer(req, tokens[0].beam_candidates):
                 ready_groups.append(req.beam)
-            if token is None or req.beam is not None:
+            if not tokens or req.beam is not None:
                 if new_prompt_logprobs:  # a prefill chunk, or a beam (which reports only at the end)
                     outputs.append(
                         EngineCoreOutput(
@@ -241,17 +279,16 @@ class Scheduler:
                     )
                 )
                 continue
-            req.append_output_token(token.token_id)
-            if req.matcher is not None and not req.matcher.accept(token.token_id):
-                logger.warning("request %s: sampled token %d breaks its constraint", req.request_id, token.token_id)
-            status, stop_reason = self._check_stop(req, token.token_id)
-            if status is not None:
-                self._finish(req, status)
+            if drafts:
+                accepted = len(tokens) - 1
+                self.spec_stats.observe(len(drafts), accepted)
+                req.num_computed_tokens -= len(drafts) - accepted  # rejected drafts' K/V is rewritten later
+            emitted, status, stop_reason = self._append_tokens(req, tokens)
             outputs.append(
                 EngineCoreOutput(
                     req.request_id,
-                    [token.token_id],
-                    None if token.logprobs is None else [token.logprobs],
+                    [t.token_id for t in emitted],
+                    None if emitted[0].logprobs is None else [t.logprobs for t in emitted],
                     new_prompt_logprobs,
                     None if status is None else status.value,
                     stop_reason,
@@ -263,6 +300,21 @@ class Scheduler:
             if done is not None:
                 outputs.append(done)
         return outputs
+
+    def _append_tokens(
+        self, req: Request, tokens: list[SampledToken]
+    ) -> tuple[list[SampledToken], RequestStatus | None, int | None]:
+        """Append ``tokens`` one by one up to the first that stops ``req`` (then finished here):
+        the tokens kept, the finish status and the stop token id that ended it."""
+        for i, token in enumerate(tokens):
+            req.append_output_token(token.token_id)
+            if req.matcher is not None and not req.matcher.accept(token.token_id):
+                logger.warning("request %s: sampled token %d breaks its constraint", req.request_id, token.token_id)
+            status, stop_reason = self._check_stop(req, token.token_id)
+            if status is not None:
+                self._finish(req, status)
+                return tokens[: i + 1], status, stop_reason
+        return tokens, None, None
 
     def _advance_beams(self, group: BeamGroup) -> EngineCoreOutput | None:
         """Move a beam group on by one token: continue or fork the chosen parents, drop the
@@ -336,6 +388,8 @@ class Scheduler:
         self.kv.free(req)
         req.status = status
         del self.requests[req.request_id]
+        if self.proposer is not None:
+            self.proposer.free(req.request_id)
 
 
 def _idle_beam(req: Request) -> bool:

@@ -21,7 +21,8 @@ from kiln.engine.scheduler import SampledToken, SchedulerOutput
 from kiln.interfaces.platform import Platform
 from kiln.registry import Registry
 from kiln.worker.builder import build_runner
-from kiln.worker.sampler import BitmaskKernel, GrammarBitmask, Sampler, grammar_bitmask, prompt_top_logprobs
+from kiln.worker.sampler import BitmaskKernel, Sampler, prompt_top_logprobs
+from kiln.worker.spec_verify import sample_with_drafts
 from kiln.worker.tp_workers import TensorParallelWorkers
 
 logger = logging.getLogger("kiln.engine")
@@ -32,7 +33,7 @@ class ModelOutput:
     """One forward pass: logits of the requests that sample, and prompt logprobs computed."""
 
     sampling_reqs: list[Request]  # in logits row order
-    logits: torch.Tensor  # (len(sampling_reqs), vocab) float32, on the device
+    logits: torch.Tensor  # (rows, vocab) float32 on the device: 1 + len(spec_token_ids) rows per request
     prompt_logprobs: dict[Request, list[TopLogprobs]]
     forward_time: float
     pooled: dict[Request, torch.Tensor] = field(default_factory=dict)  # pooling requests' outputs (host)
@@ -119,19 +120,11 @@ class Executor:
             req.num_prompt_logprobs += len(next_tokens)
         return ModelOutput(result.sampling_reqs, result.logits, prompt_logprobs, result.forward_time, result.pooled)
 
-    def grammar_bitmask(self, output: ModelOutput) -> GrammarBitmask | None:
-        """The tokens each constrained sampling request may take next (None: no constraint)."""
-        return grammar_bitmask(output.sampling_reqs, output.logits.shape[-1])
-
-    def sample(self, output: ModelOutput, bitmask: GrammarBitmask | None) -> dict[Request, SampledToken]:
-        """One token per sampling request."""
+    def sample(self, output: ModelOutput) -> dict[Request, list[SampledToken]]:
+        """The tokens each sampling request emits: one, or its accepted drafts and one more."""
         if not output.sampling_reqs:
             return {}
-        sampled = self.sampler(output.logits, output.sampling_reqs, bitmask)
-        return {
-            req: SampledToken(token, lp, sampled.beam_candidates.get(row))
-            for row, (req, token, lp) in enumerate(zip(output.sampling_reqs, sampled.token_ids, sampled.logprobs))
-        }
+        return sample_with_drafts(self.sampler, output.logits, output.sampling_reqs)
 
     def free(self, request_ids: Iterable[str]) -> None:
         """Drop per-request state of finished requests (seeded generators)."""

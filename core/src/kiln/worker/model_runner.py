@@ -6,7 +6,8 @@ Per step:
      (``BatchLayout``: query offsets, sequence lengths, block table, slot mapping);
   3. run the model once over all tokens;
   4. return logits only where they are needed: the last token of each request
-     that samples, and every prompt position of requests asking prompt_logprobs.
+     that samples (and each of its draft tokens, under speculative decoding), and
+     every prompt position of requests asking prompt_logprobs.
 
 Graph mode (a platform ``GraphRunner``, unless ``--enforce-eager``): a step made only
 of decodes, no larger than the largest graph size and no longer than
@@ -37,7 +38,7 @@ logger = logging.getLogger("kiln.runner")
 @dataclass(slots=True)
 class StepResult:
     sampling_reqs: list[Request]  # requests that sample this step, in logits row order
-    logits: torch.Tensor  # (len(sampling_reqs), vocab) float32, on the device
+    logits: torch.Tensor  # (rows, vocab) float32 on the device: 1 + len(spec_token_ids) rows per request
     prompt_logits: dict[Request, tuple[int, torch.Tensor]]  # req -> (first position, logits rows)
     forward_time: float
     pooled: dict[Request, torch.Tensor] = field(default_factory=dict)  # pooling requests' outputs, on the host
@@ -73,31 +74,36 @@ class StepBatch:
     query_lens: list[int]
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), done before the forward
     token_type_ids: list[int] | None = None  # every token's segment id, when a request has them (cross-encoders)
-    lora_slots: list[int] | None = None  # each request's LoRA slot (-1: base), when any request has an adapter
+    lora_slots: list[int] | None = None  # each row's LoRA slot (-1: base), when any request has an adapter
     lora_loads: list[SlotLoad] = field(default_factory=list)  # adapters to copy into slots first (sent whole)
 
     @classmethod
     def of(cls, batch: list[tuple[Request, int]]) -> StepBatch:
+        """The batch's tokens; a request with drafts becomes one decode row per token (its last
+        known token, then each draft), each attending to the tokens before it, so that verifying
+        drafts takes every platform's decode path (its kernels and graphs)."""
         input_ids: list[int] = []
         positions: list[int] = []
+        block_rows: list[list[int]] = []
+        context_lens: list[int] = []
+        query_lens: list[int] = []
         for req, n in batch:
             start = req.num_computed_tokens
             input_ids.extend(req.all_token_ids[start : start + n])
+            input_ids.extend(req.spec_token_ids)  # drafts follow the last known token
             positions.extend(range(start, start + n))
+            row = [b.block_id for b in req.blocks]
+            rows = 1 + len(req.spec_token_ids)
+            block_rows.extend([row] * rows)
+            context_lens.extend(range(start, start + rows))
+            query_lens.extend([1] * rows if req.spec_token_ids else [n])
         token_types = None
         if any(req.token_type_ids for req, _ in batch):
             token_types = []
             for req, n in batch:
                 start = req.num_computed_tokens
                 token_types.extend((req.token_type_ids or [0] * req.num_tokens)[start : start + n])
-        return cls(
-            input_ids,
-            positions,
-            [[b.block_id for b in req.blocks] for req, _ in batch],
-            [req.num_computed_tokens for req, _ in batch],
-            [n for _, n in batch],
-            token_type_ids=token_types,
-        )
+        return cls(input_ids, positions, block_rows, context_lens, query_lens, token_type_ids=token_types)
 
 
 def pick_graph_size(num_reqs: int, sizes: list[int]) -> int | None:
@@ -239,12 +245,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> StepResult:
-        # Decodes first: backends batch them separately from prefills.
-        batch = sorted(output.scheduled, key=lambda item: item[1] != 1)
+        # Decodes (with their drafts) first: backends batch them separately from prefills.
+        batch = sorted(output.scheduled, key=lambda item: item[1] - len(item[0].spec_token_ids) != 1)
         step = StepBatch.of(batch)
         step.block_copies = output.block_copies
         if self.lora is not None and any(req.lora_request is not None for req, _ in batch):
-            step.lora_slots, step.lora_loads = self.lora.assign([req.lora_request for req, _ in batch])
+            per_row = [req.lora_request for req, _ in batch for _ in range(1 + len(req.spec_token_ids))]
+            step.lora_slots, step.lora_loads = self.lora.assign(per_row)
 
         rows: list[int] = []  # flat token indices whose logits we need
         sampling_reqs: list[Request] = []
@@ -262,9 +269,9 @@ class ModelRunner:
                 count = min(start + n, req.num_prompt_tokens - 1) - start
                 prompt_spans.append((req, start, len(rows), count))
                 rows.extend(range(offset, offset + count))
-            if start + n == req.num_tokens:
+            if start + n == req.num_tokens + len(req.spec_token_ids):  # the last token, then each draft
                 sampling_reqs.append(req)
-                sample_rows.append(offset + n - 1)
+                sample_rows.extend(range(offset + n - 1 - len(req.spec_token_ids), offset + n))
             offset += n
         sample_from = len(rows)
         rows.extend(sample_rows)

@@ -1,0 +1,167 @@
+"""``--speculative-config`` (vLLM's JSON) and the separate flags seeds 001 and 003 use.
+
+Only the methods Kiln runs are accepted; every other setting is refused with the reason,
+never ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# vLLM's defaults when neither lookup bound is given.
+DEFAULT_LOOKUP = 5
+_NOT_YET = (
+    "speculative method {!r} is not implemented yet: Kiln speculates by n-gram prompt lookup "
+    '(\'{{"method": "ngram", "num_speculative_tokens": 4}}\')'
+)
+
+
+class SpeculativeConfig(BaseModel):
+    """One engine's speculative decoding, as vLLM's ``speculative_config`` spells it.
+
+    ``method`` ``ngram`` proposes, for each decoding sequence, the tokens that followed the
+    most recent earlier occurrence of its last ``prompt_lookup_max`` .. ``prompt_lookup_min``
+    tokens (in the prompt or its output). Verification is exact (``rejection_sampler``):
+    outputs are distributed as without speculation, token for token identical when greedy.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    method: Literal["ngram", "draft_model", "eagle", "eagle3"] | None = None
+    model: str | None = Field(None, description="a draft model, or '[ngram]' / 'ngram' (the older spelling)")
+    num_speculative_tokens: int | None = Field(None, ge=1, le=64)
+    prompt_lookup_max: int | None = Field(None, ge=1)
+    prompt_lookup_min: int | None = Field(None, ge=1)
+    draft_tensor_parallel_size: int | None = Field(None, ge=1)
+    disable_by_batch_size: int | None = Field(None, ge=2)
+    max_model_len: int | None = Field(None, ge=1)
+    acceptance_method: Literal["rejection_sampler", "typical_acceptance_sampler"] = "rejection_sampler"
+    posterior_threshold: float | None = None
+    posterior_alpha: float | None = None
+    quantization: str | None = None
+    disable_mqa_scorer: bool = False
+    disable_logprobs: bool | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> SpeculativeConfig:
+        if self.method is None:
+            if self.model is None:
+                raise ValueError("give a method (ngram) or a draft model")
+            self.method = "ngram" if self.model in ("[ngram]", "ngram") else "draft_model"
+        if self.method != "ngram":
+            raise ValueError(_NOT_YET.format(self.method))
+        if self.num_speculative_tokens is None:
+            raise ValueError("num_speculative_tokens is required (how many tokens to propose per step)")
+        if self.prompt_lookup_max is None:
+            self.prompt_lookup_max = self.prompt_lookup_min or DEFAULT_LOOKUP
+        if self.prompt_lookup_min is None:
+            self.prompt_lookup_min = min(self.prompt_lookup_max, DEFAULT_LOOKUP)
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min ({self.prompt_lookup_min}) exceeds prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+        refused = {
+            "draft_tensor_parallel_size": (
+                self.draft_tensor_parallel_size not in (None, 1),
+                "n-gram lookup has no draft model to split over ranks",
+            ),
+            "quantization": (self.quantization is not None, "n-gram lookup has no draft model to quantize"),
+            "acceptance_method": (
+                self.acceptance_method != "rejection_sampler",
+                "Kiln verifies drafts exactly (rejection_sampler); typical acceptance changes the output "
+                "distribution and is not implemented",
+            ),
+            "posterior_threshold": (self.posterior_threshold is not None, "typical acceptance is not implemented"),
+            "posterior_alpha": (self.posterior_alpha is not None, "typical acceptance is not implemented"),
+            "disable_mqa_scorer": (
+                self.disable_mqa_scorer,
+                "Kiln scores drafts only in one multi-query pass over the paged cache (no batch-expansion scorer)",
+            ),
+            "disable_logprobs": (
+                bool(self.disable_logprobs),
+                "logprobs of emitted tokens are always returned, exact and at no extra cost; leave it unset or false",
+            ),
+        }
+        for name, (bad, why) in refused.items():
+            if bad:
+                raise ValueError(f"{name}: {why}")
+        return self
+
+
+class SpeculativeFlags(BaseModel):
+    """The separate speculative flags of seeds 001 and 003, folded into ``speculative_config``
+    (a base of ``EngineConfig``: one ``--flag`` each)."""
+
+    speculative_config: SpeculativeConfig | None = Field(
+        None, description='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\''
+    )
+    speculative_model: str | None = Field(None, description="'[ngram]' for prompt lookup (draft models: not yet)")
+    num_speculative_tokens: int | None = Field(None, description="tokens proposed per step (with --speculative-model)")
+    speculative_draft_tensor_parallel_size: int | None = Field(None, description="draft model ranks (ngram: 1)")
+    speculative_max_model_len: int | None = Field(None, description="sequences longer than this do not speculate")
+    speculative_disable_by_batch_size: int | None = Field(
+        None, description="no drafts while more requests than this are running or waiting"
+    )
+    ngram_prompt_lookup_max: int | None = Field(None, description="the longest n-gram looked up")
+    ngram_prompt_lookup_min: int | None = Field(None, description="the shortest n-gram looked up")
+    speculative_model_quantization: str | None = Field(None, description="draft model quantization (refused)")
+    speculative_disable_mqa_scorer: bool = Field(False, description="refused: drafts are scored in one pass")
+    spec_decoding_acceptance_method: Literal["rejection_sampler", "typical_acceptance_sampler"] | None = Field(
+        None, description="rejection_sampler (exact); typical acceptance is refused"
+    )
+    typical_acceptance_sampler_posterior_threshold: float | None = Field(None, description="refused")
+    typical_acceptance_sampler_posterior_alpha: float | None = Field(None, description="refused")
+    disable_logprobs_during_spec_decoding: bool | None = Field(
+        None, description="refused when true: logprobs are exact and free with speculation"
+    )
+
+    @field_validator("speculative_config", mode="before")
+    @classmethod
+    def _json(cls, value: object) -> object:
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"not valid JSON ({exc})") from None
+            if not isinstance(value, dict):
+                raise ValueError("must be a JSON object")
+        return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fold_flags(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        given = {old: data[old] for old in LEGACY_FLAGS if data.get(old) not in (None, False)}
+        if not given:
+            return data
+        flags = ", ".join("--" + name.replace("_", "-") for name in given)
+        if data.get("speculative_config") is not None:
+            raise ValueError(f"give --speculative-config or the separate flags ({flags}), not both")
+        if "speculative_model" not in given:
+            raise ValueError(f"{flags} need --speculative-model (a draft model, or [ngram] for prompt lookup)")
+        # The flags live on only inside speculative_config (so a later assignment re-folds nothing).
+        data = {key: value for key, value in data.items() if key not in given}
+        data["speculative_config"] = {LEGACY_FLAGS[old]: value for old, value in given.items()}
+        return data
+
+
+# The separate flags and the ``speculative_config`` keys they set.
+LEGACY_FLAGS = {
+    "speculative_model": "model",
+    "num_speculative_tokens": "num_speculative_tokens",
+    "speculative_draft_tensor_parallel_size": "draft_tensor_parallel_size",
+    "speculative_max_model_len": "max_model_len",
+    "speculative_disable_by_batch_size": "disable_by_batch_size",
+    "ngram_prompt_lookup_max": "prompt_lookup_max",
+    "ngram_prompt_lookup_min": "prompt_lookup_min",
+    "speculative_model_quantization": "quantization",
+    "speculative_disable_mqa_scorer": "disable_mqa_scorer",
+    "spec_decoding_acceptance_method": "acceptance_method",
+    "typical_acceptance_sampler_posterior_threshold": "posterior_threshold",
+    "typical_acceptance_sampler_posterior_alpha": "posterior_alpha",
+    "disable_logprobs_during_spec_decoding": "disable_logprobs",
+}

@@ -1,0 +1,35 @@
+"""Counts of drafted and accepted tokens, named as vLLM's ``spec_decode`` metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class SpecDecodeStats:
+    """Totals since start: verified drafts (one per sequence per step with drafts), their
+    tokens, the tokens accepted, and accepted tokens by draft position (0 = first)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_pos) < num_draft_tokens:
+            self.accepted_per_pos.extend([0] * (num_draft_tokens - len(self.accepted_per_pos)))
+        for pos in range(num_accepted):
+            self.accepted_per_pos[pos] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted over drafted tokens (0 before any draft)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verified draft: the accepted ones and the one sampled after them."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
