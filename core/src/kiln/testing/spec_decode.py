@@ -1,0 +1,47 @@
+"""Helpers for tests of speculative decoding, on any platform.
+
+Tiny random-weight models seldom repeat themselves, so n-gram lookup would rarely propose
+a token they accept. ``ReplayProposer`` stands in for the proposer: it offers what a
+run without speculation produced, with every ``wrong_every``-th draft changed, so steps
+accept all, some or none of their drafts and the verification path is driven through each
+case on the model under test.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ReplayProposer:
+    """Drafts taken from reference outputs (prompt tokens -> output tokens), some made wrong."""
+
+    def __init__(self, references: dict[tuple[int, ...], list[int]], wrong_every: int = 7) -> None:
+        self.references = references
+        self.wrong_every = wrong_every
+
+    def propose(self, request_id: str, token_ids: list[int], max_tokens: int) -> list[int]:
+        for prompt, output in self.references.items():
+            if tuple(token_ids[: len(prompt)]) == prompt:
+                done = len(token_ids) - len(prompt)
+                drafts = output[done : done + max_tokens]
+                return [t + 1 if (done + i) % self.wrong_every in (0, 3) else t for i, t in enumerate(drafts)]
+        return []
+
+    def free(self, request_id: str) -> None:
+        pass
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+def replayed_greedy(plugins, prompts: list[list[int]], max_tokens: int = 8, **engine_args: Any):
+    """Greedy outputs of ``prompts`` without speculation, then with ``ReplayProposer`` drafts
+    verified on an engine built from ``engine_args``: (reference, speculative, spec stats)."""
+    from kiln.testing.engine import greedy_tokens, make_engine, run_greedy
+
+    plain = {k: v for k, v in engine_args.items() if k != "speculative_config"}
+    reference = greedy_tokens(plugins, prompts, max_tokens, **plain)
+    engine = make_engine(plugins, speculative_config=NGRAM, **engine_args)
+    scheduler = engine.core.scheduler
+    scheduler.proposer = ReplayProposer({tuple(p): out for p, out in zip(prompts, reference)})
+    return reference, run_greedy(engine, prompts, max_tokens), scheduler.spec_stats

@@ -1,0 +1,324 @@
+"""Speculative decoding: its flags, n-gram lookup, and that outputs are exactly those of
+decoding one token at a time (greedy and seeded tokens, logprobs, stops, guided JSON,
+preemption), with drafts accepted and rejected along the way."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+
+import pytest
+
+from kiln import LLM, SamplingParams
+from kiln.config import EngineConfig
+from kiln.engine_args import add_engine_args, engine_kwargs
+from kiln.spec_decode.ngram import NgramProposer
+from kiln.spec_decode.stats import SpecDecodeStats
+from kiln.testing.spec_decode import NGRAM, ReplayProposer, replayed_greedy
+
+# ---------------------------------------------------------------- flags
+
+
+def test_the_json_config_takes_vllms_defaults():
+    spec = EngineConfig.create(speculative_config='{"method": "ngram", "num_speculative_tokens": 4}').speculative_config
+    assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max) == (
+        "ngram", 4, 5, 5,
+    )  # fmt: skip
+    spec = EngineConfig.create(speculative_config={"model": "[ngram]", "num_speculative_tokens": 2,
+                                                   "prompt_lookup_max": 3}).speculative_config  # fmt: skip
+    assert (spec.method, spec.prompt_lookup_min, spec.prompt_lookup_max) == ("ngram", 3, 3)
+
+
+def test_the_older_separate_flags_fold_into_the_config():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    argv = ["--speculative-model", "[ngram]", "--num-speculative-tokens", "3", "--ngram-prompt-lookup-max", "4",
+            "--ngram-prompt-lookup-min", "2", "--speculative-disable-by-batch-size", "8", "-spec-draft-tp", "1"]  # fmt: skip
+    config = EngineConfig.create(**engine_kwargs(parser.parse_args(argv)))
+    spec = config.speculative_config
+    assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max) == (
+        "ngram", 3, 2, 4,
+    )  # fmt: skip
+    assert spec.disable_by_batch_size == 8
+    config.max_num_seqs = 4  # a later assignment re-validates without folding twice
+    assert config.speculative_config == spec
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"speculative_config": '{"method": "ngram"}'}, "num_speculative_tokens is required"),
+        ({"speculative_config": "{not json"}, "not valid JSON"),
+        ({"speculative_config": {"method": "eagle", "model": "x", "num_speculative_tokens": 2}}, "not implemented"),
+        ({"speculative_model": "/models/draft", "num_speculative_tokens": 2}, "'draft_model' is not implemented"),
+        ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "typo": 1}}, "typo"),
+        ({"speculative_config": {**NGRAM, "prompt_lookup_min": 4}}, "exceeds prompt_lookup_max"),
+        ({"num_speculative_tokens": 3}, "need --speculative-model"),
+        ({"speculative_model": "[ngram]", "num_speculative_tokens": 2, "speculative_config": NGRAM}, "not both"),
+        (
+            {
+                "speculative_model": "[ngram]",
+                "num_speculative_tokens": 2,
+                "spec_decoding_acceptance_method": "typical_acceptance_sampler",
+            },
+            "typical acceptance",
+        ),  # fmt: skip
+        (
+            {"speculative_model": "[ngram]", "num_speculative_tokens": 2, "speculative_draft_tensor_parallel_size": 2},
+            "no draft model",
+        ),  # fmt: skip
+        (
+            {"speculative_model": "[ngram]", "num_speculative_tokens": 2, "speculative_disable_mqa_scorer": True},
+            "one multi-query pass",
+        ),  # fmt: skip
+        (
+            {
+                "speculative_model": "[ngram]",
+                "num_speculative_tokens": 2,
+                "disable_logprobs_during_spec_decoding": True,
+            },
+            "always returned",
+        ),  # fmt: skip
+    ],
+)
+def test_settings_kiln_does_not_run_are_refused_with_the_reason(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig.create(**kwargs)
+
+
+# ---------------------------------------------------------------- n-gram lookup
+
+
+def test_ngram_lookup_prefers_the_longest_then_the_latest_match():
+    proposer = NgramProposer(1, 3)
+    #          0  1  2  3  4  5  6  7  8  9
+    tokens = [1, 2, 3, 9, 2, 3, 8, 7, 2, 3]
+    # "2 3" ended at 2 and 5 (latest: 5, followed by 8 7 ...); "1 2 3"... the 3-gram "3 2 3"? absent; "7 2 3" absent.
+    assert proposer.propose("a", tokens, 3) == [8, 7, 2]
+    tokens2 = [5, 1, 2, 3, 6, 0, 2, 3, 4, 1, 2, 3]  # "1 2 3" (longest) ended at 3, followed by 6
+    assert NgramProposer(1, 3).propose("b", tokens2, 2) == [6, 0]
+    assert NgramProposer(1, 3).propose("c", [1, 2, 3, 4], 2) == []  # 4 never came before
+    assert NgramProposer(2, 3).propose("d", [1, 2, 9, 2], 2) == []  # "9 2" is new; 1-grams are below the minimum
+
+
+def test_ngram_tables_grow_incrementally_as_a_fresh_lookup_would_find():
+    rng = random.Random(0)
+    tokens = [rng.randrange(6) for _ in range(200)]
+    incremental = NgramProposer(1, 4)
+    for end in range(1, 200, 3):
+        assert incremental.propose("r", tokens[:end], 4) == NgramProposer(1, 4).propose("r", tokens[:end], 4)
+    incremental.free("r")
+    assert incremental.tables == {}
+
+
+def test_stats_count_drafts_by_position():
+    stats = SpecDecodeStats()
+    stats.observe(3, 2)
+    stats.observe(2, 0)
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (2, 5, 2)
+    assert stats.accepted_per_pos == [1, 1, 0]
+    assert stats.acceptance_rate == pytest.approx(0.4) and stats.mean_acceptance_length == pytest.approx(2.0)
+
+
+# ---------------------------------------------------------------- exactness on a tiny model
+
+
+@pytest.mark.parametrize("budget", [16, 2048])
+def test_greedy_equals_decoding_without_speculation(tiny_model_dir, cpu_plugins, varied_prompts, budget):
+    """Drafts accepted whole, in part and not at all, with chunked prefill (a 16-token budget also
+    cuts drafts short) and prefix caching (the prompts repeat): the same tokens as without drafts."""
+    prompts = varied_prompts + varied_prompts[1:3]
+    common = dict(model=tiny_model_dir("llama"), device="cpu", dtype="float32", block_size=16)
+    reference, got, stats = replayed_greedy(cpu_plugins, prompts, 12, max_num_batched_tokens=budget, **common)
+    assert got == reference
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert stats.accepted_per_pos[2] > 0  # some steps accepted all three drafts
+
+
+@pytest.fixture(scope="module")
+def tiny_llms(tiny_model_dir):
+    common = dict(dtype="float32", max_model_len=256, block_size=16)
+    return LLM(tiny_model_dir("llama"), **common), LLM(tiny_model_dir("llama"), speculative_config=NGRAM, **common)
+
+
+def replay(spec_llm: LLM, prompts: list[list[int]], references: list[list[int]], wrong_every: int = 7) -> None:
+    spec_llm.engine.core.scheduler.proposer = ReplayProposer(
+        {tuple(p): r for p, r in zip(prompts, references)}, wrong_every
+    )
+
+
+PROMPTS = [[1000, 7, 9], list(range(100, 119)), [5, 6, 7, 8, 9] * 3]
+SAMPLED = [
+    SamplingParams(temperature=0.8, seed=1, max_tokens=24, ignore_eos=True, logprobs=2),
+    SamplingParams(temperature=1.2, top_k=20, top_p=0.9, min_p=0.01, seed=2, max_tokens=24, ignore_eos=True),
+    SamplingParams(
+        temperature=0.7,
+        repetition_penalty=1.3,
+        presence_penalty=0.5,
+        frequency_penalty=0.4,
+        seed=3,
+        max_tokens=24,
+        ignore_eos=True,
+        logit_bias={42: 5.0},
+    ),  # fmt: skip
+]
+
+
+def generate(llm: LLM, prompts, params):
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+
+
+def test_seeded_sampling_gives_the_same_tokens_and_logprobs(tiny_llms):
+    """A seeded request draws once per emitted token from its own generator, so with any sampling
+    parameters it samples what it samples without drafts; logprobs are those of the same positions."""
+    plain, spec = tiny_llms
+    want = generate(plain, PROMPTS, SAMPLED)
+    replay(spec, PROMPTS, [o.outputs[0].token_ids for o in want])
+    before = spec.engine.core.scheduler.spec_stats.num_accepted_tokens
+    got = generate(spec, PROMPTS, SAMPLED)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert spec.engine.core.scheduler.spec_stats.num_accepted_tokens - before > 20
+    for g, w in zip(got[0].outputs[0].logprobs, want[0].outputs[0].logprobs):
+        assert g.keys() == w.keys()
+        assert [g[t].logprob for t in g] == pytest.approx([w[t].logprob for t in w], abs=1e-4)
+
+
+def test_stops_end_the_sequence_where_decoding_without_drafts_would(tiny_llms):
+    """Stop strings, stop token ids, min_tokens, max_tokens and EOS inside a step's accepted drafts."""
+    plain, spec = tiny_llms
+    tokenizer = plain.get_tokenizer()
+    free = generate(plain, PROMPTS[:1], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0].outputs[0]
+    ids = free.token_ids
+    stop_text = tokenizer.decode(ids[9:11]).strip()
+    cases = [
+        SamplingParams(temperature=0, max_tokens=24, stop=[stop_text]),
+        SamplingParams(temperature=0, max_tokens=24, stop=[stop_text], include_stop_str_in_output=True),
+        SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[ids[7]], ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[ids[2]], min_tokens=5, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+    ]
+    prompts = PROMPTS[:1] * len(cases)
+    want = generate(plain, prompts, cases)
+    replay(spec, PROMPTS[:1], [ids], wrong_every=10)
+    got = generate(spec, prompts, cases)
+    for g, w in zip(got, want):
+        g, w = g.outputs[0], w.outputs[0]
+        assert (g.token_ids, g.text, g.finish_reason, g.stop_reason) == (w.token_ids, w.text, w.finish_reason,
+                                                                          w.stop_reason)  # fmt: skip
+    assert [len(o.outputs[0].token_ids) for o in want] != [24] * len(cases)  # the stops did stop early
+    # EOS: a draft list that runs through the end-of-sequence token ends there.
+    eos = tokenizer.eos_token_id
+    replay(spec, PROMPTS[:1], [ids[:5] + [eos] + ids[5:]], wrong_every=100)
+    plain_eos = SamplingParams(temperature=0, max_tokens=24, logit_bias={eos: 100.0}, min_tokens=6)
+    (g,), (w,) = generate(spec, PROMPTS[:1], plain_eos), generate(plain, PROMPTS[:1], plain_eos)
+    assert (g.outputs[0].token_ids, g.outputs[0].finish_reason) == (w.outputs[0].token_ids, "stop")
+
+
+def test_unseeded_sampling_keeps_the_target_distribution(tiny_llms):
+    """Statistically: 800 samples of three tokens at temperature 1 (top-3; the last two from a
+    step with a draft, often right and often wrong), against 800 without drafts: a chi-squared
+    test of homogeneity does not tell them apart (p > 0.001)."""
+    plain, spec = tiny_llms
+    prompt = PROMPTS[0]
+    params = SamplingParams(temperature=1.0, top_k=3, max_tokens=3, n=200, ignore_eos=True)
+    greedy = generate(plain, [prompt], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    replay(spec, [prompt], [greedy[0].outputs[0].token_ids], wrong_every=100)
+    before = spec.engine.core.scheduler.spec_stats.num_accepted_tokens
+    counts = [
+        _pair_counts(o for out in generate(llm, [prompt] * 4, params) for o in out.outputs) for llm in (plain, spec)
+    ]
+    assert spec.engine.core.scheduler.spec_stats.num_accepted_tokens - before > 50
+    assert _chi2_homogeneity_p(*counts) > 1e-3
+
+
+def _pair_counts(outputs) -> dict[tuple[int, ...], int]:
+    counts: dict[tuple[int, ...], int] = {}
+    for out in outputs:
+        key = tuple(out.token_ids)
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def _chi2_homogeneity_p(a: dict, b: dict) -> float:
+    """p-value of the chi-squared test that two samples come from one distribution (cells with
+    fewer than 5 expected counts pooled), via the Wilson-Hilferty normal approximation."""
+    keys = sorted(set(a) | set(b))
+    na, nb = sum(a.values()), sum(b.values())
+    cells, pooled = [], [0, 0]
+    for k in keys:
+        ca, cb = a.get(k, 0), b.get(k, 0)
+        if (ca + cb) * min(na, nb) / (na + nb) < 5:
+            pooled[0] += ca
+            pooled[1] += cb
+        else:
+            cells.append((ca, cb))
+    if sum(pooled):
+        cells.append(tuple(pooled))
+    stat = 0.0
+    for ca, cb in cells:
+        total = ca + cb
+        for observed, n in ((ca, na), (cb, nb)):
+            expected = total * n / (na + nb)
+            stat += (observed - expected) ** 2 / expected
+    dof = len(cells) - 1
+    z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def test_guided_json_with_drafts_is_valid_and_unchanged(tiny_llms):
+    """The matcher follows accepted drafts within a step (each position's bitmask), then rolls
+    back so the scheduler advances it: the JSON is valid and the same as without drafts."""
+    plain, spec = tiny_llms
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                               "b": {"enum": ["x", "yy"]}},
+              "required": ["a", "b"], "additionalProperties": False}  # fmt: skip
+    from kiln.sampling_params import GuidedDecodingParams
+
+    params = SamplingParams(temperature=0, max_tokens=80, guided_decoding=GuidedDecodingParams(json=schema))
+    prompts = ["Give me JSON", "Another one", "And a third"]
+    want = plain.generate(prompts, params)
+    replay(spec, [o.prompt_token_ids for o in want], [o.outputs[0].token_ids for o in want])
+    before = spec.engine.core.scheduler.spec_stats.num_accepted_tokens
+    got = spec.generate(prompts, params)
+    assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in want]
+    assert spec.engine.core.scheduler.spec_stats.num_accepted_tokens - before > 10
+    for out in got:
+        assert out.outputs[0].finish_reason == "stop"
+        assert set(json.loads(out.outputs[0].text)) == {"a", "b"}
+
+
+def test_preemption_and_n_greater_than_one(tiny_model_dir):
+    """With too few KV blocks for every sequence, drafts are dropped first and requests are
+    preempted and recomputed; n=3 seeded children all sample as without drafts."""
+    common = dict(dtype="float32", max_model_len=128, block_size=16, num_gpu_blocks_override=12)
+    plain = LLM(tiny_model_dir("llama"), **common)
+    spec = LLM(tiny_model_dir("llama"), speculative_config=NGRAM, **common)
+    prompts = [list(range(100 + 10 * i, 130 + 10 * i)) for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in generate(plain, prompts, params)]
+    replay(spec, prompts, want)
+    assert [o.outputs[0].token_ids for o in generate(spec, prompts, params)] == want
+    assert spec.engine.core.scheduler.num_preemptions > 0
+    fanned = SamplingParams(temperature=1.0, n=3, seed=5, max_tokens=12, ignore_eos=True)
+    want_n = [o.token_ids for o in generate(plain, prompts[:1], fanned)[0].outputs]
+    got_n = [o.token_ids for o in generate(spec, prompts[:1], fanned)[0].outputs]
+    assert got_n == want_n
+
+
+# ---------------------------------------------------------------- the default model, real n-gram lookup
+
+
+def test_default_model_copies_through_ngram_drafts_unchanged(default_model_dir):
+    """The default model repeating a text from its prompt: n-gram drafts are mostly accepted and
+    the greedy text is what decoding without them gives."""
+    text = "The quick brown fox jumps over the lazy dog. Kiln batches requests and keeps a paged KV cache."
+    prompt = f"Repeat the following text exactly.\n\n{text}\n\nRepeated text:"
+    params = SamplingParams(temperature=0, max_tokens=48)
+    common = dict(dtype="float32", max_model_len=512)
+    want = LLM(default_model_dir, **common).generate(prompt, params)[0].outputs[0].token_ids
+    spec = LLM(default_model_dir, speculative_config={**NGRAM, "num_speculative_tokens": 4}, **common)
+    assert spec.generate(prompt, params)[0].outputs[0].token_ids == want
+    stats = spec.engine.core.scheduler.spec_stats
+    assert stats.acceptance_rate > 0.5 and stats.mean_acceptance_length > 2.5
