@@ -131,8 +131,9 @@ def test_greedy_equals_decoding_without_speculation(tiny_model_dir, cpu_plugins,
     cuts drafts short) and prefix caching (the prompts repeat): the same tokens as without drafts."""
     prompts = varied_prompts + varied_prompts[1:3]
     common = dict(model=tiny_model_dir("llama"), device="cpu", dtype="float32", block_size=16)
-    reference, got, stats = replayed_greedy(cpu_plugins, prompts, 12, max_num_batched_tokens=budget, **common)
+    reference, got, engine = replayed_greedy(cpu_plugins, prompts, 12, max_num_batched_tokens=budget, **common)
     assert got == reference
+    stats = engine.core.scheduler.spec_stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     assert stats.accepted_per_pos[2] > 0  # some steps accepted all three drafts
 
@@ -322,3 +323,44 @@ def test_default_model_copies_through_ngram_drafts_unchanged(default_model_dir):
     assert spec.generate(prompt, params)[0].outputs[0].token_ids == want
     stats = spec.engine.core.scheduler.spec_stats
     assert stats.acceptance_rate > 0.5 and stats.mean_acceptance_length > 2.5
+
+
+def test_server_streams_the_same_text_and_reports_spec_metrics(default_model_dir, caplog):
+    """Over the API (streaming and not), with the older flags: the text of decoding without
+    drafts; ``/metrics`` has vLLM's spec_decode counters and the stats log has its line."""
+    import argparse as _argparse
+
+    from fastapi.testclient import TestClient
+
+    from kiln.engine.async_engine import AsyncEngine
+    from kiln.engine.llm_engine import LLMEngine
+    from kiln.entrypoints.openai.api_server import build_app
+    from kiln.entrypoints.openai.cli_args import add_serve_args
+    from kiln.entrypoints.openai.serving import ServerOptions
+    from kiln.testing.server import metric_value
+
+    prompt = "Repeat the following text exactly.\n\nOne two three four five six seven eight.\n\nRepeated text:"
+    common = dict(model=default_model_dir, dtype="float32", max_model_len=512)
+    want = (
+        LLM(default_model_dir, dtype="float32", max_model_len=512)
+        .generate(prompt, SamplingParams(temperature=0, max_tokens=24))[0]
+        .outputs[0]
+        .text
+    )
+    config = EngineConfig.create(speculative_model="[ngram]", num_speculative_tokens=3, **common)
+    engine = AsyncEngine(LLMEngine(config), log_stats_interval=0.0)
+    parser = _argparse.ArgumentParser()
+    add_serve_args(parser)
+    body = {"model": "m", "prompt": prompt, "max_tokens": 24, "temperature": 0}
+    with TestClient(build_app(engine, ServerOptions(served_model_names=["m"]), parser.parse_args([]))) as client:
+        assert client.post("/v1/completions", json=body).json()["choices"][0]["text"] == want
+        with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+            chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+        assert "".join(c["choices"][0]["text"] for c in chunks) == want
+        metrics = client.get("/metrics").text
+    accepted = metric_value(metrics, "kiln:spec_decode_num_accepted_tokens_total")
+    assert 0 < accepted <= metric_value(metrics, "kiln:spec_decode_num_draft_tokens_total")
+    assert metric_value(metrics, "kiln:spec_decode_num_accepted_tokens_per_pos_total", position="0") > 0
+    with caplog.at_level("INFO", logger="kiln.engine"):
+        engine._log_stats()
+    assert "speculative decoding: mean acceptance length" in caplog.text

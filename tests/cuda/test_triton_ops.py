@@ -116,6 +116,25 @@ def test_engine_through_triton_kernels_matches_the_cpu_plugin(tiny_model_dir, ki
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the interpreter path on CPU")
+def test_drafts_verify_through_triton_kernels_as_on_the_cpu_plugin(tiny_model_dir, kiln_plugins):
+    """Speculative decoding: each step's drafts run as decode rows through the Triton attention
+    kernels and are accepted or rejected as on the CPU plugin."""
+    import kiln_cpu.plugin
+    import kiln_cuda.plugin
+    from kiln.testing.engine import greedy_tokens
+    from kiln.testing.spec_decode import replayed_greedy
+
+    for module, name in ((kiln_cpu.plugin, "cpu"), (kiln_cuda.plugin, "cuda"), (sys.modules[__name__], "test")):
+        kiln_plugins.register(module, name=name)
+    prompts = [[1000, 7, 9], list(range(100, 119))]
+    common = dict(model=tiny_model_dir("llama"), dtype="float32", block_size=16)
+    reference, got, engine = replayed_greedy(kiln_plugins, prompts, 8, device="cpu_triton", **common)
+    assert got == reference == greedy_tokens(kiln_plugins, prompts, 8, device="cpu", **common)
+    stats = engine.core.scheduler.spec_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the interpreter path on CPU")
 def test_beam_search_through_triton_kernels_matches_the_cpu_plugin(tiny_model_dir, kiln_plugins):
     """Forked beams decode on shared blocks, and their partial blocks are copied, in the
     Triton backend's cache as in the CPU plugin's."""

@@ -101,7 +101,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._looping = False
-        self._last_log = (time.monotonic(), 0, 0)
+        self._last_log: tuple[float, dict] = (time.monotonic(), {})  # when, and get_stats() then
 
     # ------------------------------------------------------------ event loop side
     def start(self) -> None:
@@ -258,7 +258,7 @@ class AsyncEngine:
         if self.log_stats_interval is None:
             return
         now = time.monotonic()
-        then, prompt_then, gen_then = self._last_log
+        then, before = self._last_log
         if now - then < self.log_stats_interval:
             return
         stats = self.get_stats()
@@ -266,10 +266,12 @@ class AsyncEngine:
         logger.info(
             "throughput: prompt %.1f tokens/s, generation %.1f tokens/s | running %d, waiting %d reqs | "
             "KV cache usage %.1f%%",
-            (stats["prompt_tokens"] - prompt_then) / elapsed,
-            (stats["generation_tokens"] - gen_then) / elapsed,
+            (stats["prompt_tokens"] - before.get("prompt_tokens", 0)) / elapsed,
+            (stats["generation_tokens"] - before.get("generation_tokens", 0)) / elapsed,
             stats["num_running"],
             stats["num_waiting"],
             100 * stats["kv_cache_usage"],
         )
-        self._last_log = (now, stats["prompt_tokens"], stats["generation_tokens"])
+        if stats["spec_decode"] is not None:
+            logger.info("%s", stats["spec_decode"].since(before.get("spec_decode")).summary())
+        self._last_log = (now, stats)

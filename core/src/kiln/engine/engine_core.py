@@ -53,4 +53,3 @@ class EngineCore:
             metrics.model_execute_time += step_time
         self.executor.free(out.request_id for out in outputs if out.finish_reason is not None)
         return outputs
-

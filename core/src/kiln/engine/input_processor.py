@@ -104,7 +104,9 @@ class InputProcessor:
             requests.append(req)
             detok = IncrementalDetokenizer(self.tokenizer, ids, params)
             sequences.append(SequenceState(req.request_id, detok, req.metrics))
-        return ProcessedRequest(requests, RequestGroup(request_id, text, ids, params, sequences, lora_request=lora_request))
+        return ProcessedRequest(
+            requests, RequestGroup(request_id, text, ids, params, sequences, lora_request=lora_request)
+        )
 
     def _beam_search(
         self,
@@ -130,7 +132,9 @@ class InputProcessor:
             )
             for i in range(params.n)
         ]
-        return ProcessedRequest([req], RequestGroup(request_id, text, ids, params, sequences, lora_request=lora_request))
+        return ProcessedRequest(
+            [req], RequestGroup(request_id, text, ids, params, sequences, lora_request=lora_request)
+        )
 
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:

@@ -215,6 +215,8 @@ class LLMEngine:
             "prompt_tokens": self.core.num_prompt_tokens,
             "generation_tokens": self.core.num_generation_tokens,
             "num_preemptions": scheduler.num_preemptions,
+            # a copy of the drafted/accepted counts, with speculative decoding (else None)
+            "spec_decode": scheduler.spec_stats.since(None) if self.config.speculative_config else None,
         }
 
 

@@ -33,3 +33,27 @@ class SpecDecodeStats:
     def mean_acceptance_length(self) -> float:
         """Tokens emitted per verified draft: the accepted ones and the one sampled after them."""
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def since(self, before: SpecDecodeStats | None) -> SpecDecodeStats:
+        """The counts added after ``before`` (a copy taken earlier; None: since start)."""
+        if before is None:
+            return SpecDecodeStats(
+                self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, list(self.accepted_per_pos)
+            )
+        per_pos = [n - (before.accepted_per_pos[i] if i < len(before.accepted_per_pos) else 0)
+                   for i, n in enumerate(self.accepted_per_pos)]  # fmt: skip
+        return SpecDecodeStats(
+            self.num_drafts - before.num_drafts,
+            self.num_draft_tokens - before.num_draft_tokens,
+            self.num_accepted_tokens - before.num_accepted_tokens,
+            per_pos,
+        )
+
+    def summary(self) -> str:
+        """One log line, as vLLM's periodic speculative-decoding line."""
+        per_pos = ", ".join(f"{n / self.num_drafts:.2f}" for n in self.accepted_per_pos) if self.num_drafts else "-"
+        return (
+            f"speculative decoding: mean acceptance length {self.mean_acceptance_length:.2f}, accepted "
+            f"{self.num_accepted_tokens} of {self.num_draft_tokens} draft tokens ({100 * self.acceptance_rate:.1f}%), "
+            f"per-position acceptance rate {per_pos}"
+        )

@@ -36,7 +36,7 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
 
 def replayed_greedy(plugins, prompts: list[list[int]], max_tokens: int = 8, **engine_args: Any):
     """Greedy outputs of ``prompts`` without speculation, then with ``ReplayProposer`` drafts
-    verified on an engine built from ``engine_args``: (reference, speculative, spec stats)."""
+    verified on an engine built from ``engine_args``: (reference, speculative, that engine)."""
     from kiln.testing.engine import greedy_tokens, make_engine, run_greedy
 
     plain = {k: v for k, v in engine_args.items() if k != "speculative_config"}
@@ -44,4 +44,4 @@ def replayed_greedy(plugins, prompts: list[list[int]], max_tokens: int = 8, **en
     engine = make_engine(plugins, speculative_config=NGRAM, **engine_args)
     scheduler = engine.core.scheduler
     scheduler.proposer = ReplayProposer({tuple(p): out for p, out in zip(prompts, reference)})
-    return reference, run_greedy(engine, prompts, max_tokens), scheduler.spec_stats
+    return reference, run_greedy(engine, prompts, max_tokens), engine

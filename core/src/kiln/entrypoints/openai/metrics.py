@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kiln.outputs import RequestOutput
+from kiln.spec_decode.stats import SpecDecodeStats
 
 if TYPE_CHECKING:
     from kiln.engine.async_engine import AsyncEngine
@@ -49,6 +50,28 @@ class _EngineCollector:
             counter = CounterMetricFamily(name, doc, labels=label[0])
             counter.add_metric(label[1], stats[key])
             yield counter
+        if stats["spec_decode"] is not None:
+            yield from _spec_decode_metrics(stats["spec_decode"], label)
+
+
+def _spec_decode_metrics(spec: SpecDecodeStats, label: tuple[list[str], list[str]]):
+    """vLLM's speculative-decoding counters (only when speculative decoding is on)."""
+    for name, doc, value in (
+        ("kiln:spec_decode_num_drafts", "Drafts verified (one per sequence per step with drafts).", spec.num_drafts),
+        ("kiln:spec_decode_num_draft_tokens", "Draft tokens verified.", spec.num_draft_tokens),
+        ("kiln:spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec.num_accepted_tokens),
+    ):
+        counter = CounterMetricFamily(name, doc, labels=label[0])
+        counter.add_metric(label[1], value)
+        yield counter
+    per_pos = CounterMetricFamily(
+        "kiln:spec_decode_num_accepted_tokens_per_pos",
+        "Draft tokens accepted, by position in the draft (0 = first).",
+        labels=[*label[0], "position"],
+    )
+    for pos, value in enumerate(spec.accepted_per_pos):
+        per_pos.add_metric([*label[1], str(pos)], value)
+    yield per_pos
 
 
 class ServerMetrics:
