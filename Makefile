@@ -40,6 +40,7 @@ bench: setup
 	$(PY) bench/embeddings.py
 	$(PY) bench/lora.py
 	$(PY) bench/beam_search.py
+	$(PY) bench/spec_decode.py
 
 lint: setup
 	$(VENV)/bin/ruff check .

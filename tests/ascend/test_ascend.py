@@ -346,17 +346,19 @@ def test_sliding_window_on_the_ascend_path(tiny_model_dir, npu_plugins, eager):
 @pytest.mark.parametrize("eager", [False, True], ids=["graph", "eager"])
 def test_drafts_verify_on_the_ascend_path(tiny_model_dir, npu_plugins, eager):
     """Speculative decoding: a step's drafts run as decode rows through the Ascend backend (in
-    graph mode through the gear that holds them) and give the CPU plugin's greedy tokens."""
+    graph mode through the gear that holds them: 2 requests with 3 drafts each need gear 8, so
+    the gears reach max_num_seqs * 4) and give the CPU plugin's greedy tokens."""
     from kiln.testing.engine import greedy_tokens
     from kiln.testing.spec_decode import replayed_greedy
 
     prompts = [[1000, 7, 9], list(range(100, 119))]
-    common = dict(model=tiny_model_dir("llama"), dtype="float32", max_num_seqs=8, block_size=64)
+    common = dict(model=tiny_model_dir("llama"), dtype="float32", max_num_seqs=2, block_size=64)
     reference, got, engine = replayed_greedy(npu_plugins, prompts, 12, device="npu_emulated", enforce_eager=eager,
                                              **common)  # fmt: skip
     assert got == reference == greedy_tokens(npu_plugins, prompts, 12, device="cpu", **common)
     stats = engine.core.scheduler.spec_stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert engine.executor.runner.graph_sizes == ([] if eager else [2, 4, 8])
     # every step with drafts (at most 8 rows: the top gear) ran as a graph
     assert engine.executor.runner.graph_steps >= (stats.num_drafts // 2 if not eager else 0)
     assert (engine.executor.runner.graph_steps > 0) is not eager

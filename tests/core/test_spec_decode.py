@@ -364,3 +364,13 @@ def test_server_streams_the_same_text_and_reports_spec_metrics(default_model_dir
     with caplog.at_level("INFO", logger="kiln.engine"):
         engine._log_stats()
     assert "speculative decoding: mean acceptance length" in caplog.text
+
+
+def test_graph_sizes_cover_every_request_with_its_drafts():
+    """A draft is a decode row of its own: graphs reach max_num_seqs * (1 + drafts)."""
+    from kiln.interfaces.platform import Platform
+
+    config = EngineConfig.create(max_num_seqs=4, max_num_batched_tokens=2048, speculative_config=NGRAM)
+    assert config.max_decode_rows == 16
+    assert Platform.graph_sizes(object(), config) == [1, 2, 4, 8, 16]
+    assert EngineConfig.create(max_num_seqs=4).max_decode_rows == 4

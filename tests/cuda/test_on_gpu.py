@@ -42,13 +42,14 @@ def test_cuda_matches_the_cpu_plugin(tiny_model_dir, cuda_plugins, varied_prompt
 
 def test_drafts_verify_through_cuda_graphs(tiny_model_dir, cuda_plugins):
     """Speculative decoding: steps of two requests with three drafts each (8 decode rows) replay
-    the size-8 graph and give the CPU plugin's greedy tokens."""
+    the size-8 graph (graph sizes reach max_num_seqs * 4) and give the CPU plugin's greedy tokens."""
     from kiln.testing.engine import greedy_tokens
     from kiln.testing.spec_decode import replayed_greedy
 
     prompts = [[1000, 7, 9], list(range(100, 119))]
-    common = dict(model=tiny_model_dir("llama"), dtype="float32", block_size=16, max_num_seqs=8)
+    common = dict(model=tiny_model_dir("llama"), dtype="float32", block_size=16, max_num_seqs=2)
     reference, got, engine = replayed_greedy(cuda_plugins, prompts, 12, device="cuda", **common)
+    assert engine.executor.runner.graph_sizes == [1, 2, 4, 8]
     assert got == reference == greedy_tokens(cuda_plugins, prompts, 12, device="cpu", **common)
     assert engine.executor.runner.graph_steps >= engine.core.scheduler.spec_stats.num_drafts // 2
 

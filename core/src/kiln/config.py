@@ -208,6 +208,13 @@ class EngineConfig(SpeculativeFlags):
             raise ValueError("must be a power of two")
         return value
 
+    @property
+    def max_decode_rows(self) -> int:
+        """The most decode rows one step may hold: ``max_num_seqs``, each with its drafts under
+        speculative decoding (a draft is a decode row of its own)."""
+        spec = self.speculative_config
+        return self.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0))
+
     @classmethod
     def create(cls, **kwargs: object) -> EngineConfig:
         """Build a config; a bad value raises ``ValueError`` naming the flag (``--block-size: ...``)."""

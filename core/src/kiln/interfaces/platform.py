@@ -148,9 +148,10 @@ class Platform(ABC):
 
     def graph_sizes(self, config: EngineConfig) -> list[int]:
         """Decode batch sizes to build graphs for, ascending; larger batches run eagerly.
-        ``--graph-sizes`` when given, else vLLM's 1, 2, 4, 8, 16, 24... up to ``max_num_seqs``
-        (at most 512); never above ``max_num_batched_tokens``, the most decodes one step holds."""
-        limit = min(config.max_num_seqs, config.max_num_batched_tokens or config.max_num_seqs)
+        ``--graph-sizes`` when given, else vLLM's 1, 2, 4, 8, 16, 24... up to the most decode rows
+        a step holds (``max_decode_rows``: ``max_num_seqs`` with their drafts; at most 512); never
+        above ``max_num_batched_tokens``."""
+        limit = min(config.max_decode_rows, config.max_num_batched_tokens or config.max_decode_rows)
         if config.graph_sizes:
             return sorted({s for s in config.graph_sizes if s <= limit})
         top = min(limit, 512)

@@ -4,7 +4,9 @@
   else 2, 4, 8... below ``max_num_seqs``. 1 is never a gear (torchair's gear rule), sizes
   above ``max_num_seqs`` are dropped and ``max_num_seqs`` is always the largest gear, so
   the scheduler, which never schedules more than ``max_num_seqs`` requests in a step, never
-  forms a decode batch above it. The core pads each decode step to the smallest gear that holds it.
+  forms a decode batch above it. (Under speculative decoding each request's drafts are decode
+  rows too: the bound is ``max_num_seqs * (1 + num_speculative_tokens)``, ``max_decode_rows``.)
+  The core pads each decode step to the smallest gear that holds it.
 * Each gear compiles its own copy of the decode forward (a distinct code object, so
   dynamo's per-function cache holds one static graph each) through
   ``torchair.inference.cache_compile``, whose graphs persist under
@@ -38,9 +40,10 @@ GEAR_LIST_ENV = "PTA_TORCHAIR_DECODE_GEAR_LIST"
 
 
 def decode_gears(config: EngineConfig) -> list[int]:
-    """The gear list, ascending, up to the most decodes one step holds (``max_num_seqs``, and
-    no more than ``max_num_batched_tokens``); empty when that is 1 (a lone decode runs eagerly)."""
-    top = min(config.max_num_seqs, config.max_num_batched_tokens or config.max_num_seqs)
+    """The gear list, ascending, up to the most decode rows one step holds (``max_num_seqs``, each
+    with its drafts under speculative decoding, and no more than ``max_num_batched_tokens``);
+    empty when that is 1 (a lone decode runs eagerly)."""
+    top = min(config.max_decode_rows, config.max_num_batched_tokens or config.max_decode_rows)
     if config.graph_sizes:
         requested = list(config.graph_sizes)
     elif os.environ.get(GEAR_LIST_ENV, "").strip():
