@@ -145,9 +145,7 @@ def tiny_llms(tiny_model_dir):
 
 
 def replay(spec_llm: LLM, prompts: list[list[int]], references: list[list[int]], wrong_every: int = 7) -> None:
-    spec_llm.engine.core.scheduler.proposer = ReplayProposer(
-        {tuple(p): r for p, r in zip(prompts, references)}, wrong_every
-    )
+    spec_llm.engine.core.scheduler.proposer = ReplayProposer.of(prompts, references, wrong_every)
 
 
 PROMPTS = [[1000, 7, 9], list(range(100, 119)), [5, 6, 7, 8, 9] * 3]
@@ -306,6 +304,27 @@ def test_preemption_and_n_greater_than_one(tiny_model_dir):
     want_n = [o.token_ids for o in generate(plain, prompts[:1], fanned)[0].outputs]
     got_n = [o.token_ids for o in generate(spec, prompts[:1], fanned)[0].outputs]
     assert got_n == want_n
+
+
+def test_drafts_under_lora_adapters(tiny_model_dir, tmp_path):
+    """Each draft row carries its request's adapter slot: requests with and without an adapter
+    in one batch give their tokens without drafts."""
+    from kiln import LoRARequest
+    from kiln.testing.lora import build_lora_adapter
+
+    base = tiny_model_dir("llama")
+    lora = LoRARequest("a", 1, build_lora_adapter(base, tmp_path / "a", rank=8, seed=1))
+    common = dict(dtype="float32", max_model_len=256, block_size=16, enable_lora=True, max_lora_rank=8)
+    plain, spec = LLM(base, **common), LLM(base, speculative_config=NGRAM, **common)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    loras = [lora, None, lora]
+    inputs = [{"prompt_token_ids": p} for p in PROMPTS]
+    want = [o.outputs[0].token_ids for o in plain.generate(inputs, params, lora_request=loras)]
+    assert want[0] != plain.generate(inputs[:1], params)[0].outputs[0].token_ids  # the adapter changes the output
+    replay(spec, PROMPTS, want)
+    got = [o.outputs[0].token_ids for o in spec.generate(inputs, params, lora_request=loras)]
+    assert got == want
+    assert spec.engine.core.scheduler.spec_stats.num_accepted_tokens > 0
 
 
 # ---------------------------------------------------------------- the default model, real n-gram lookup

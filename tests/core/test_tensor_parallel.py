@@ -27,6 +27,23 @@ def test_two_ranks_match_one(tiny_model_dir, cpu_plugins, varied_prompts, model_
     assert multiprocessing.active_children() == []  # shutdown stopped rank 1
 
 
+def test_drafts_verify_across_two_ranks(tiny_model_dir, cpu_plugins, varied_prompts):
+    """Speculative decoding under tensor parallelism: rank 1 runs the same draft rows (the step's
+    batch carries them) and the tokens are those of one rank without drafts."""
+    from kiln.testing.engine import make_engine, run_greedy
+    from kiln.testing.spec_decode import NGRAM, ReplayProposer
+
+    common = dict(model=tiny_model_dir("llama"), device="cpu", dtype="float32", max_num_batched_tokens=64)
+    reference = run(cpu_plugins, varied_prompts, **common)[0]
+    engine = make_engine(cpu_plugins, tensor_parallel_size=2, speculative_config=NGRAM, **common)
+    try:
+        engine.core.scheduler.proposer = ReplayProposer.of(varied_prompts, reference)
+        assert run_greedy(engine, varied_prompts) == reference
+        assert engine.core.scheduler.spec_stats.num_accepted_tokens > 0
+    finally:
+        engine.shutdown()
+
+
 def test_a_size_that_does_not_divide_the_heads_fails_cleanly(tiny_model_dir, cpu_plugins):
     from kiln.testing.engine import make_engine
 

@@ -19,6 +19,11 @@ class ReplayProposer:
         self.references = references
         self.wrong_every = wrong_every
 
+    @classmethod
+    def of(cls, prompts: list[list[int]], outputs: list[list[int]], wrong_every: int = 7) -> ReplayProposer:
+        """Replaying ``outputs[i]`` after ``prompts[i]``."""
+        return cls({tuple(p): list(out) for p, out in zip(prompts, outputs)}, wrong_every)
+
     def propose(self, request_id: str, token_ids: list[int], max_tokens: int) -> list[int]:
         for prompt, output in self.references.items():
             if tuple(token_ids[: len(prompt)]) == prompt:
@@ -42,6 +47,5 @@ def replayed_greedy(plugins, prompts: list[list[int]], max_tokens: int = 8, **en
     plain = {k: v for k, v in engine_args.items() if k != "speculative_config"}
     reference = greedy_tokens(plugins, prompts, max_tokens, **plain)
     engine = make_engine(plugins, speculative_config=NGRAM, **engine_args)
-    scheduler = engine.core.scheduler
-    scheduler.proposer = ReplayProposer({tuple(p): out for p, out in zip(prompts, reference)})
+    engine.core.scheduler.proposer = ReplayProposer.of(prompts, reference)
     return reference, run_greedy(engine, prompts, max_tokens), engine
