@@ -393,3 +393,8 @@ def test_graph_sizes_cover_every_request_with_its_drafts():
     assert config.max_decode_rows == 16
     assert Platform.graph_sizes(object(), config) == [1, 2, 4, 8, 16]
     assert EngineConfig.create(max_num_seqs=4).max_decode_rows == 4
+
+
+def test_a_pooling_task_refuses_speculation(tiny_model_dir):
+    with pytest.raises(ValueError, match="--task embed generates nothing"):
+        LLM(tiny_model_dir("llama"), task="embed", speculative_config=NGRAM)
