@@ -15,10 +15,12 @@ import math
 import pytest
 import torch
 
+from kiln.engine.guided_manager import GuardedMatcher
 from kiln.engine.request import Request, TopLogprobs
-from kiln.interfaces.guided import allocate_bitmask, apply_token_bitmask
+from kiln.interfaces.guided import GuideMatcher, allocate_bitmask, apply_token_bitmask
 from kiln.sampling_params import SamplingParams
 from kiln.worker.sampler import GrammarBitmask, Sampler, grammar_bitmask, prompt_top_logprobs, top_logprobs
+from kiln.worker.spec_verify import sample_with_drafts
 
 VOCAB = 16
 EOS = 15
@@ -551,3 +553,59 @@ def test_grammar_bitmask_fills_the_active_rows_and_the_sampler_obeys_it():
     for req, token in zip(reqs, out.token_ids):
         if req.matcher is not None and not req.matcher.is_terminated():
             assert req.matcher.accept(token)
+
+
+# ---------------------------------------------------------------- drafts (speculative decoding)
+
+
+class ScriptedMatcher(GuideMatcher):
+    """Allows ``script[i]`` as the i-th token (nothing once the script runs out); rolls back."""
+
+    def __init__(self, script: list[set[int]]) -> None:
+        self.script, self.pos = script, 0
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        allowed = self.script[self.pos] if self.pos < len(self.script) else set()
+        bitmask[row] = bitmask_rows([allowed], bitmask.shape[1] * 32)[0]
+
+    def accept(self, token_id: int) -> bool:
+        self.pos += 1
+        return True
+
+    def is_terminated(self) -> bool:
+        return False
+
+    def rollback(self, num_tokens: int) -> None:
+        self.pos -= num_tokens
+
+
+def test_drafts_are_accepted_while_the_sampled_token_equals_them():
+    req = make_req("a", temperature=0)
+    req.spec_token_ids = [2, 3, 4]
+    logits = rows(*[[0, 0, 0, 0, 0, 0]] * 4)
+    for row, best in enumerate((2, 3, 1, 5)):  # positions 0, 1 agree with the drafts; 2 does not
+        logits[row, best] = 5.0
+    (tokens,) = sample_with_drafts(Sampler(), logits, [req]).values()
+    assert [t.token_id for t in tokens] == [2, 3, 1]
+
+
+def test_a_constraint_that_dies_after_accepted_drafts_keeps_them():
+    """Without drafts, token 2 would be emitted and the next step would find the dead end: so it
+    is here, and the matcher is alive, rolled back, for the scheduler to advance."""
+    matcher = GuardedMatcher(ScriptedMatcher([{2}]), stop_token_ids=[EOS], vocab_size=VOCAB)
+    req = make_req("a", temperature=0, matcher=matcher)
+    req.spec_token_ids = [2, 3]
+    logits = torch.zeros(3, VOCAB)
+    logits[:, 2] = 1.0
+    (tokens,) = sample_with_drafts(Sampler(), logits, [req]).values()
+    assert [t.token_id for t in tokens] == [2] and not matcher.dead and matcher.inner.pos == 0
+
+
+def test_matchers_without_rollback_report_it():
+    assert ScriptedMatcher([]).supports_rollback
+    assert not FakeMatcherNoRollback([]).supports_rollback
+    assert not GuardedMatcher(FakeMatcherNoRollback([]), [EOS], VOCAB).supports_rollback
+
+
+class FakeMatcherNoRollback(ScriptedMatcher):
+    rollback = GuideMatcher.rollback

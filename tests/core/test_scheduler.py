@@ -150,3 +150,19 @@ def test_prefix_cache_stats_count_admissions_not_lookups():
         steps += 1
     assert steps > 4 and b.num_preemptions == 0  # b waited while a decoded
     assert s.kv.prefix_queries == a.num_prompt_tokens + b.num_prompt_tokens
+
+
+def test_drafts_take_only_what_the_running_requests_leave():
+    """Drafts are optional: they get blocks only after every running request has its token, so
+    they never preempt anyone (a's drafts would have taken the block b's token needs)."""
+    from kiln.testing.spec_decode import NGRAM, ReplayProposer
+
+    s = make_sched(num_blocks=4, block_size=4, speculative_config=NGRAM)  # 3 usable blocks
+    a, b = make_req(3, "a", max_tokens=20), make_req(4, "b", arrival=1, max_tokens=20)
+    s.proposer = ReplayProposer.of([a.prompt_token_ids, b.prompt_token_ids], [[7] * 20, [7] * 20], wrong_every=1000)
+    s.add_request(a)
+    s.add_request(b)
+    run_step(s)  # both prefills: a holds 1 block, b 1 block (its 4 tokens), 1 block free
+    out = run_step(s)  # a's token fills its block (drafts need another); b's token takes the free block
+    assert s.num_preemptions == 0
+    assert {r.request_id: n for r, n in out.scheduled} == {"a": 1, "b": 4}  # b's drafts fit in its new block

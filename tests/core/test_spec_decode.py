@@ -371,7 +371,8 @@ def test_server_streams_the_same_text_and_reports_spec_metrics(default_model_dir
     parser = _argparse.ArgumentParser()
     add_serve_args(parser)
     body = {"model": "m", "prompt": prompt, "max_tokens": 24, "temperature": 0}
-    with TestClient(build_app(engine, ServerOptions(served_model_names=["m"]), parser.parse_args([]))) as client:
+    app = build_app(engine, ServerOptions(served_model_names=["m"]), parser.parse_args([]))
+    with caplog.at_level("INFO", logger="kiln.engine"), TestClient(app) as client:
         assert client.post("/v1/completions", json=body).json()["choices"][0]["text"] == want
         with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
             chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
@@ -380,9 +381,7 @@ def test_server_streams_the_same_text_and_reports_spec_metrics(default_model_dir
     accepted = metric_value(metrics, "kiln:spec_decode_num_accepted_tokens_total")
     assert 0 < accepted <= metric_value(metrics, "kiln:spec_decode_num_draft_tokens_total")
     assert metric_value(metrics, "kiln:spec_decode_num_accepted_tokens_per_pos_total", position="0") > 0
-    with caplog.at_level("INFO", logger="kiln.engine"):
-        engine._log_stats()
-    assert "speculative decoding: mean acceptance length" in caplog.text
+    assert "speculative decoding: mean acceptance length" in caplog.text  # the engine loop's stats line
 
 
 def test_graph_sizes_cover_every_request_with_its_drafts():
@@ -398,3 +397,21 @@ def test_graph_sizes_cover_every_request_with_its_drafts():
 def test_a_pooling_task_refuses_speculation(tiny_model_dir):
     with pytest.raises(ValueError, match="--task embed generates nothing"):
         LLM(tiny_model_dir("llama"), task="embed", speculative_config=NGRAM)
+
+
+def test_older_flags_cannot_be_assigned_after_construction():
+    config = EngineConfig.create()
+    with pytest.raises(ValueError, match="frozen"):
+        config.speculative_model = "[ngram]"
+    assert config.speculative_config is None
+
+
+def test_zero_and_missing_lookup_bounds_follow_vllm():
+    with pytest.raises(ValueError, match="greater than or equal to 1"):
+        EngineConfig.create(speculative_model="[ngram]", num_speculative_tokens=2, ngram_prompt_lookup_min=0)
+    spec = EngineConfig.create(speculative_config={**NGRAM, "prompt_lookup_min": None, "prompt_lookup_max": 8})
+    assert (spec.speculative_config.prompt_lookup_min, spec.speculative_config.prompt_lookup_max) == (8, 8)
+    with pytest.raises(ValueError, match="uses no draft model"):
+        EngineConfig.create(speculative_config={**NGRAM, "model": "/models/draft"})
+    with pytest.raises(ValueError, match="'medusa' is not implemented"):
+        EngineConfig.create(speculative_config={"method": "medusa", "num_speculative_tokens": 2})

@@ -230,7 +230,8 @@ def format_validation_error(exc: ValidationError) -> str:
         loc = [str(p) for p in err["loc"] if p != "__root__"]
         flag = "--" + loc[0].replace("_", "-") if loc else "config"
         msg = err["msg"].removeprefix("Value error, ")
-        if len(loc) > 1:  # a key inside a JSON flag (--speculative-config): name it
-            msg = f"{'.'.join(loc[1:])}: {msg}"
+        keys = [p for p in loc[1:] if not p.isdigit()]  # a key inside a JSON flag (--speculative-config)
+        if keys:
+            msg = f"{'.'.join(keys)}: {msg}"
         parts.append(f"{flag}: {msg} (got {err.get('input')!r})" if loc else msg)
     return "; ".join(parts)

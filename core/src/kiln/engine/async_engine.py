@@ -273,5 +273,7 @@ class AsyncEngine:
             100 * stats["kv_cache_usage"],
         )
         if stats["spec_decode"] is not None:
-            logger.info("%s", stats["spec_decode"].since(before.get("spec_decode")).summary())
+            spec = stats["spec_decode"].since(before.get("spec_decode"))
+            if spec.num_drafts:  # quiet while nothing was drafted
+                logger.info("%s", spec.summary())
         self._last_log = (now, stats)

@@ -217,7 +217,19 @@ class GuardedMatcher(GuideMatcher):
 
     def rollback(self, num_tokens: int) -> None:
         if not self.dead:
-            self.inner.rollback(num_tokens)
+            try:
+                self.inner.rollback(num_tokens)
+            except Exception as exc:  # noqa: BLE001 - contained to this sequence
+                self._die(f"the constraint's matcher failed: {type(exc).__name__}: {exc}")
+
+    def revive(self) -> None:
+        """Undo ``dead`` set while checking a draft position (``kiln.worker.spec_verify``): the
+        tokens before it stand, and the next step's decode finds the dead end again."""
+        self.dead = False
+
+    @property
+    def supports_rollback(self) -> bool:
+        return self.inner.supports_rollback
 
 
 def _split_backend(value: str) -> tuple[str, bool]:

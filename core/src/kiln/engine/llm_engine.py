@@ -66,7 +66,9 @@ class LLMEngine:
         hf_config = load_hf_config(files.path, config)
         pooling = setup_pooling(config, hf_config, registry, files.path)  # resolves --task
         if config.speculative_config is not None and config.task != "generate":
-            raise ValueError(f"--speculative-config: drafts speed up generation; --task {config.task} generates nothing")
+            raise ValueError(
+                f"--speculative-config: drafts speed up generation; --task {config.task} generates nothing"
+            )
         _resolve_lengths(config, hf_config)
         self.plugins.update_engine_config(config)
         self.dtype = resolve_dtype(config, self.platform, hf_config)

@@ -14,8 +14,9 @@ request's ``num_computed_tokens`` moves towards its ``num_tokens``:
      other adapters' requests wait for it instead). Prefix-cache hits are taken first; with chunked prefill a prompt may
      take whatever budget is left, otherwise it must fit whole.
 
-Speculative decoding (``kiln.spec_decode``): a running request that decodes also schedules
-the drafts its proposer offers (within the budget, dropped first when blocks run short);
+Speculative decoding (``kiln.spec_decode``): once the running requests are scheduled, each
+decoding one also gets the drafts its proposer offers, from the budget and blocks left
+(drafts never preempt anyone; waiting requests are admitted after them);
 ``update_from_output`` appends the drafts the executor accepted and the token after them.
 
 Admission keeps ``1 - kv_cache_ratio`` of the blocks free for the decodes of
@@ -126,14 +127,7 @@ class Scheduler:
             if n == 0:  # a beam waiting for its siblings' candidates
                 i += 1
                 continue
-            if n == 1 and self.proposer is not None:  # a decode: its drafts are checked in the same pass
-                req.spec_token_ids = self._propose(req, budget - 1)
-                n += len(req.spec_token_ids)
             while not self.kv.allocate_slots(req, n):
-                if req.spec_token_ids:  # drafts are optional: drop them before preempting anyone
-                    n -= len(req.spec_token_ids)
-                    req.spec_token_ids = []
-                    continue
                 # Only requests not yet scheduled this step may be preempted.
                 victim = max(self.running[i:], key=self._key)
                 self._preempt(victim)
@@ -145,6 +139,9 @@ class Scheduler:
             scheduled.append((req, n))
             budget -= n
             i += 1
+
+        if self.proposer is not None:
+            budget = self._add_drafts(scheduled, budget)
 
         # Beams waiting for their siblings compute nothing: they take no place in the batch.
         busy = sum(not _idle_beam(r) for r in self.running)
@@ -188,20 +185,35 @@ class Scheduler:
         copies = self.kv.take_copies() if scheduled else []  # kept for a step that runs
         return SchedulerOutput(scheduled, self.token_budget - budget, preempted, copies)
 
+    def _add_drafts(self, scheduled: list[tuple[Request, int]], budget: int) -> int:
+        """Give the decoding requests scheduled this step their drafts, from the budget and free
+        blocks the step leaves: drafts are optional, so they never preempt anyone. Returns the
+        budget left."""
+        limit = self.config.speculative_config.disable_by_batch_size
+        if limit is not None and len(self.running) + len(self.waiting) > limit:
+            return budget
+        for i, (req, n) in enumerate(scheduled):
+            if budget <= 0:
+                break
+            if n != 1 or req.num_computed_tokens + 1 != req.num_tokens:
+                continue  # a prefill chunk
+            drafts = self._propose(req, budget)
+            if drafts and self.kv.allocate_slots(req, 1 + len(drafts)):
+                req.spec_token_ids = drafts
+                scheduled[i] = (req, 1 + len(drafts))
+                budget -= len(drafts)
+        return budget
+
     def _propose(self, req: Request, room: int) -> list[int]:
-        """Drafts to verify after ``req``'s last token: at most ``room`` (the step's budget) and
-        never more than it may still emit, less the token sampled after them."""
+        """Drafts to verify after ``req``'s last token: at most ``room`` and never more than it
+        may still emit (or ``--speculative-max-model-len`` allows), less the token sampled after
+        them."""
         spec, params = self.config.speculative_config, req.sampling_params
         if req.beam is not None or params is None:
             return []
-        if (
-            spec.disable_by_batch_size is not None
-            and len(self.running) + len(self.waiting) > spec.disable_by_batch_size
-        ):
-            return []
-        if spec.max_model_len is not None and req.num_tokens >= spec.max_model_len:
-            return []
-        left = self.max_model_len - req.num_tokens
+        if req.matcher is not None and not req.matcher.supports_rollback:
+            return []  # verifying drafts advances the matcher, then rolls it back
+        left = min(self.max_model_len, spec.max_model_len or self.max_model_len) - req.num_tokens
         if params.max_tokens is not None:
             left = min(left, params.max_tokens - req.num_output_tokens)
         k = min(spec.num_speculative_tokens, room, left - 1)
@@ -280,9 +292,10 @@ class Scheduler:
                 )
                 continue
             if drafts:
-                accepted = len(tokens) - 1
-                self.spec_stats.observe(len(drafts), accepted)
-                req.num_computed_tokens -= len(drafts) - accepted  # rejected drafts' K/V is rewritten later
+                accepted = next((i for i, (t, d) in enumerate(zip(tokens, drafts)) if t.token_id != d), len(drafts))
+                self.spec_stats.observe(len(drafts), min(accepted, len(tokens)))
+                # The last token's K/V is computed next step; rejected drafts' slots are rewritten then.
+                req.num_computed_tokens -= len(drafts) - (len(tokens) - 1)
             emitted, status, stop_reason = self._append_tokens(req, tokens)
             outputs.append(
                 EngineCoreOutput(

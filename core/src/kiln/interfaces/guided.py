@@ -96,6 +96,11 @@ class GuideMatcher(ABC):
         """Undo the last ``num_tokens`` accepted tokens (speculative decoding); optional."""
         raise NotImplementedError
 
+    @property
+    def supports_rollback(self) -> bool:
+        """Whether ``rollback`` is implemented: sequences whose matcher lacks it get no drafts."""
+        return type(self).rollback is not GuideMatcher.rollback
+
 
 class CompiledGuide(ABC):
     """A compiled constraint, shared by every sequence that uses it (and cached)."""

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 # vLLM's defaults when neither lookup bound is given.
 DEFAULT_LOOKUP = 5
+NGRAM_MODEL = ("[ngram]", "ngram")  # the older way to ask for n-gram lookup: --speculative-model "[ngram]"
 _NOT_YET = (
     "speculative method {!r} is not implemented yet: Kiln speculates by n-gram prompt lookup "
     '(\'{{"method": "ngram", "num_speculative_tokens": 4}}\')'
@@ -30,7 +31,7 @@ class SpeculativeConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    method: Literal["ngram", "draft_model", "eagle", "eagle3"] | None = None
+    method: str | None = Field(None, description="ngram (draft_model, eagle, eagle3...: not yet)")
     model: str | None = Field(None, description="a draft model, or '[ngram]' / 'ngram' (the older spelling)")
     num_speculative_tokens: int | None = Field(None, ge=1, le=64)
     prompt_lookup_max: int | None = Field(None, ge=1)
@@ -50,15 +51,17 @@ class SpeculativeConfig(BaseModel):
         if self.method is None:
             if self.model is None:
                 raise ValueError("give a method (ngram) or a draft model")
-            self.method = "ngram" if self.model in ("[ngram]", "ngram") else "draft_model"
+            self.method = "ngram" if self.model in NGRAM_MODEL else "draft_model"
         if self.method != "ngram":
             raise ValueError(_NOT_YET.format(self.method))
+        if self.model is not None and self.model not in NGRAM_MODEL:
+            raise ValueError(f"model: n-gram lookup uses no draft model (got {self.model!r})")
         if self.num_speculative_tokens is None:
             raise ValueError("num_speculative_tokens is required (how many tokens to propose per step)")
-        if self.prompt_lookup_max is None:
+        if self.prompt_lookup_max is None:  # as vLLM: a bound not given equals the other one
             self.prompt_lookup_max = self.prompt_lookup_min or DEFAULT_LOOKUP
         if self.prompt_lookup_min is None:
-            self.prompt_lookup_min = min(self.prompt_lookup_max, DEFAULT_LOOKUP)
+            self.prompt_lookup_min = self.prompt_lookup_max
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(
                 f"prompt_lookup_min ({self.prompt_lookup_min}) exceeds prompt_lookup_max ({self.prompt_lookup_max})"
@@ -93,29 +96,44 @@ class SpeculativeConfig(BaseModel):
 
 class SpeculativeFlags(BaseModel):
     """The separate speculative flags of seeds 001 and 003, folded into ``speculative_config``
-    (a base of ``EngineConfig``: one ``--flag`` each)."""
+    (a base of ``EngineConfig``: one ``--flag`` each). They are frozen: given at construction
+    only, since an assignment would bypass the folding."""
 
     speculative_config: SpeculativeConfig | None = Field(
         None, description='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\''
     )
-    speculative_model: str | None = Field(None, description="'[ngram]' for prompt lookup (draft models: not yet)")
-    num_speculative_tokens: int | None = Field(None, description="tokens proposed per step (with --speculative-model)")
-    speculative_draft_tensor_parallel_size: int | None = Field(None, description="draft model ranks (ngram: 1)")
-    speculative_max_model_len: int | None = Field(None, description="sequences longer than this do not speculate")
+    speculative_model: str | None = Field(
+        frozen=True, default=None, description="'[ngram]' for prompt lookup (draft models: not yet)"
+    )
+    num_speculative_tokens: int | None = Field(
+        frozen=True, default=None, description="tokens proposed per step (with --speculative-model)"
+    )
+    speculative_draft_tensor_parallel_size: int | None = Field(
+        frozen=True, default=None, description="draft model ranks (ngram: 1)"
+    )
+    speculative_max_model_len: int | None = Field(
+        frozen=True, default=None, description="sequences longer than this do not speculate"
+    )
     speculative_disable_by_batch_size: int | None = Field(
-        None, description="no drafts while more requests than this are running or waiting"
+        frozen=True, default=None, description="no drafts while more requests than this are running or waiting"
     )
-    ngram_prompt_lookup_max: int | None = Field(None, description="the longest n-gram looked up")
-    ngram_prompt_lookup_min: int | None = Field(None, description="the shortest n-gram looked up")
-    speculative_model_quantization: str | None = Field(None, description="draft model quantization (refused)")
-    speculative_disable_mqa_scorer: bool = Field(False, description="refused: drafts are scored in one pass")
+    ngram_prompt_lookup_max: int | None = Field(frozen=True, default=None, description="the longest n-gram looked up")
+    ngram_prompt_lookup_min: int | None = Field(frozen=True, default=None, description="the shortest n-gram looked up")
+    speculative_model_quantization: str | None = Field(
+        frozen=True, default=None, description="draft model quantization (refused)"
+    )
+    speculative_disable_mqa_scorer: bool = Field(
+        frozen=True, default=False, description="refused: drafts are scored in one pass"
+    )
     spec_decoding_acceptance_method: Literal["rejection_sampler", "typical_acceptance_sampler"] | None = Field(
-        None, description="rejection_sampler (exact); typical acceptance is refused"
+        frozen=True, default=None, description="rejection_sampler (exact); typical acceptance is refused"
     )
-    typical_acceptance_sampler_posterior_threshold: float | None = Field(None, description="refused")
-    typical_acceptance_sampler_posterior_alpha: float | None = Field(None, description="refused")
+    typical_acceptance_sampler_posterior_threshold: float | None = Field(
+        frozen=True, default=None, description="refused"
+    )
+    typical_acceptance_sampler_posterior_alpha: float | None = Field(frozen=True, default=None, description="refused")
     disable_logprobs_during_spec_decoding: bool | None = Field(
-        None, description="refused when true: logprobs are exact and free with speculation"
+        frozen=True, default=None, description="refused when true: logprobs are exact and free with speculation"
     )
 
     @field_validator("speculative_config", mode="before")
@@ -135,7 +153,7 @@ class SpeculativeFlags(BaseModel):
     def _fold_flags(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        given = {old: data[old] for old in LEGACY_FLAGS if data.get(old) not in (None, False)}
+        given = {old: data[old] for old in LEGACY_FLAGS if data.get(old) is not None and data.get(old) is not False}
         if not given:
             return data
         flags = ", ".join("--" + name.replace("_", "-") for name in given)

@@ -286,6 +286,7 @@ class PlatformContract:
         {"max_num_seqs": 256, "max_num_batched_tokens": 64},  # fewer tokens than sequences
         {"max_num_seqs": 16, "graph_sizes": [8, 1, 4, 2, 64, 4]},
         {"max_num_seqs": 64, "max_num_batched_tokens": 16, "graph_sizes": [32, 2, 8, 16]},
+        {"max_num_seqs": 4, "speculative_config": {"method": "ngram", "num_speculative_tokens": 3}},
     )
 
     def make_platform(self) -> Platform:
@@ -395,8 +396,10 @@ class PlatformContract:
             where = f"graph_sizes({kwargs}) = {sizes}"
             assert all(isinstance(s, int) and s >= 1 for s in sizes), where
             assert list(sizes) == sorted(set(sizes)), f"{where}: not strictly ascending"
-            assert all(s <= config.max_num_seqs for s in sizes), f"{where}: above max_num_seqs"
+            assert all(s <= config.max_decode_rows for s in sizes), f"{where}: above max_num_seqs (with drafts)"
             assert all(s <= config.max_num_batched_tokens for s in sizes), f"{where}: above max_num_batched_tokens"
+            if sizes and "speculative_config" in kwargs:  # each sequence's drafts are decode rows too
+                assert max(sizes) > config.max_num_seqs, f"{where}: stops at max_num_seqs, not max_decode_rows"
 
     def test_custom_ops(self):
         ops = self.make_platform().custom_ops()

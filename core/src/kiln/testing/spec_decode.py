@@ -44,8 +44,7 @@ def replayed_greedy(plugins, prompts: list[list[int]], max_tokens: int = 8, **en
     verified on an engine built from ``engine_args``: (reference, speculative, that engine)."""
     from kiln.testing.engine import greedy_tokens, make_engine, run_greedy
 
-    plain = {k: v for k, v in engine_args.items() if k != "speculative_config"}
-    reference = greedy_tokens(plugins, prompts, max_tokens, **plain)
+    reference = greedy_tokens(plugins, prompts, max_tokens, **engine_args)
     engine = make_engine(plugins, speculative_config=NGRAM, **engine_args)
     engine.core.scheduler.proposer = ReplayProposer.of(prompts, reference)
     return reference, run_greedy(engine, prompts, max_tokens), engine

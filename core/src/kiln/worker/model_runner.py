@@ -196,8 +196,8 @@ class ModelRunner:
         try:
             with torch.inference_mode():
                 hidden = self.run_batch(batch)
-                if self.config.task == "generate":  # pooling models compute no logits
-                    self.model.compute_logits(hidden[: min(n, self.config.max_num_seqs)])
+                if self.config.task == "generate":  # pooling models compute no logits (drafts: a row each)
+                    self.model.compute_logits(hidden[: min(n, self.config.max_decode_rows)])
         finally:
             self.kv_caches = kept
 

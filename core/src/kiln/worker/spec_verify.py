@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from kiln.engine.guided_manager import GuardedMatcher
 from kiln.engine.request import Request
 from kiln.engine.scheduler import SampledToken
 from kiln.worker.sampler import Sampler, grammar_bitmask
@@ -71,6 +72,11 @@ def sample_with_drafts(
             still = []
             for k, i in enumerate(alive):
                 req, token = reqs[i], result.token_ids[k]
+                if pos and isinstance(req.matcher, GuardedMatcher) and req.matcher.dead:
+                    # The constraint allows nothing after the accepted drafts: they stand, and the
+                    # next step's decode meets the dead end as decoding one token at a time would.
+                    req.matcher.revive()
+                    continue
                 out[req].append(SampledToken(token, result.logprobs[k], result.beam_candidates.get(k)))
                 drafts = req.spec_token_ids
                 if pos == len(drafts) or token != drafts[pos] or token in req.stop_ids:
