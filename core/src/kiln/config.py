@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kiln.spec_decode.config import SpeculativeFlags
 
@@ -130,7 +130,7 @@ class EngineConfig(SpeculativeFlags):
 
         return parse_pooler_overrides(value)
 
-    @field_validator("hf_overrides", "rope_scaling", mode="before")
+    @field_validator("hf_overrides", "rope_scaling", "speculative_config", mode="before")
     @classmethod
     def _json_object(cls, value: object) -> object:
         if isinstance(value, str):
@@ -138,7 +138,7 @@ class EngineConfig(SpeculativeFlags):
                 value = json.loads(value)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"not valid JSON ({exc})") from None
-        if value is not None and not isinstance(value, dict):
+        if value is not None and not isinstance(value, (dict, BaseModel)):  # BaseModel: a SpeculativeConfig
             raise ValueError("must be a JSON object")
         return value
 

@@ -6,10 +6,9 @@ never ignored.
 
 from __future__ import annotations
 
-import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # vLLM's defaults when neither lookup bound is given.
 DEFAULT_LOOKUP = 5
@@ -135,18 +134,6 @@ class SpeculativeFlags(BaseModel):
     disable_logprobs_during_spec_decoding: bool | None = Field(
         frozen=True, default=None, description="refused when true: logprobs are exact and free with speculation"
     )
-
-    @field_validator("speculative_config", mode="before")
-    @classmethod
-    def _json(cls, value: object) -> object:
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"not valid JSON ({exc})") from None
-            if not isinstance(value, dict):
-                raise ValueError("must be a JSON object")
-        return value
 
     @model_validator(mode="before")
     @classmethod
