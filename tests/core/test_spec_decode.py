@@ -52,7 +52,6 @@ def test_the_older_separate_flags_fold_into_the_config():
         ({"speculative_config": '{"method": "ngram"}'}, "num_speculative_tokens is required"),
         ({"speculative_config": "{not json"}, "not valid JSON"),
         ({"speculative_config": {"method": "eagle", "model": "x", "num_speculative_tokens": 2}}, "not implemented"),
-        ({"speculative_model": "/models/draft", "num_speculative_tokens": 2}, "'draft_model' is not implemented"),
         ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "typo": 1}}, "typo"),
         ({"speculative_config": {**NGRAM, "prompt_lookup_min": 4}}, "exceeds prompt_lookup_max"),
         ({"num_speculative_tokens": 3}, "need --speculative-model"),
@@ -415,3 +414,63 @@ def test_zero_and_missing_lookup_bounds_follow_vllm():
         EngineConfig.create(speculative_config={**NGRAM, "model": "/models/draft"})
     with pytest.raises(ValueError, match="'medusa' is not implemented"):
         EngineConfig.create(speculative_config={"method": "medusa", "num_speculative_tokens": 2})
+
+
+# ---------------------------------------------------------------- a draft model
+
+
+def draft_config(path: str, k: int = 3) -> dict:
+    return {"method": "draft_model", "model": path, "num_speculative_tokens": k}
+
+
+def test_a_draft_model_equal_to_the_target_has_every_draft_accepted(tiny_model_dir, tiny_llms):
+    """The target as its own draft: greedy drafts are what the target emits, so all are accepted."""
+    plain, _ = tiny_llms
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    path = tiny_model_dir("llama")
+    spec = LLM(path, dtype="float32", max_model_len=256, block_size=16, speculative_config=draft_config(path))
+    want = [o.outputs[0].token_ids for o in generate(plain, PROMPTS, params)]
+    assert [o.outputs[0].token_ids for o in generate(spec, PROMPTS, params)] == want
+    stats = spec.engine.core.scheduler.spec_stats
+    assert stats.num_draft_tokens > 30 and stats.acceptance_rate == 1.0
+
+
+def test_a_draft_model_keeps_greedy_and_seeded_outputs(tiny_model_dir, tiny_llms):
+    """The target with another rope base as the draft: some drafts accepted, some not; greedy and
+    seeded outputs are the target's, also when sequences are preempted and recomputed."""
+    plain, _ = tiny_llms
+    draft = tiny_model_dir("llama", rope_theta=300.0)
+    common = dict(dtype="float32", max_model_len=128, block_size=16)
+    spec = LLM(tiny_model_dir("llama"), speculative_config=draft_config(draft, 4), **common)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in generate(spec, PROMPTS, greedy)] == [
+        o.outputs[0].token_ids for o in generate(plain, PROMPTS, greedy)
+    ]
+    assert [o.outputs[0].token_ids for o in generate(spec, PROMPTS, SAMPLED)] == [
+        o.outputs[0].token_ids for o in generate(plain, PROMPTS, SAMPLED)
+    ]
+    stats = spec.engine.core.scheduler.spec_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    tight = LLM(tiny_model_dir("llama"), speculative_config=draft_config(draft), num_gpu_blocks_override=12, **common)
+    prompts = [list(range(100 + 10 * i, 130 + 10 * i)) for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain_tight = LLM(tiny_model_dir("llama"), num_gpu_blocks_override=12, **common)
+    assert [o.outputs[0].token_ids for o in generate(tight, prompts, params)] == [
+        o.outputs[0].token_ids for o in generate(plain_tight, prompts, params)
+    ]
+    assert tight.engine.core.scheduler.num_preemptions > 0
+
+
+def test_draft_model_settings_are_checked(tiny_model_dir):
+    path = tiny_model_dir("llama")
+    for extra, message in (
+        ({"prompt_lookup_max": 3}, "n-gram lookup only"),
+        ({"draft_tensor_parallel_size": 2}, "runs whole on the first rank"),
+        ({"quantization": "awq"}, "drop the setting"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            EngineConfig.create(speculative_config={**draft_config(path), **extra})
+    older = EngineConfig.create(speculative_model=path, num_speculative_tokens=2).speculative_config
+    assert (older.method, older.model) == ("draft_model", path)  # seed 001's --speculative-model PATH
+    with pytest.raises(ValueError, match="must share the target's tokenizer"):
+        LLM(path, dtype="float32", speculative_config=draft_config(tiny_model_dir("bert")))

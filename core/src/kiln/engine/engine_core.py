@@ -41,6 +41,7 @@ class EngineCore:
         if scheduled.is_empty:
             return []
         t0 = time.perf_counter()
+        self.executor.propose(scheduled)
         output = self.executor.execute_model(scheduled)
         sampled = self.executor.sample(output)
         self.num_prompt_tokens += scheduled.num_prompt_tokens

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING
 from kiln.engine.beam_search import BeamCandidates, BeamGroup
 from kiln.engine.guided_manager import GuardedMatcher
 from kiln.engine.request import EngineCoreOutput, Request, RequestStatus, TopLogprobs
+from kiln.spec_decode.draft_slots import DraftSlots
 from kiln.spec_decode.ngram import NgramProposer
 from kiln.spec_decode.stats import SpecDecodeStats
 
@@ -92,7 +93,10 @@ class Scheduler:
         self.reserve = int((1.0 - config.kv_cache_ratio) * (kv.num_blocks - 1))
         self.num_preemptions = 0
         spec = config.speculative_config
-        self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max) if spec else None
+        self.proposer: NgramProposer | DraftSlots | None = None
+        if spec is not None:
+            ngram = spec.method == "ngram"
+            self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max) if ngram else DraftSlots()
         self.spec_stats = SpecDecodeStats()
         self.requests: dict[str, Request] = {}  # unfinished, by id
         self.beam_groups: dict[str, BeamGroup] = {}  # unfinished beam searches, by request id

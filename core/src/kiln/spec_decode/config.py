@@ -15,7 +15,8 @@ DEFAULT_LOOKUP = 5
 NGRAM_MODEL = ("[ngram]", "ngram")  # the older way to ask for n-gram lookup: --speculative-model "[ngram]"
 _NOT_YET = (
     "speculative method {!r} is not implemented yet: Kiln speculates by n-gram prompt lookup "
-    '(\'{{"method": "ngram", "num_speculative_tokens": 4}}\')'
+    '(\'{{"method": "ngram", "num_speculative_tokens": 4}}\') or with a draft model '
+    '(\'{{"method": "draft_model", "model": "PATH", "num_speculative_tokens": 4}}\')'
 )
 
 
@@ -24,13 +25,15 @@ class SpeculativeConfig(BaseModel):
 
     ``method`` ``ngram`` proposes, for each decoding sequence, the tokens that followed the
     most recent earlier occurrence of its last ``prompt_lookup_max`` .. ``prompt_lookup_min``
-    tokens (in the prompt or its output). Verification is exact (``rejection_sampler``):
-    outputs are distributed as without speculation, token for token identical when greedy.
+    tokens (in the prompt or its output). ``draft_model`` proposes the greedy continuation of
+    a smaller ``model`` sharing the target's vocabulary (``kiln.worker.draft_model``).
+    Verification is exact (``rejection_sampler``): outputs are distributed as without
+    speculation, token for token identical when greedy.
     """
 
     model_config = ConfigDict(extra="forbid")
 
-    method: str | None = Field(None, description="ngram (draft_model, eagle, eagle3...: not yet)")
+    method: str | None = Field(None, description="ngram or draft_model (eagle, eagle3...: not yet)")
     model: str | None = Field(None, description="a draft model, or '[ngram]' / 'ngram' (the older spelling)")
     num_speculative_tokens: int | None = Field(None, ge=1, le=64)
     prompt_lookup_max: int | None = Field(None, ge=1)
@@ -51,12 +54,14 @@ class SpeculativeConfig(BaseModel):
             if self.model is None:
                 raise ValueError("give a method (ngram) or a draft model")
             self.method = "ngram" if self.model in NGRAM_MODEL else "draft_model"
-        if self.method != "ngram":
+        if self.method not in ("ngram", "draft_model"):
             raise ValueError(_NOT_YET.format(self.method))
-        if self.model is not None and self.model not in NGRAM_MODEL:
-            raise ValueError(f"model: n-gram lookup uses no draft model (got {self.model!r})")
         if self.num_speculative_tokens is None:
             raise ValueError("num_speculative_tokens is required (how many tokens to propose per step)")
+        if self.method == "draft_model":
+            return self._check_draft_model()
+        if self.model is not None and self.model not in NGRAM_MODEL:
+            raise ValueError(f"model: n-gram lookup uses no draft model (got {self.model!r})")
         if self.prompt_lookup_max is None:  # as vLLM: a bound not given equals the other one
             self.prompt_lookup_max = self.prompt_lookup_min or DEFAULT_LOOKUP
         if self.prompt_lookup_min is None:
@@ -71,6 +76,31 @@ class SpeculativeConfig(BaseModel):
                 "n-gram lookup has no draft model to split over ranks",
             ),
             "quantization": (self.quantization is not None, "n-gram lookup has no draft model to quantize"),
+            **self._exactness_refusals(),
+        }
+        _raise_first(refused)
+        return self
+
+    def _check_draft_model(self) -> SpeculativeConfig:
+        refused = {
+            "model": (self.model in (None, *NGRAM_MODEL), "the draft model's folder (or Hub id) is required"),
+            "prompt_lookup_max": (self.prompt_lookup_max is not None, "n-gram lookup only"),
+            "prompt_lookup_min": (self.prompt_lookup_min is not None, "n-gram lookup only"),
+            "draft_tensor_parallel_size": (
+                self.draft_tensor_parallel_size not in (None, 1),
+                "the draft model runs whole on the first rank (seed 001 recommends 1: it is small)",
+            ),
+            "quantization": (
+                self.quantization is not None,
+                "the draft model's weights load as its checkpoint stores them; drop the setting",
+            ),
+            **self._exactness_refusals(),
+        }
+        _raise_first(refused)
+        return self
+
+    def _exactness_refusals(self) -> dict[str, tuple[bool, str]]:
+        return {
             "acceptance_method": (
                 self.acceptance_method != "rejection_sampler",
                 "Kiln verifies drafts exactly (rejection_sampler); typical acceptance changes the output "
@@ -87,10 +117,12 @@ class SpeculativeConfig(BaseModel):
                 "logprobs of emitted tokens are always returned, exact and at no extra cost; leave it unset or false",
             ),
         }
-        for name, (bad, why) in refused.items():
-            if bad:
-                raise ValueError(f"{name}: {why}")
-        return self
+
+
+def _raise_first(refused: dict[str, tuple[bool, str]]) -> None:
+    for name, (bad, why) in refused.items():
+        if bad:
+            raise ValueError(f"{name}: {why}")
 
 
 class SpeculativeFlags(BaseModel):

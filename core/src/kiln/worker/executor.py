@@ -19,8 +19,10 @@ from kiln.distributed import TensorParallel
 from kiln.engine.request import Request, TopLogprobs
 from kiln.engine.scheduler import SampledToken, SchedulerOutput
 from kiln.interfaces.platform import Platform
+from kiln.models.loader import load_hf_config, resolve_model
 from kiln.registry import Registry
 from kiln.worker.builder import build_runner
+from kiln.worker.draft_model import DraftModel
 from kiln.worker.sampler import BitmaskKernel, Sampler, prompt_top_logprobs
 from kiln.worker.spec_verify import sample_with_drafts
 from kiln.worker.tp_workers import TensorParallelWorkers
@@ -57,11 +59,15 @@ class Executor:
         self.workers = self._start_workers(model_path, dtype, tp) if tp.size > 1 else None
         try:
             self.runner = build_runner(config, registry, platform, hf_config, dtype, model_path, tp)
+            spec = config.speculative_config
+            self.draft = self._build_draft(registry, dtype) if spec and spec.method == "draft_model" else None
             self.num_blocks = self._num_kv_blocks()  # the workers profile alongside, then report "built"
             if self.workers is not None:
                 self.workers.expect("built")
                 self.workers.send(self.num_blocks)
             self.runner.allocate_kv_cache(self.num_blocks)
+            if self.draft is not None:
+                self.draft.runner.allocate_kv_cache(self.num_blocks)
             self.runner.build_graphs()
             if self.workers is not None:
                 self.workers.expect("ready")
@@ -86,6 +92,25 @@ class Executor:
             raise
         return workers
 
+    def _build_draft(self, registry: Registry, dtype: torch.dtype) -> DraftModel:
+        """The speculative draft model: whole on this rank, eager, with the target's block size."""
+        spec = self.config.speculative_config
+        files = resolve_model(spec.model, "auto", None, self.config.download_dir)
+        config = self.config.model_copy(
+            update={
+                "model": files.path, "quantization": None, "tensor_parallel_size": 1, "enforce_eager": True,
+                "enable_lora": False, "hf_overrides": None, "rope_scaling": None, "rope_theta": None,
+            }
+        )  # fmt: skip
+        hf_config = load_hf_config(files.path, config)
+        if hf_config.vocab_size != self.hf_config.vocab_size:
+            raise ValueError(
+                f"--speculative-config: the draft model's vocabulary ({hf_config.vocab_size} tokens) differs from "
+                f"the target's ({self.hf_config.vocab_size}); a draft model must share the target's tokenizer"
+            )
+        runner = build_runner(config, registry, self.platform, hf_config, dtype, files.path, TensorParallel(0, 1))
+        return DraftModel(runner)
+
     def _num_kv_blocks(self) -> int:
         cfg = self.config
         bs = cfg.block_size
@@ -99,6 +124,8 @@ class Executor:
             budget = total * cfg.gpu_memory_utilization - (total - free) - activations
             useful = cfg.max_num_seqs * -(-cfg.max_model_len // bs) + 1
             per_block = self.runner.kv_block_bytes()  # 0 for encoders: no KV cache, blocks only count tokens
+            if self.draft is not None:  # the draft model's cache has as many blocks
+                per_block += self.draft.runner.kv_block_bytes()
             num_blocks = min(int(budget // per_block), useful) if per_block else useful
         if (num_blocks - 1) * bs < cfg.max_model_len:
             raise ValueError(
@@ -106,6 +133,12 @@ class Executor:
                 f"{cfg.max_model_len}; lower --max-model-len or give it more blocks/memory"
             )
         return num_blocks
+
+    def propose(self, scheduled: SchedulerOutput) -> None:
+        """Fill the draft positions the scheduler reserved for a draft model (n-gram drafts come
+        filled)."""
+        if self.draft is not None:
+            self.draft.fill(scheduled)
 
     def execute_model(self, scheduled: SchedulerOutput) -> ModelOutput:
         """Run the model over the scheduled tokens (all ranks); prompt logprobs of positions
@@ -127,8 +160,11 @@ class Executor:
         return sample_with_drafts(self.sampler, output.logits, output.sampling_reqs)
 
     def free(self, request_ids: Iterable[str]) -> None:
-        """Drop per-request state of finished requests (seeded generators)."""
+        """Drop per-request state of finished requests (seeded generators, the draft model's)."""
+        request_ids = list(request_ids)
         self.sampler.free(request_ids)
+        if self.draft is not None:
+            self.draft.free(request_ids)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any."""

@@ -1,0 +1,74 @@
+"""A draft model proposing drafts: its greedy continuation of each sequence.
+
+It is a second ``ModelRunner`` (eager, on the first rank) whose KV cache has the target's
+number of blocks and is addressed through the same block tables: the draft's K/V for a
+position sits in the same slot of its own cache tensors, so the scheduler's one block
+manager serves both models. Before each step's forward pass it fills the draft positions
+the scheduler reserved (``kiln.spec_decode.draft_slots``): one pass over the tokens each
+sequence added since it last looked (all of them for a new or preempted sequence, whose
+blocks are new or were computed without it), then one single-token pass per further
+draft. Greedy drafts are single tokens, so the target's verification stays exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from kiln.engine.request import Request
+from kiln.engine.scheduler import SchedulerOutput
+from kiln.worker.model_runner import ModelRunner, StepBatch
+
+
+class DraftModel:
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.seen: dict[str, tuple[int, int]] = {}  # request id -> (its preemptions, tokens the draft holds)
+
+    @torch.inference_mode()
+    def fill(self, scheduled: SchedulerOutput) -> None:
+        """Replace each scheduled request's reserved draft positions with the draft's tokens."""
+        reqs = [req for req, _ in scheduled.scheduled if req.spec_token_ids]
+        if not reqs:
+            return
+        starts = {req: self._held(req) for req in reqs}
+        reqs.sort(key=lambda req: req.num_tokens - starts[req] != 1)  # one-token rows first (decodes)
+        catch_up = StepBatch([], [], [], [], [])
+        for req in reqs:
+            start = starts[req]
+            self._add_row(catch_up, req, req.all_token_ids[start:], start)
+        drafts = [[token] for token in self._greedy(catch_up)]
+        for i in range(1, max(len(req.spec_token_ids) for req in reqs)):
+            more = [j for j, req in enumerate(reqs) if len(req.spec_token_ids) > i]
+            step = StepBatch([], [], [], [], [])
+            for j in more:
+                self._add_row(step, reqs[j], [drafts[j][-1]], reqs[j].num_tokens + i - 1)
+            for j, token in zip(more, self._greedy(step)):
+                drafts[j].append(token)
+        for req, tokens in zip(reqs, drafts):
+            req.spec_token_ids = tokens
+            self.seen[req.request_id] = (req.num_preemptions, req.num_tokens)
+
+    def _held(self, req: Request) -> int:
+        """Tokens whose K/V the draft's cache holds for ``req`` (0 after a preemption)."""
+        preemptions, held = self.seen.get(req.request_id, (req.num_preemptions, 0))
+        return held if preemptions == req.num_preemptions else 0
+
+    @staticmethod
+    def _add_row(step: StepBatch, req: Request, tokens: list[int], start: int) -> None:
+        step.input_ids.extend(tokens)
+        step.positions.extend(range(start, start + len(tokens)))
+        step.block_rows.append([b.block_id for b in req.blocks])
+        step.context_lens.append(start)
+        step.query_lens.append(len(tokens))
+
+    def _greedy(self, step: StepBatch) -> list[int]:
+        """The draft's most likely next token after each row of ``step``."""
+        hidden = self.runner.run_batch(step)
+        last = torch.tensor(step.query_lens, device=hidden.device).cumsum(0) - 1
+        return self.runner.model.compute_logits(hidden[last]).argmax(-1).tolist()
+
+    def free(self, request_ids: Iterable[str]) -> None:
+        for rid in request_ids:
+            self.seen.pop(rid, None)
