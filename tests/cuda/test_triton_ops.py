@@ -132,6 +132,9 @@ def test_drafts_verify_through_triton_kernels_as_on_the_cpu_plugin(tiny_model_di
     assert got == reference == greedy_tokens(kiln_plugins, prompts, 8, device="cpu", **common)
     stats = engine.core.scheduler.spec_stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    # A draft model (its own cache over the same blocks) on the same kernels.
+    draft = {"method": "draft_model", "model": tiny_model_dir("llama", rope_theta=300.0), "num_speculative_tokens": 3}
+    assert greedy_tokens(kiln_plugins, prompts, 8, device="cpu_triton", speculative_config=draft, **common) == got
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the interpreter path on CPU")
