@@ -134,7 +134,7 @@ class SpeculativeFlags(BaseModel):
         None, description='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\''
     )
     speculative_model: str | None = Field(
-        frozen=True, default=None, description="'[ngram]' for prompt lookup (draft models: not yet)"
+        frozen=True, default=None, description="a draft model's folder, or '[ngram]' for prompt lookup"
     )
     num_speculative_tokens: int | None = Field(
         frozen=True, default=None, description="tokens proposed per step (with --speculative-model)"

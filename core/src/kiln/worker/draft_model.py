@@ -4,10 +4,11 @@ It is a second ``ModelRunner`` (eager, on the first rank) whose KV cache has the
 number of blocks and is addressed through the same block tables: the draft's K/V for a
 position sits in the same slot of its own cache tensors, so the scheduler's one block
 manager serves both models. Before each step's forward pass it fills the draft positions
-the scheduler reserved (``kiln.spec_decode.draft_slots``): one pass over the tokens each
+the scheduler reserved (``kiln.spec_decode.draft_slots``): it catches up on the tokens each
 sequence added since it last looked (all of them for a new or preempted sequence, whose
-blocks are new or were computed without it), then one single-token pass per further
-draft. Greedy drafts are single tokens, so the target's verification stays exact.
+blocks are new or were computed without it), in passes of at most the step's token budget,
+then runs one single-token pass per further draft. Greedy drafts are single tokens, so the
+target's verification stays exact.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from kiln.worker.model_runner import ModelRunner, StepBatch
 
 
 class DraftModel:
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, max_tokens_per_pass: int) -> None:
         self.runner = runner
+        self.max_tokens_per_pass = max_tokens_per_pass
         self.seen: dict[str, tuple[int, int]] = {}  # request id -> (its preemptions, tokens the draft holds)
 
     @torch.inference_mode()
@@ -32,13 +34,8 @@ class DraftModel:
         reqs = [req for req, _ in scheduled.scheduled if req.spec_token_ids]
         if not reqs:
             return
-        starts = {req: self._held(req) for req in reqs}
-        reqs.sort(key=lambda req: req.num_tokens - starts[req] != 1)  # one-token rows first (decodes)
-        catch_up = StepBatch([], [], [], [], [])
-        for req in reqs:
-            start = starts[req]
-            self._add_row(catch_up, req, req.all_token_ids[start:], start)
-        drafts = [[token] for token in self._greedy(catch_up)]
+        first = self._catch_up(reqs)
+        drafts = [[first[req]] for req in reqs]
         for i in range(1, max(len(req.spec_token_ids) for req in reqs)):
             more = [j for j, req in enumerate(reqs) if len(req.spec_token_ids) > i]
             step = StepBatch([], [], [], [], [])
@@ -50,10 +47,34 @@ class DraftModel:
             req.spec_token_ids = tokens
             self.seen[req.request_id] = (req.num_preemptions, req.num_tokens)
 
+    def _catch_up(self, reqs: list[Request]) -> dict[Request, int]:
+        """Run the draft over each request's unseen tokens, at most ``max_tokens_per_pass`` a pass;
+        its greedy token after each request's last one."""
+        start = {req: self._held(req) for req in reqs}
+        first: dict[Request, int] = {}
+        while len(first) < len(reqs):
+            rows, room = [], self.max_tokens_per_pass
+            for req in reqs:
+                n = min(req.num_tokens - start[req], room)
+                if req in first or n <= 0:
+                    continue
+                rows.append((req, n))
+                room -= n
+            rows.sort(key=lambda row: row[1] != 1)  # one-token rows first, as the backends batch decodes
+            step = StepBatch([], [], [], [], [])
+            for req, n in rows:
+                self._add_row(step, req, req.all_token_ids[start[req] : start[req] + n], start[req])
+            for (req, n), token in zip(rows, self._greedy(step)):
+                start[req] += n
+                if start[req] == req.num_tokens:
+                    first[req] = token
+        return first
+
     def _held(self, req: Request) -> int:
-        """Tokens whose K/V the draft's cache holds for ``req`` (0 after a preemption)."""
+        """Tokens whose K/V the draft's cache holds for ``req`` (0 after a preemption), short of its
+        last one: the draft needs that token's logits."""
         preemptions, held = self.seen.get(req.request_id, (req.num_preemptions, 0))
-        return held if preemptions == req.num_preemptions else 0
+        return min(held, req.num_tokens - 1) if preemptions == req.num_preemptions else 0
 
     @staticmethod
     def _add_row(step: StepBatch, req: Request, tokens: list[int], start: int) -> None:

@@ -19,7 +19,8 @@ from kiln.distributed import TensorParallel
 from kiln.engine.request import Request, TopLogprobs
 from kiln.engine.scheduler import SampledToken, SchedulerOutput
 from kiln.interfaces.platform import Platform
-from kiln.models.loader import load_hf_config, resolve_model
+from kiln.models.loader import is_gguf_file, load_hf_config, resolve_model
+from kiln.quantization import config as quant_config
 from kiln.registry import Registry
 from kiln.worker.builder import build_runner
 from kiln.worker.draft_model import DraftModel
@@ -56,11 +57,12 @@ class Executor:
     ) -> None:
         self.config, self.platform, self.hf_config = config, platform, hf_config
         tp = TensorParallel(0, config.tensor_parallel_size)
+        # The draft model first: once started, the other ranks wait in rank 0's collectives.
+        spec = config.speculative_config
+        self.draft = self._build_draft(registry, dtype) if spec and spec.method == "draft_model" else None
         self.workers = self._start_workers(model_path, dtype, tp) if tp.size > 1 else None
         try:
             self.runner = build_runner(config, registry, platform, hf_config, dtype, model_path, tp)
-            spec = config.speculative_config
-            self.draft = self._build_draft(registry, dtype) if spec and spec.method == "draft_model" else None
             self.num_blocks = self._num_kv_blocks()  # the workers profile alongside, then report "built"
             if self.workers is not None:
                 self.workers.expect("built")
@@ -95,10 +97,14 @@ class Executor:
     def _build_draft(self, registry: Registry, dtype: torch.dtype) -> DraftModel:
         """The speculative draft model: whole on this rank, eager, with the target's block size."""
         spec = self.config.speculative_config
-        files = resolve_model(spec.model, "auto", None, self.config.download_dir)
+        load_format = "dummy" if self.config.load_format == "dummy" else "auto"
+        files = resolve_model(spec.model, load_format, None, self.config.download_dir)
+        quantization = quant_config.for_model_file(None, is_gguf_file(spec.model, load_format))
+        has_graphs = type(self.platform).graph_runner is not Platform.graph_runner
         config = self.config.model_copy(
             update={
-                "model": files.path, "quantization": None, "tensor_parallel_size": 1, "enforce_eager": True,
+                "model": files.path, "load_format": load_format, "quantization": quantization,
+                "tensor_parallel_size": 1, "enforce_eager": self.config.enforce_eager or has_graphs,
                 "enable_lora": False, "hf_overrides": None, "rope_scaling": None, "rope_theta": None,
             }
         )  # fmt: skip
@@ -109,7 +115,9 @@ class Executor:
                 f"the target's ({self.hf_config.vocab_size}); a draft model must share the target's tokenizer"
             )
         runner = build_runner(config, registry, self.platform, hf_config, dtype, files.path, TensorParallel(0, 1))
-        return DraftModel(runner)
+        if getattr(runner.model, "is_encoder", False) or not hasattr(runner.model, "compute_logits"):
+            raise ValueError(f"--speculative-config: the draft model {spec.model!r} is not a causal language model")
+        return DraftModel(runner, self.config.max_num_batched_tokens)
 
     def _num_kv_blocks(self) -> int:
         cfg = self.config
