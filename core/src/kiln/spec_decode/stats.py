@@ -35,11 +35,8 @@ class SpecDecodeStats:
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
     def since(self, before: SpecDecodeStats | None) -> SpecDecodeStats:
-        """The counts added after ``before`` (a copy taken earlier; None: since start)."""
-        if before is None:
-            return SpecDecodeStats(
-                self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, list(self.accepted_per_pos)
-            )
+        """The counts added after ``before`` (a copy taken earlier; None: since start, a copy)."""
+        before = before or SpecDecodeStats()
         per_pos = [n - (before.accepted_per_pos[i] if i < len(before.accepted_per_pos) else 0)
                    for i, n in enumerate(self.accepted_per_pos)]  # fmt: skip
         return SpecDecodeStats(

@@ -40,7 +40,7 @@ class DraftModel:
             more = [j for j, req in enumerate(reqs) if len(req.spec_token_ids) > i]
             step = StepBatch([], [], [], [], [])
             for j in more:
-                self._add_row(step, reqs[j], [drafts[j][-1]], reqs[j].num_tokens + i - 1)
+                step.add([drafts[j][-1]], reqs[j].num_tokens + i - 1, [b.block_id for b in reqs[j].blocks])
             for j, token in zip(more, self._greedy(step)):
                 drafts[j].append(token)
         for req, tokens in zip(reqs, drafts):
@@ -63,7 +63,7 @@ class DraftModel:
             rows.sort(key=lambda row: row[1] != 1)  # one-token rows first, as the backends batch decodes
             step = StepBatch([], [], [], [], [])
             for req, n in rows:
-                self._add_row(step, req, req.all_token_ids[start[req] : start[req] + n], start[req])
+                step.add(req.all_token_ids[start[req] : start[req] + n], start[req], [b.block_id for b in req.blocks])
             for (req, n), token in zip(rows, self._greedy(step)):
                 start[req] += n
                 if start[req] == req.num_tokens:
@@ -75,14 +75,6 @@ class DraftModel:
         last one: the draft needs that token's logits."""
         preemptions, held = self.seen.get(req.request_id, (req.num_preemptions, 0))
         return min(held, req.num_tokens - 1) if preemptions == req.num_preemptions else 0
-
-    @staticmethod
-    def _add_row(step: StepBatch, req: Request, tokens: list[int], start: int) -> None:
-        step.input_ids.extend(tokens)
-        step.positions.extend(range(start, start + len(tokens)))
-        step.block_rows.append([b.block_id for b in req.blocks])
-        step.context_lens.append(start)
-        step.query_lens.append(len(tokens))
 
     def _greedy(self, step: StepBatch) -> list[int]:
         """The draft's most likely next token after each row of ``step``."""

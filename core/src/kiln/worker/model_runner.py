@@ -80,30 +80,30 @@ class StepBatch:
     @classmethod
     def of(cls, batch: list[tuple[Request, int]]) -> StepBatch:
         """The batch's tokens; a request with drafts becomes one decode row per token (its last
-        known token, then each draft), each attending to the tokens before it, so that verifying
-        drafts takes every platform's decode path (its kernels and graphs)."""
-        input_ids: list[int] = []
-        positions: list[int] = []
-        block_rows: list[list[int]] = []
-        context_lens: list[int] = []
-        query_lens: list[int] = []
+        known token, then each draft), so that verifying drafts takes every platform's decode
+        path (its kernels and graphs)."""
+        step = cls([], [], [], [], [])
         for req, n in batch:
-            start = req.num_computed_tokens
-            input_ids.extend(req.all_token_ids[start : start + n])
-            input_ids.extend(req.spec_token_ids)  # drafts follow the last known token
-            positions.extend(range(start, start + n))
-            row = [b.block_id for b in req.blocks]
-            rows = 1 + len(req.spec_token_ids)
-            block_rows.extend([row] * rows)
-            context_lens.extend(range(start, start + rows))
-            query_lens.extend([1] * rows if req.spec_token_ids else [n])
-        token_types = None
+            start, drafts = req.num_computed_tokens, req.spec_token_ids
+            tokens = req.all_token_ids[start : start + n - len(drafts)] + drafts
+            step.add(tokens, start, [b.block_id for b in req.blocks], one_row_each=bool(drafts))
         if any(req.token_type_ids for req, _ in batch):
-            token_types = []
+            step.token_type_ids = []
             for req, n in batch:
                 start = req.num_computed_tokens
-                token_types.extend((req.token_type_ids or [0] * req.num_tokens)[start : start + n])
-        return cls(input_ids, positions, block_rows, context_lens, query_lens, token_type_ids=token_types)
+                step.token_type_ids.extend((req.token_type_ids or [0] * req.num_tokens)[start : start + n])
+        return step
+
+    def add(self, tokens: list[int], start: int, blocks: list[int], one_row_each: bool = False) -> None:
+        """Append a sequence's ``tokens`` from position ``start`` over its ``blocks``: as one row
+        (a prefill chunk or a decode), or with ``one_row_each`` as a decode row per token, each
+        attending to the tokens before it."""
+        self.input_ids.extend(tokens)
+        self.positions.extend(range(start, start + len(tokens)))
+        rows = len(tokens) if one_row_each else 1
+        self.block_rows.extend([blocks] * rows)
+        self.context_lens.extend(range(start, start + rows))
+        self.query_lens.extend([1] * rows if one_row_each else [len(tokens)])
 
 
 def pick_graph_size(num_reqs: int, sizes: list[int]) -> int | None:
