@@ -6,6 +6,15 @@ from kiln.hookspecs import hookimpl
 from kiln.registry import AttentionBackendSpec
 
 LLAMA = "kiln.models.llama:LlamaForCausalLM"
+# Architecture -> the module of kiln.models that holds its class (of the same name).
+DECODERS = {
+    "Phi3ForCausalLM": "phi3",
+    "GlmForCausalLM": "glm",
+    "Glm4ForCausalLM": "glm",
+    "GemmaForCausalLM": "gemma",
+    "Gemma2ForCausalLM": "gemma",
+    "Gemma3ForCausalLM": "gemma",
+}
 # Architecture -> class in kiln.models.bert (RoBERTa is XLM-RoBERTa's network).
 ENCODERS = {
     "BertModel": "BertModel",
@@ -26,5 +35,7 @@ def register_attention_backends(register):
 def register_models(register):
     for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         register(arch, LLAMA)
+    for arch, module in DECODERS.items():
+        register(arch, f"kiln.models.{module}:{arch}")
     for arch, cls in ENCODERS.items():
         register(arch, f"kiln.models.bert:{cls}")

@@ -6,16 +6,25 @@ Slow but obviously right; every other backend is tested against it.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from kiln.interfaces.attention import AttentionBackend, BatchLayout, attend_mask, gather_kv, write_kv_cache
+from kiln.interfaces.attention import (
+    AttentionBackend,
+    BatchLayout,
+    attend_mask,
+    attention,
+    gather_kv,
+    write_kv_cache,
+)
 
 
 class TorchRefAttentionBackend(AttentionBackend):
     name = "torch_ref"
     supports_sliding_window = True
+    supports_logit_softcap = True
 
-    def forward(self, q, k, v, kv_cache, metadata: BatchLayout, *, layer_idx, scale, sliding_window=None):
+    def forward(
+        self, q, k, v, kv_cache, metadata: BatchLayout, *, layer_idx, scale, sliding_window=None, logit_softcap=None
+    ):
         write_kv_cache(k, v, kv_cache, metadata.slot_mapping)
         out = torch.zeros_like(q)
         bs = metadata.block_size
@@ -29,13 +38,8 @@ class TorchRefAttentionBackend(AttentionBackend):
             # Query j (position context + j) sees keys 0..context + j (the last w of them with a window).
             q_pos = torch.arange(context, seq_len, device=q.device)
             mask = attend_mask(q_pos, torch.arange(seq_len, device=q.device), sliding_window)
-            o = F.scaled_dot_product_attention(
-                q[q_start:q_end].transpose(0, 1)[None],
-                key.transpose(0, 1)[None],
-                value.transpose(0, 1)[None],
-                attn_mask=mask,
-                scale=scale,
-                enable_gqa=True,
+            o = attention(
+                q[q_start:q_end].transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), mask, scale, logit_softcap
             )
-            out[q_start:q_end] = o[0].transpose(0, 1)
+            out[q_start:q_end] = o.transpose(0, 1)
         return out

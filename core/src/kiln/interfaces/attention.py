@@ -143,6 +143,10 @@ class AttentionBackend(ABC):
         as Hugging Face's sliding-window mask. The rule is positional, so it holds alike for
         prefills, chunks on a cached prefix and decodes. Backends that do not implement it
         leave ``supports_sliding_window`` False; models with a window then refuse them.
+      * With ``logit_softcap=c`` (Gemma 2, passed only by layers that have one), scores are
+        squashed to ``c * tanh(score / c)`` before the mask and softmax (``attention`` below).
+        Backends that do not implement it leave ``supports_logit_softcap`` False; such models
+        then refuse them.
       * Padding tokens (slot -1) are neither written nor attended from.
       * ``forward_encoder`` (encoder models: BERT, XLM-RoBERTa) is bidirectional attention within
         each sequence of the step (sequences delimited by ``layout.query_start_loc``): every query
@@ -154,6 +158,7 @@ class AttentionBackend(ABC):
     name: ClassVar[str]
     supports_decode_graphs: ClassVar[bool] = False  # implements ``graph_metadata``
     supports_sliding_window: ClassVar[bool] = False  # honours ``forward(..., sliding_window=w)``
+    supports_logit_softcap: ClassVar[bool] = False  # honours ``forward(..., logit_softcap=c)``
     supports_encoder: ClassVar[bool] = True  # implements ``forward_encoder`` (the default does)
     # Cache dtypes the backend stores besides the compute dtype (``--kv-cache-dtype``): values
     # are written as ``k / k_scale`` in that dtype and read back as ``stored * k_scale``.
@@ -274,6 +279,28 @@ def attend_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | 
     delta = q_pos[:, None] - k_pos[None, :]
     mask = delta >= 0
     return mask if sliding_window is None else mask & (delta < sliding_window)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    logit_softcap: float | None = None,
+) -> torch.Tensor:
+    """Reference attention over (..., heads, len, dim) tensors (key/value heads shared by groups
+    of query heads); ``mask`` is True where a query attends a key. Without a soft cap this is
+    torch's SDPA; with one, scores are written out: ``c * tanh(q.k * scale / c)``, masked,
+    softmax in fp32, as Gemma 2's reference computes them."""
+    if logit_softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    group = q.shape[-3] // k.shape[-3]
+    k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    scores = torch.tanh(q @ k.transpose(-1, -2) * scale / logit_softcap) * logit_softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
 
 
 def gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:

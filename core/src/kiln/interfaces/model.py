@@ -105,11 +105,25 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gelu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """GeGLU with the exact (erf) GELU: ``gelu(gate) * up``."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate) * up
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """GeGLU with the tanh approximation of GELU (Gemma's ``gelu_pytorch_tanh``)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 REFERENCE_OPS: dict[str, Callable] = {
     "rms_norm": rms_norm,
     "fused_add_rms_norm": fused_add_rms_norm,
     "rotary_embedding": rotary_embedding,
     "silu_and_mul": silu_and_mul,
+    "gelu_and_mul": gelu_and_mul,
+    "gelu_tanh_and_mul": gelu_tanh_and_mul,
     "add_lora": add_lora,
 }
 

@@ -4,7 +4,11 @@ The model sees one flattened token stream per step (see ``BatchLayout``); q/k/v
 and gate/up projections are merged into single matmuls. Under tensor parallelism
 (``kiln.distributed``) each rank holds its heads and its slice of the MLP.
 Mistral's and Qwen's sliding windows (``kiln.models.sliding_window``) reach the
-attention backend per layer.
+attention backend per layer. The other dense families (``kiln.models.phi3``, ``glm``,
+``gemma``) are this network with the knobs below turned: their checkpoint layout
+(``checkpoint_tensors``), a rotary that turns part of each head or adjacent pairs
+(``interleaved_rotary``, ``kiln.models.rope``), another gated activation, q/k norms, and
+norms around both sublayers (``SandwichDecoderLayer``).
 """
 
 from __future__ import annotations
@@ -18,8 +22,8 @@ from torch import nn
 from kiln.distributed import TensorParallel
 from kiln.interfaces.attention import AttentionBackend
 from kiln.interfaces.model import PRE_NORM_LAYER, StepContext
-from kiln.models.rope import cos_sin_cache
-from kiln.models.sliding_window import check_backend, sliding_windows
+from kiln.models.rope import FULL_ATTENTION, cos_sin_cache, rotary_dim, rotary_permutation
+from kiln.models.sliding_window import check_backend, layer_types, sliding_windows
 from kiln.quantization.config import QuantConfig
 from kiln.quantization.layers import load_linear_tensor, make_linear, row_parallel_dim
 
@@ -59,15 +63,18 @@ class LlamaAttention(nn.Module):
         qkv = [f"{prefix}.{p}_proj" for p in "qkv"]
         self.qkv_proj = make_linear(quant, qkv, cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = make_linear(quant, [f"{prefix}.o_proj"], self.q_size, cfg.hidden_size)
-        self.qk_norm = cfg.model_type == "qwen3"
+        self.qk_norm = cfg.model_type in QK_NORM_TYPES
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ops)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ops)
-        self.scale = self.head_dim**-0.5
-        # Only windowed layers pass a window: backends written before windows existed
+        # Gemma 2/3 scale queries by another length than the head's.
+        self.scale = (getattr(cfg, "query_pre_attn_scalar", None) or self.head_dim) ** -0.5
+        # Only windowed (soft-capped) layers pass a window (a cap): backends written before those existed
         # (``forward(..., *, layer_idx, scale)``) keep serving full-attention models.
-        window = {} if sliding_window is None else {"sliding_window": sliding_window}
-        self.attn_kwargs = {"layer_idx": layer_idx, "scale": self.scale, **window}
+        cap = getattr(cfg, "attn_logit_softcapping", None)
+        extra = {} if sliding_window is None else {"sliding_window": sliding_window}
+        extra |= {"logit_softcap": float(cap)} if cap else {}
+        self.attn_kwargs = {"layer_idx": layer_idx, "scale": self.scale, **extra}
         self.ops = ops
         self.backend = backend
         self.tp = tp
@@ -89,17 +96,18 @@ class LlamaMLP(nn.Module):
         self, cfg, ops: SimpleNamespace, tp: TensorParallel, prefix: str, quant: QuantConfig | None = None
     ) -> None:
         super().__init__()
-        if getattr(cfg, "hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (silu only)")
+        self.act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None) or "silu"
+        if self.act not in GATED_ACTIVATIONS:
+            raise ValueError(f"hidden_act {self.act!r} is not supported ({', '.join(GATED_ACTIVATIONS)} are)")
         intermediate = tp.shard(cfg.intermediate_size, "intermediate size")
         gate_up = [f"{prefix}.gate_proj", f"{prefix}.up_proj"]
         self.gate_up_proj = make_linear(quant, gate_up, cfg.hidden_size, 2 * intermediate)
         self.down_proj = make_linear(quant, [f"{prefix}.down_proj"], intermediate, cfg.hidden_size)
-        self.ops = ops
+        self.act_and_mul = getattr(ops, GATED_ACTIVATIONS[self.act])
         self.tp = tp
 
     def forward(self, x):
-        return self.tp.all_reduce(self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x))))
+        return self.tp.all_reduce(self.down_proj(self.act_and_mul(self.gate_up_proj(x))))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -118,7 +126,7 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg, ops, tp, f"model.layers.{layer_idx}.mlp", quant)
         # q/k norms, all-reduces and subclasses' own forwards are not part of the layout's promise
         own = type(self).forward is LlamaDecoderLayer.forward and type(self.self_attn).forward is LlamaAttention.forward
-        own = own and type(self.mlp).forward is LlamaMLP.forward
+        own = own and type(self.mlp).forward is LlamaMLP.forward and self.mlp.act == "silu"
         self.decoder_layout = PRE_NORM_LAYER if own and not self.self_attn.qk_norm and tp.size == 1 else None
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
@@ -137,6 +145,32 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+class SandwichDecoderLayer(LlamaDecoderLayer):
+    """A norm after each sublayer too (Gemma 2/3, GLM-4): ``x + norm(attn(norm(x)))``, then the
+    same around the MLP. ``norm_names`` gives the checkpoint's names of (the norm after
+    attention, the norm before the MLP, the norm after the MLP)."""
+
+    norm_names: tuple[str, str, str]
+
+    def __init__(self, cfg, layer_idx, ops, backend, tp, quant=None, sliding_window=None) -> None:
+        super().__init__(cfg, layer_idx, ops, backend, tp, quant, sliding_window)
+        del self.post_attention_layernorm
+        for name in self.norm_names:
+            setattr(self, name, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops))
+
+    def forward(self, positions, x, residual, rope_cache, ctx):
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.ops.fused_add_rms_norm(
+                x, residual, self.input_layernorm.weight, self.input_layernorm.eps
+            )
+        attn_out, mlp_in, mlp_out = (getattr(self, name) for name in self.norm_names)
+        x = attn_out(self.self_attn(positions, x, rope_cache, ctx))
+        x, residual = self.ops.fused_add_rms_norm(x, residual, mlp_in.weight, mlp_in.eps)
+        return mlp_out(self.mlp(x)), residual
+
+
 class LlamaForCausalLM(nn.Module):
     # LoRA targets (kiln.lora): a decoder layer's projection -> the PEFT projections it merges
     lora_modules = {
@@ -145,6 +179,11 @@ class LlamaForCausalLM(nn.Module):
         "mlp.gate_up_proj": ("gate_proj", "up_proj"),
         "mlp.down_proj": ("down_proj",),
     }
+    # The knobs other families turn (see the module docstring).
+    decoder_layer: type[LlamaDecoderLayer] = LlamaDecoderLayer
+    interleaved_rotary = False  # rotation pairs are adjacent dimensions (GLM), not halves
+    scaled_embeddings = False  # embeddings times sqrt(hidden_size) (Gemma)
+    supports_quantization = True
 
     def __init__(
         self,
@@ -156,31 +195,64 @@ class LlamaForCausalLM(nn.Module):
         quant_config: QuantConfig | None = None,
     ) -> None:
         super().__init__()
+        if quant_config is not None and not self.supports_quantization:
+            raise ValueError(f"quantized {type(self).__name__} checkpoints are not supported yet")
         self.config = cfg
         self.tp = tp
         windows = sliding_windows(cfg, max_positions)
         check_backend(windows, backend)
+        cap = getattr(cfg, "attn_logit_softcapping", None)
+        if cap and not backend.supports_logit_softcap:
+            raise ValueError(
+                f"model: {cfg.model_type} soft-caps its attention scores at {cap}, which attention backend "
+                f"{backend.name!r} cannot apply; choose one that can (--attention-backend torch_ref)"
+            )
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_scale = cfg.hidden_size**0.5 if self.scaled_embeddings else None
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, ops, backend, tp, quant_config, windows[i]) for i in range(cfg.num_hidden_layers)
+            self.decoder_layer(cfg, i, ops, backend, tp, quant_config, windows[i]) for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight  # one tensor; a platform may repack a copy
-        self.register_buffer("rope_cache", cos_sin_cache(head_dim_of(cfg), max_positions, cfg), persistent=False)
+        self.logit_softcap = getattr(cfg, "final_logit_softcapping", None)
+        head_dim = head_dim_of(cfg)
+        rotating = rotary_dim(cfg, head_dim)
+        self.rotary_order = rotary_permutation(head_dim, rotating, self.interleaved_rotary)
+        # One table per kind of layer whose rope differs (Gemma 3's sliding layers); else one.
+        self.rope_names = []
+        for kind in layer_types(cfg):
+            name = "rope_cache" if kind == FULL_ATTENTION or not _own_rope(cfg, kind) else f"{kind}_rope_cache"
+            if not hasattr(self, name):
+                self.register_buffer(
+                    name, cos_sin_cache(head_dim, max_positions, cfg, rotating, kind), persistent=False
+                )
+            self.rope_names.append(name)
+        if not hasattr(self, "rope_cache"):
+            self.register_buffer("rope_cache", cos_sin_cache(head_dim, max_positions, cfg, rotating), persistent=False)
         self.ops = ops
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual, self.rope_cache, ctx)
+        if self.embed_scale is not None:
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        for layer, rope in zip(self.layers, self.rope_names):
+            x, residual = layer(positions, x, residual, getattr(self, rope), ctx)
         x, _ = self.ops.fused_add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden)
+        if self.logit_softcap:  # Gemma 2: tanh squashes the logits into (-cap, cap)
+            logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
+        return logits.float()
+
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        """A family's checkpoint tensors in the Llama layout that ``load_weights`` reads
+        (separate q/k/v and gate/up projections, norms that multiply by their weight)."""
+        return weights
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face-named tensors, merging q/k/v and gate/up into one matmul each
@@ -196,11 +268,13 @@ class LlamaForCausalLM(nn.Module):
             "gate_proj": ("gate_up_proj", ("gate_proj", "up_proj")),
             "up_proj": ("gate_up_proj", ("gate_proj", "up_proj")),
         }
-        for name, tensor in weights:
+        for name, tensor in self.checkpoint_tensors(weights):
             name = name.removeprefix("model.")
             if "rotary_emb" in name or (name == "lm_head.weight" and self.tie_word_embeddings):
                 continue
             parts = name.split(".")
+            if len(parts) >= 2 and parts[-2] in ("q_proj", "k_proj", "q_norm", "k_norm"):
+                tensor = self._rotary_rows(name, tensor)
             if len(parts) >= 2 and parts[-2] in ("o_proj", "down_proj"):
                 dim = row_parallel_dim(parts[-1], tensor)
                 if dim is not None:
@@ -221,6 +295,22 @@ class LlamaForCausalLM(nn.Module):
         if pending or missing:
             raise ValueError(f"checkpoint is missing weights: {sorted(missing | set(pending))[:8]}")
 
+    def _rotary_rows(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Each head's query/key dimensions in ``rotary_order`` (``kiln.models.rope``)."""
+        if self.rotary_order is None:
+            return tensor
+        if not name.endswith((".weight", ".bias")):
+            raise ValueError(f"{name}: quantized projections of a partial or interleaved rotary are not supported")
+        order = torch.tensor(self.rotary_order)
+        heads = tensor.reshape(-1, len(order), *tensor.shape[1:])
+        return heads[:, order].reshape(tensor.shape)
+
+
+def _own_rope(cfg, kind: str) -> bool:
+    """Whether layers of ``kind`` have rope parameters of their own (Gemma 3)."""
+    params = getattr(cfg, "rope_parameters", None) or {}
+    return isinstance(params.get(kind), dict)
+
 
 def merge_shards(shards: list[torch.Tensor], leaf: str) -> torch.Tensor:
     """Merged projections stack their outputs; they share one input, so one ``g_idx``."""
@@ -233,3 +323,9 @@ def merge_shards(shards: list[torch.Tensor], leaf: str) -> torch.Tensor:
 
 def head_dim_of(cfg) -> int:
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+QK_NORM_TYPES = ("qwen3", "gemma3_text")  # families with an RMS norm over each query and key head
+# hidden_act -> the op of kiln.interfaces.model that applies it to the gate, times the up projection
+GATED_ACTIVATIONS = {"silu": "silu_and_mul", "gelu_pytorch_tanh": "gelu_tanh_and_mul", "gelu_new": "gelu_tanh_and_mul",
+                     "gelu": "gelu_and_mul"}  # fmt: skip

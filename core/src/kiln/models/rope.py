@@ -1,4 +1,13 @@
-"""Rotary-embedding tables for the rope variants of the Llama family."""
+"""Rotary-embedding tables for the rope variants of the decoder families.
+
+Every platform's ``rotary_embedding`` op rotates the halves of a whole head (neox style:
+dimension i pairs with i + head_dim/2). Families that rotate only part of a head
+(``partial_rotary_factor``: GLM, some Phi) or rotate adjacent pairs (GLM's interleaved
+style) get the same op: ``rotary_permutation`` reorders each head's query and key
+dimensions once, when the weights load, so that their pairs land at (i, i + head_dim/2),
+and the table gives the dimensions that do not rotate cos 1 and sin 0. Attention scores
+are sums over a head's dimensions, so reordering queries and keys alike changes nothing.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +15,43 @@ import math
 
 import torch
 
+FULL_ATTENTION = "full_attention"
 
-def rope_settings(hf_config) -> tuple[float, dict]:
+
+def rope_settings(hf_config, layer_type: str = FULL_ATTENTION) -> tuple[float, dict]:
     """(theta, scaling dict): transformers 5's ``rope_parameters``, else the older ``rope_scaling``
-    and ``rope_theta``."""
+    and ``rope_theta``. Families with a rope per kind of layer (Gemma 3: ``sliding_attention``,
+    ``full_attention``) keep one dict per kind; ``layer_type`` picks one."""
     params = dict(getattr(hf_config, "rope_parameters", None) or vars(hf_config).get("rope_scaling") or {})
+    if per_layer_type(params):
+        params = dict(params.get(layer_type) or params[FULL_ATTENTION])
     theta = params.get("rope_theta") or getattr(hf_config, "rope_theta", None) or 10000.0
     return float(theta), params
+
+
+def per_layer_type(params: dict) -> bool:
+    """Whether rope parameters are kept per kind of layer rather than once for the model."""
+    return isinstance(params.get(FULL_ATTENTION), dict)
+
+
+def rotary_dim(hf_config, head_dim: int) -> int:
+    """How many of a head's dimensions rotate (``partial_rotary_factor`` of them)."""
+    _, params = rope_settings(hf_config)
+    factor = params.get("partial_rotary_factor") or getattr(hf_config, "partial_rotary_factor", None) or 1.0
+    return int(head_dim * factor)
+
+
+def rotary_permutation(head_dim: int, rotating: int, interleaved: bool) -> list[int] | None:
+    """The order of a head's dimensions that puts the rotation pairs of a model that rotates
+    ``rotating`` dimensions (adjacent pairs if ``interleaved``, else halves) at (i, i + head_dim/2),
+    with the other dimensions in the slots left; None when that is the order they have."""
+    if interleaved:
+        first, second = list(range(0, rotating, 2)), list(range(1, rotating, 2))
+    else:
+        first, second = list(range(rotating // 2)), list(range(rotating // 2, rotating))
+    rest = list(range(rotating, head_dim))
+    order = first + rest[: len(rest) // 2] + second + rest[len(rest) // 2 :]
+    return None if order == list(range(head_dim)) else order
 
 
 def context_limit(hf_config, trained: int) -> int:
@@ -27,8 +66,12 @@ def context_limit(hf_config, trained: int) -> int:
     return trained
 
 
-def _inv_freq(head_dim: int, theta: float, scaling: dict, max_positions: int) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies, and the factor cos/sin are scaled by (1.0 but for YaRN)."""
+def _inv_freq(
+    head_dim: int, theta: float, scaling: dict, max_positions: int, serving: int
+) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies over ``head_dim`` rotating dimensions, and the factor cos/sin are
+    scaled by (1.0 but for YaRN and LongRoPE). ``max_positions`` is the model's trained context,
+    ``serving`` the one Kiln serves."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
@@ -37,6 +80,8 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict, max_positions: int) ->
         return inv_freq / scaling["factor"], 1.0
     if kind == "yarn":
         return _yarn(inv_freq, head_dim, theta, scaling, max_positions)
+    if kind == "longrope":
+        return _longrope(inv_freq, scaling, max_positions, serving)
     if kind == "llama3":
         factor = scaling["factor"]
         low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
@@ -48,9 +93,25 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict, max_positions: int) ->
         medium = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
         return torch.where(medium, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled), 1.0
     raise ValueError(
-        f"rope type {kind!r} is not supported yet (default, linear, llama3 and yarn are); "
-        "dynamic and longrope scale by each sequence's length"
+        f"rope type {kind!r} is not supported yet (default, linear, llama3, longrope and yarn are); "
+        "dynamic NTK scaling changes each sequence's frequencies as it grows"
     )
+
+
+def _longrope(inv_freq: torch.Tensor, scaling: dict, max_positions: int, serving: int) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3): per-frequency factors, ``long_factor`` for contexts beyond
+    ``original_max_position_embeddings`` and ``short_factor`` within it; cos/sin scaled by
+    ``sqrt(1 + ln(factor) / ln(original))``. transformers switches per sequence as it grows past
+    the original length; one table must serve every sequence, so, as vLLM does, the factors
+    follow the context Kiln serves (``--max-model-len``): equal to transformers for every
+    sequence when that is within the original length, and for sequences longer than it."""
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or max_positions / original
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    ext = scaling["long_factor"] if serving > original else scaling["short_factor"]
+    return inv_freq / torch.tensor(ext, dtype=torch.float64), float(attention)
 
 
 def _yarn(
@@ -82,10 +143,19 @@ def _yarn(
     return inv_freq / factor * (1 - extrapolated) + inv_freq * extrapolated, float(attention)
 
 
-def cos_sin_cache(head_dim: int, max_positions: int, hf_config) -> torch.Tensor:
-    """(max_positions, head_dim) fp32 table: cos in the first half, sin in the second."""
-    theta, scaling = rope_settings(hf_config)
+def cos_sin_cache(
+    head_dim: int, max_positions: int, hf_config, rotating: int | None = None, layer_type: str = FULL_ATTENTION
+) -> torch.Tensor:
+    """(max_positions, head_dim) fp32 table: cos in the first half, sin in the second. Only the
+    first ``rotating`` / 2 pairs rotate (all by default); the others get cos 1 and sin 0."""
+    rotating = rotating or head_dim
+    theta, scaling = rope_settings(hf_config, layer_type)
+    if "original_max_position_embeddings" not in scaling and hasattr(hf_config, "original_max_position_embeddings"):
+        scaling["original_max_position_embeddings"] = hf_config.original_max_position_embeddings
     trained = getattr(hf_config, "max_position_embeddings", None) or max_positions
-    inv_freq, attention = _inv_freq(head_dim, theta, scaling, trained)
+    inv_freq, attention = _inv_freq(rotating, theta, scaling, trained, max_positions)
     freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
-    return (torch.cat((freqs.cos(), freqs.sin()), dim=-1) * attention).float()
+    still = head_dim // 2 - rotating // 2
+    cos = torch.cat((freqs.cos() * attention, freqs.new_ones(max_positions, still)), dim=-1)
+    sin = torch.cat((freqs.sin() * attention, freqs.new_zeros(max_positions, still)), dim=-1)
+    return torch.cat((cos, sin), dim=-1).float()

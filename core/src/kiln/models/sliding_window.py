@@ -2,10 +2,13 @@
 
 Follows transformers' reading of each family's config:
 
-* ``mistral``: every layer uses ``sliding_window`` when it is set (Mistral-7B-v0.1: 4096).
+* ``mistral``, ``phi3``: every layer uses ``sliding_window`` when it is set (Mistral-7B-v0.1:
+  4096, Phi-3-mini-4k: 2047).
 * ``qwen2`` / ``qwen3``: only with ``use_sliding_window``, and only the layers
   ``layer_types`` marks ``"sliding_attention"`` (by default those from
   ``max_window_layers`` on).
+* ``gemma2`` / ``gemma3_text``: the layers ``layer_types`` marks (Gemma 2 every other one,
+  Gemma 3 five of every six).
 * ``llama`` and anything else: full attention (transformers ignores the key there).
 
 A query at position p then sees keys at positions k with ``p - k < window``.
@@ -13,8 +16,21 @@ A query at position p then sees keys at positions k with ``p - k < window``.
 
 from __future__ import annotations
 
+EVERY_LAYER = ("mistral", "phi3")
 # Families whose config picks sliding layers by use_sliding_window / layer_types.
 LAYER_TYPED = ("qwen2", "qwen3")
+ALWAYS_LAYER_TYPED = ("gemma2", "gemma3_text")  # layer_types alone
+SLIDING = "sliding_attention"
+
+
+def layer_types(cfg) -> list[str]:
+    """Each layer's kind as transformers names them: ``sliding_attention`` or ``full_attention``
+    (Gemma 3's kinds also differ in their rope)."""
+    layers = cfg.num_hidden_layers
+    if cfg.model_type in ALWAYS_LAYER_TYPED + LAYER_TYPED:
+        default = [SLIDING if i >= getattr(cfg, "max_window_layers", 0) else "full_attention" for i in range(layers)]
+        return list(getattr(cfg, "layer_types", None) or default)
+    return [SLIDING if cfg.model_type in EVERY_LAYER else "full_attention"] * layers
 
 
 def sliding_windows(cfg, max_positions: int) -> list[int | None]:
@@ -26,14 +42,7 @@ def sliding_windows(cfg, max_positions: int) -> list[int | None]:
         window = None
     if window is None or window >= max_positions:
         return [None] * layers
-    if cfg.model_type == "mistral":
-        return [window] * layers
-    if cfg.model_type in LAYER_TYPED:
-        types = getattr(cfg, "layer_types", None) or [
-            "sliding_attention" if i >= cfg.max_window_layers else "full_attention" for i in range(layers)
-        ]
-        return [window if kind == "sliding_attention" else None for kind in types]
-    return [None] * layers
+    return [window if kind == SLIDING else None for kind in layer_types(cfg)]
 
 
 def check_backend(windows: list[int | None], backend) -> None:

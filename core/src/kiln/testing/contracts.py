@@ -444,6 +444,8 @@ ARG_NAMES = {
     "fused_add_rms_norm": ("x", "residual", "weight", "eps"),
     "rotary_embedding": ("positions", "q", "k", "cos_sin_cache"),
     "silu_and_mul": ("x",),
+    "gelu_and_mul": ("x",),
+    "gelu_tanh_and_mul": ("x",),
 }
 
 
@@ -474,7 +476,7 @@ class OpsContract:
     rtol: ClassVar[dict[torch.dtype, float]] = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
     num_tokens: ClassVar[tuple[int, ...]] = (1, 5, 33)
     hidden_sizes: ClassVar[tuple[int, ...]] = (64, 100, 2048)  # rms_norm, fused_add_rms_norm
-    intermediate_sizes: ClassVar[tuple[int, ...]] = (21, 128, 1500)  # silu_and_mul's input is twice this
+    intermediate_sizes: ClassVar[tuple[int, ...]] = (21, 128, 1500)  # the gated activations' input is twice this
     # (heads, kv_heads, head_dim) for rotary_embedding and rms_norm on per-head views (Qwen3's q/k norm).
     head_shapes: ClassVar[tuple[tuple[int, int, int], ...]] = ((4, 4, 64), (6, 2, 128), (8, 1, 32), (2, 1, 80))
     max_positions: ClassVar[int] = 1024
@@ -575,10 +577,11 @@ class OpsContract:
         args = (positions.to(self.device), q, k, cache.to(self.device))
         self._check("rotary_embedding", args, dtype, untouched=(v,))
 
-    def test_silu_and_mul(self, dtype, num_tokens, intermediate_size):
+    @pytest.mark.parametrize("name", ["silu_and_mul", "gelu_and_mul", "gelu_tanh_and_mul"])
+    def test_gated_activation(self, name, dtype, num_tokens, intermediate_size):
         gen = torch.Generator().manual_seed(4)
         x = self._random(gen, num_tokens, 2 * intermediate_size, dtype=dtype, scale=4.0)
-        self._check("silu_and_mul", (x,), dtype)
+        self._check(name, (x,), dtype)
 
 
 def _argnames(names) -> list[str]:

@@ -13,7 +13,25 @@ TINY_CONFIGS: dict[str, dict] = {
     "qwen2": dict(num_attention_heads=4, num_key_value_heads=2),
     "qwen3": dict(num_attention_heads=4, num_key_value_heads=1, head_dim=64),
     "mistral": dict(num_attention_heads=4, num_key_value_heads=4, head_dim=64),
+    # The other dense families: fused checkpoint projections, partial and interleaved rotaries,
+    # GeGLU, norms after each sublayer, soft caps, and two kinds of layer with their own rope.
+    "phi3": dict(num_attention_heads=4, num_key_value_heads=2),
+    "glm": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, pad_token_id=None),
+    "glm4": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, pad_token_id=None),
+    "gemma": dict(num_attention_heads=4, num_key_value_heads=1, head_dim=32),
+    "gemma2": dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24, sliding_window=8
+    ),
+    "gemma3_text": dict(
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        query_pre_attn_scalar=24,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+    ),
 }
+TIED = ("qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")  # families whose checkpoints tie the head
 
 
 def build_tiny_model(
@@ -44,7 +62,7 @@ def build_tiny_model(
         rms_norm_eps=1e-6,
         # Wide weights give peaked logits, so greedy ties cannot flip on rounding.
         initializer_range=0.2,
-        tie_word_embeddings=model_type in ("qwen2", "qwen3"),
+        tie_word_embeddings=model_type in TIED,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         **{**TINY_CONFIGS[model_type], **overrides},

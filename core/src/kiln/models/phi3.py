@@ -1,0 +1,40 @@
+"""Phi-3 (and Phi-4-mini): the Llama network with q/k/v and gate/up fused in the checkpoint,
+LongRoPE (``kiln.models.rope``), an optional partial rotary and a sliding window on every layer."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from kiln.models.llama import LlamaForCausalLM, head_dim_of
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    lora_modules = {}  # PEFT adapters of Phi-3 target the fused projections: not mapped yet
+    supports_quantization = False
+
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        cfg = self.config
+        q = cfg.num_attention_heads * head_dim_of(cfg)
+        kv = cfg.num_key_value_heads * head_dim_of(cfg)
+        for name, tensor in weights:
+            prefix, _, leaf = name.rpartition(".")
+            if prefix.endswith(".qkv_proj"):
+                yield from zip(
+                    _names(prefix, "qkv_proj", ("q_proj", "k_proj", "v_proj"), leaf), tensor.split([q, kv, kv])
+                )
+            elif prefix.endswith(".gate_up_proj"):
+                yield from split_gate_up(prefix, leaf, tensor)
+            else:
+                yield name, tensor
+
+
+def split_gate_up(prefix: str, leaf: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
+    """A fused ``gate_up_proj`` tensor as the ``gate_proj`` and ``up_proj`` halves it stacks."""
+    return zip(_names(prefix, "gate_up_proj", ("gate_proj", "up_proj"), leaf), tensor.chunk(2))
+
+
+def _names(prefix: str, fused: str, parts: tuple[str, ...], leaf: str) -> list[str]:
+    base = prefix.removesuffix(fused)
+    return [f"{base}{part}.{leaf}" for part in parts]
