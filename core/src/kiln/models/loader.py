@@ -172,7 +172,9 @@ def weight_files(path: str, load_format: str = "auto") -> tuple[str, list[str]]:
             if missing:
                 raise ValueError(f"model: {missing[0]!r}, a shard {index_name} lists, is missing from {path!r}")
             return fmt, [os.path.join(path, s) for s in shards]
-        files = sorted(f for f in glob.glob(os.path.join(path, pattern)) if os.path.basename(f) not in NOT_WEIGHTS)
+        files = sorted(
+            f for f in glob.glob(os.path.join(glob.escape(path), pattern)) if os.path.basename(f) not in NOT_WEIGHTS
+        )
         if files:
             return fmt, files
     wanted = " or ".join(WEIGHT_FORMATS[fmt][1] for fmt in formats)

@@ -52,8 +52,7 @@ def build_tiny_model(
     if model_type in ENCODER_TYPES:  # BERT / XLM-RoBERTa, with a WordPiece tokenizer of their own
         return build_tiny_encoder(model_type, path, tokenizer_dir, seed=seed, **overrides)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    config = AutoConfig.for_model(
-        model_type,
+    base = dict(
         vocab_size=len(tokenizer),
         hidden_size=64,
         intermediate_size=128,
@@ -65,8 +64,8 @@ def build_tiny_model(
         tie_word_embeddings=model_type in TIED,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
-        **{**TINY_CONFIGS[model_type], **overrides},
     )
+    config = AutoConfig.for_model(model_type, **{**base, **TINY_CONFIGS[model_type], **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(path)

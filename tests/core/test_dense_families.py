@@ -1,0 +1,93 @@
+"""The dense families beyond Llama (Phi-3, GLM-4, Gemma 1/2/3): greedy output equal to
+transformers token for token on tiny random models, under chunked prefill, prefix-cache hits and
+preemption; LongRoPE on both sides of its original context; partial and interleaved rotaries;
+and the refusals (a backend without soft caps for Gemma 2, LoRA on families not mapped)."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoConfig
+
+from kiln import LLM, SamplingParams
+from kiln.models.sliding_window import sliding_windows
+from kiln.testing.models import hf_greedy
+
+NEW_TOKENS = 16
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0)
+# family -> (config overrides, engine arguments it needs)
+FAMILIES = {
+    "phi3": ({}, {}),
+    "phi3-partial-rotary-window": (dict(partial_rotary_factor=0.5, sliding_window=8), {}),  # Phi-4-mini's rotary
+    "glm": ({}, {}),  # half of each head rotates, in adjacent pairs; q/k/v biases
+    "glm4": ({}, {}),  # and a norm after each sublayer
+    "gemma": ({}, {}),
+    "gemma2": ({}, dict(attention_backend="torch_ref")),  # soft caps on scores and logits
+    "gemma3_text": ({}, {}),  # q/k norms; sliding and full layers with ropes of their own
+}
+ENGINE_VARIANTS = {
+    "default": {},
+    "chunked-prefill-tiny-budget": dict(enable_chunked_prefill=True, max_num_batched_tokens=16),
+    # 12 usable blocks of 16 tokens for 5 prompts of up to 77 + 16 tokens: forces preemption.
+    "forced-preemption": dict(block_size=16, num_gpu_blocks_override=13, max_model_len=160),
+}
+GEMMA2_CAPS = dict(attn_logit_softcapping=3.0, final_logit_softcapping=5.0)  # low enough to bite on tiny logits
+
+
+def model_dir(tiny_model_dir, family: str) -> str:
+    model_type = family.split("-")[0]
+    overrides = FAMILIES[family][0] | (GEMMA2_CAPS if model_type == "gemma2" else {})
+    return tiny_model_dir(model_type, **overrides)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family_reference(request, tiny_model_dir, varied_prompts):
+    path = model_dir(tiny_model_dir, request.param)
+    return path, FAMILIES[request.param][1], hf_greedy(path, varied_prompts, NEW_TOKENS)
+
+
+@pytest.mark.parametrize("variant", list(ENGINE_VARIANTS))
+def test_families_match_transformers(family_reference, varied_prompts, variant):
+    path, needs, expected = family_reference
+    llm = LLM(path, **{"max_model_len": 256, "dtype": "float32", **needs, **ENGINE_VARIANTS[variant]})
+    prompts = [{"prompt_token_ids": p} for p in varied_prompts]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == expected
+    # Again on the same engine: the prompts' full blocks now come from the prefix cache.
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == expected
+
+
+@pytest.mark.parametrize("max_model_len", [48, 256], ids=["short-factors", "long-factors"])
+def test_longrope_matches_transformers_within_and_beyond_the_original_context(tiny_model_dir, max_model_len):
+    """Kiln picks LongRoPE's factors once, by the context it serves; transformers by each sequence's
+    length. They agree for every sequence when Kiln serves at most the original 48 positions, and
+    for sequences longer than it (here prompts of 50+ tokens) when Kiln serves more."""
+    # One factor per rotating pair of a 16-wide head.
+    scaling = {"rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 3.0] * 2, "long_factor": [2.0, 4.0, 8.0, 9.0] * 2}
+    path = tiny_model_dir("phi3", rope_scaling=scaling, original_max_position_embeddings=48, max_position_embeddings=256)
+    prompts = [[7, 8, 9], list(range(300, 330))] if max_model_len == 48 else [list(range(300, 350)), [42] * 60]
+    llm = LLM(path, dtype="float32", max_model_len=max_model_len)
+    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
+    assert got == hf_greedy(path, prompts, NEW_TOKENS)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "overrides", "windows"),
+    [
+        ("phi3", dict(sliding_window=2047), [2047] * 4),
+        ("phi3", dict(sliding_window=None), [None] * 4),
+        ("gemma2", dict(sliding_window=64), [64, None, 64, None]),
+        ("gemma3_text", dict(sliding_window=64, sliding_window_pattern=2), [64, None, 64, None]),
+    ],
+)
+def test_layer_windows_follow_transformers(model_type, overrides, windows):
+    cfg = AutoConfig.for_model(model_type, num_hidden_layers=4, **overrides)
+    assert sliding_windows(cfg, max_positions=8192) == windows
+
+
+def test_gemma2_refuses_a_backend_without_soft_caps(tiny_model_dir):
+    with pytest.raises(ValueError, match=r"soft-caps its attention scores at 3.0.*--attention-backend torch_ref"):
+        LLM(model_dir(tiny_model_dir, "gemma2"), dtype="float32")
+
+
+def test_lora_is_refused_on_families_it_is_not_mapped_for(tiny_model_dir):
+    with pytest.raises(ValueError, match="GlmForCausalLM does not support LoRA adapters"):
+        LLM(tiny_model_dir("glm"), dtype="float32", enable_lora=True)
