@@ -344,6 +344,24 @@ def test_sliding_window_on_the_ascend_path(tiny_model_dir, npu_plugins, eager):
 
 
 @pytest.mark.parametrize("eager", [False, True], ids=["graph", "eager"])
+@pytest.mark.parametrize("model_type", ["glm4", "gemma3_text"])
+def test_dense_families_on_the_ascend_path(tiny_model_dir, npu_plugins, model_type, eager):
+    """GLM-4 (half of each head rotating in adjacent pairs, reordered at load for the rotary op;
+    q/k/v biases; norms after each sublayer) and Gemma 3 (GeGLU, q/k norms, an 8-token window on
+    its first layer, two ropes) in torchair graphs or eagerly give the CPU plugin's tokens
+    (tests/core/test_dense_families.py matches those to transformers)."""
+    from kiln.testing.engine import make_engine
+
+    prompts = PROMPTS[3:]
+    common = dict(model=tiny_model_dir(model_type), dtype="float32", max_num_seqs=4, block_size=64,
+                  max_num_batched_tokens=64)  # fmt: skip
+    engine = make_engine(npu_plugins, device="npu_emulated", enforce_eager=eager, **common)
+    tokens, _, _ = run_tracking(engine, prompts, max_tokens=16)
+    assert (engine.executor.runner.graph_steps > 0) != eager
+    assert tokens == run_tracking(make_engine(npu_plugins, device="cpu", **common), prompts, max_tokens=16)[0]
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["graph", "eager"])
 def test_drafts_verify_on_the_ascend_path(tiny_model_dir, npu_plugins, eager):
     """Speculative decoding: a step's drafts run as decode rows through the Ascend backend (in
     graph mode through the gear that holds them: 2 requests with 3 drafts each need gear 8, so

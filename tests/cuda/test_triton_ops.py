@@ -116,6 +116,25 @@ def test_engine_through_triton_kernels_matches_the_cpu_plugin(tiny_model_dir, ki
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the interpreter path on CPU")
+@pytest.mark.parametrize("model_type", ["glm4", "gemma3_text"])
+def test_dense_families_through_triton_kernels_match_the_cpu_plugin(tiny_model_dir, kiln_plugins, model_type):
+    """GLM-4's reordered partial rotary and Gemma 3's windowed layer, q/k norms and two ropes
+    through the Triton kernels (tests/core/test_dense_families.py matches the CPU plugin to
+    transformers)."""
+    import kiln_cpu.plugin
+    import kiln_cuda.plugin
+    from kiln.testing.engine import greedy_tokens
+
+    for module, name in ((kiln_cpu.plugin, "cpu"), (kiln_cuda.plugin, "cuda"), (sys.modules[__name__], "test")):
+        kiln_plugins.register(module, name=name)
+    prompts = [[1000, 7, 9], list(range(100, 119))]
+    common = dict(model=tiny_model_dir(model_type), dtype="float32", block_size=16)
+    assert greedy_tokens(kiln_plugins, prompts, 8, device="cpu_triton", **common) == greedy_tokens(
+        kiln_plugins, prompts, 8, device="cpu", **common
+    )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the interpreter path on CPU")
 def test_drafts_verify_through_triton_kernels_as_on_the_cpu_plugin(tiny_model_dir, kiln_plugins):
     """Speculative decoding: each step's drafts run as decode rows through the Triton attention
     kernels and are accepted or rejected as on the CPU plugin."""
