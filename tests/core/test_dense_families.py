@@ -61,8 +61,14 @@ def test_longrope_matches_transformers_within_and_beyond_the_original_context(ti
     length. They agree for every sequence when Kiln serves at most the original 48 positions, and
     for sequences longer than it (here prompts of 50+ tokens) when Kiln serves more."""
     # One factor per rotating pair of a 16-wide head.
-    scaling = {"rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 3.0] * 2, "long_factor": [2.0, 4.0, 8.0, 9.0] * 2}
-    path = tiny_model_dir("phi3", rope_scaling=scaling, original_max_position_embeddings=48, max_position_embeddings=256)
+    scaling = {
+        "rope_type": "longrope",
+        "short_factor": [1.0, 1.5, 2.0, 3.0] * 2,
+        "long_factor": [2.0, 4.0, 8.0, 9.0] * 2,
+    }
+    path = tiny_model_dir(
+        "phi3", rope_scaling=scaling, original_max_position_embeddings=48, max_position_embeddings=256
+    )
     prompts = [[7, 8, 9], list(range(300, 330))] if max_model_len == 48 else [list(range(300, 350)), [42] * 60]
     llm = LLM(path, dtype="float32", max_model_len=max_model_len)
     got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]

@@ -14,6 +14,9 @@ DECODERS = {
     "GemmaForCausalLM": "gemma",
     "Gemma2ForCausalLM": "gemma",
     "Gemma3ForCausalLM": "gemma",
+    "MixtralForCausalLM": "moe",
+    "Qwen2MoeForCausalLM": "moe",
+    "Qwen3MoeForCausalLM": "moe",
 }
 # Architecture -> class in kiln.models.bert (RoBERTa is XLM-RoBERTa's network).
 ENCODERS = {

@@ -66,6 +66,10 @@ class EngineConfig(SpeculativeFlags):
         description="guided-decoding backend for requests that name none; 'NAME:no-fallback' forbids fallback",
     )
     tensor_parallel_size: int = Field(1, ge=1)
+    enable_expert_parallel: bool = Field(
+        False,
+        description="mixtures of experts: give each tensor-parallel rank whole experts instead of a slice of each",
+    )
     quantization: str | None = Field(
         None,
         description="awq, gptq, compressed-tensors, smoothquant (w8a8), weight_only_int8, gguf or none; "

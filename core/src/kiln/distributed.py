@@ -4,7 +4,9 @@ the model needs (an all-reduce after each row-parallel matmul).
 Heads and the MLP's intermediate size are split across ``size`` ranks (Megatron-style):
 q/k/v and gate/up are column-parallel (each rank computes its heads / its slice), o_proj
 and down_proj row-parallel (each rank's partial sums are added by ``all_reduce``).
-Embeddings, norms and the LM head are replicated.
+Embeddings, norms and the LM head are replicated. A mixture of experts splits each expert's
+intermediate size the same way, or, with ``expert_parallel`` (``--enable-expert-parallel``),
+gives each rank whole experts (``kiln.models.moe``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 class TensorParallel:
     rank: int = 0
     size: int = 1
+    expert_parallel: bool = False  # experts split whole across the ranks, not each one sliced
 
     def shard(self, total: int, what: str) -> int:
         """This rank's share of ``total`` (heads, channels); they must divide evenly."""

@@ -117,6 +117,34 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
+def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A mixture of experts' routing: softmax over the (tokens, experts) router logits in fp32,
+    the ``top_k`` experts of each token, their weights renormalised to sum to 1 if asked.
+    Returns (weights (tokens, top_k) fp32, expert ids (tokens, top_k) int64), highest first."""
+    weights, ids = torch.topk(torch.softmax(router_logits.float(), dim=-1), top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def fused_experts(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """The experts' SwiGLU MLPs on their tokens, summed by routing weight: for each token t and
+    each of its slots j with ``ids[t, j] = e >= 0``, ``weights[t, j] * w2[e] @ silu_and_mul(w13[e] @ x[t])``.
+    ``w13`` is (experts, 2 * intermediate, hidden), gate rows then up rows; ``w2`` is
+    (experts, hidden, intermediate). An id of -1 is an expert another rank holds (expert
+    parallelism): it adds nothing here. Experts are added in ascending order, as transformers does."""
+    out = torch.zeros_like(x)
+    for e in ids.unique().tolist():
+        if e < 0:
+            continue
+        token, slot = (ids == e).nonzero(as_tuple=True)
+        h = F.linear(silu_and_mul(F.linear(x[token], w13[e])), w2[e])
+        out.index_add_(0, token, (h * weights[token, slot, None]).to(x.dtype))
+    return out
+
+
 REFERENCE_OPS: dict[str, Callable] = {
     "rms_norm": rms_norm,
     "fused_add_rms_norm": fused_add_rms_norm,
@@ -125,6 +153,8 @@ REFERENCE_OPS: dict[str, Callable] = {
     "gelu_and_mul": gelu_and_mul,
     "gelu_tanh_and_mul": gelu_tanh_and_mul,
     "add_lora": add_lora,
+    "moe_route": moe_route,
+    "fused_experts": fused_experts,
 }
 
 

@@ -58,7 +58,9 @@ class LlamaAttention(nn.Module):
         self.head_dim = head_dim_of(cfg)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        bias = bool(getattr(cfg, "attention_bias", False)) or cfg.model_type == "qwen2"
+        bias = (
+            bool(getattr(cfg, "attention_bias", False) or getattr(cfg, "qkv_bias", False)) or cfg.model_type == "qwen2"
+        )
         prefix = f"model.layers.{layer_idx}.self_attn"
         qkv = [f"{prefix}.{p}_proj" for p in "qkv"]
         self.qkv_proj = make_linear(quant, qkv, cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
@@ -93,13 +95,19 @@ class LlamaAttention(nn.Module):
 
 class LlamaMLP(nn.Module):
     def __init__(
-        self, cfg, ops: SimpleNamespace, tp: TensorParallel, prefix: str, quant: QuantConfig | None = None
+        self,
+        cfg,
+        ops: SimpleNamespace,
+        tp: TensorParallel,
+        prefix: str,
+        quant: QuantConfig | None = None,
+        intermediate_size: int | None = None,
     ) -> None:
         super().__init__()
         self.act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None) or "silu"
         if self.act not in GATED_ACTIVATIONS:
             raise ValueError(f"hidden_act {self.act!r} is not supported ({', '.join(GATED_ACTIVATIONS)} are)")
-        intermediate = tp.shard(cfg.intermediate_size, "intermediate size")
+        intermediate = tp.shard(intermediate_size or cfg.intermediate_size, "intermediate size")
         gate_up = [f"{prefix}.gate_proj", f"{prefix}.up_proj"]
         self.gate_up_proj = make_linear(quant, gate_up, cfg.hidden_size, 2 * intermediate)
         self.down_proj = make_linear(quant, [f"{prefix}.down_proj"], intermediate, cfg.hidden_size)
@@ -123,7 +131,7 @@ class LlamaDecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_idx, ops, backend, tp, quant, sliding_window)
-        self.mlp = LlamaMLP(cfg, ops, tp, f"model.layers.{layer_idx}.mlp", quant)
+        self.mlp = self.make_mlp(cfg, layer_idx, ops, tp, quant)
         # q/k norms, all-reduces and subclasses' own forwards are not part of the layout's promise
         own = type(self).forward is LlamaDecoderLayer.forward and type(self.self_attn).forward is LlamaAttention.forward
         own = own and type(self.mlp).forward is LlamaMLP.forward and self.mlp.act == "silu"
@@ -131,6 +139,10 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.ops = ops
+
+    def make_mlp(self, cfg, layer_idx: int, ops, tp: TensorParallel, quant: QuantConfig | None) -> nn.Module:
+        """The layer's MLP (mixtures of experts give some layers theirs: ``kiln.models.moe``)."""
+        return LlamaMLP(cfg, ops, tp, f"model.layers.{layer_idx}.mlp", quant)
 
     def forward(self, positions, x, residual, rope_cache, ctx):
         if residual is None:
@@ -272,6 +284,13 @@ class LlamaForCausalLM(nn.Module):
             name = name.removeprefix("model.")
             if "rotary_emb" in name or (name == "lm_head.weight" and self.tie_word_embeddings):
                 continue
+            if ".experts." in name:  # layers.N.mlp.experts.E.{gate,up,down}_proj.weight
+                block, _, rest = name.partition(".experts.")
+                expert, proj, leaf = rest.split(".")
+                loaded.update(
+                    f"{block}.{p}" for p in self.get_submodule(block).load_expert(int(expert), proj, leaf, tensor)
+                )
+                continue
             parts = name.split(".")
             if len(parts) >= 2 and parts[-2] in ("q_proj", "k_proj", "q_norm", "k_norm"):
                 tensor = self._rotary_rows(name, tensor)
@@ -325,7 +344,7 @@ def head_dim_of(cfg) -> int:
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 
-QK_NORM_TYPES = ("qwen3", "gemma3_text")  # families with an RMS norm over each query and key head
+QK_NORM_TYPES = ("qwen3", "qwen3_moe", "gemma3_text")  # families with an RMS norm over each query and key head
 # hidden_act -> the op of kiln.interfaces.model that applies it to the gate, times the up projection
 GATED_ACTIVATIONS = {"silu": "silu_and_mul", "gelu_pytorch_tanh": "gelu_tanh_and_mul", "gelu_new": "gelu_tanh_and_mul",
                      "gelu": "gelu_and_mul"}  # fmt: skip

@@ -30,6 +30,28 @@ TINY_CONFIGS: dict[str, dict] = {
         sliding_window=8,
         layer_types=["sliding_attention", "full_attention"],
     ),
+    # Mixtures of experts: 4 experts, 2 per token; Qwen2-MoE with a shared expert and a dense
+    # first layer (mlp_only_layers), Qwen3-MoE with q/k norms and unnormalised top-k weights.
+    "mixtral": dict(num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        mlp_only_layers=[0],
+        norm_topk_prob=True,
+    ),
+    "qwen3_moe": dict(
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=False,
+    ),
 }
 TIED = ("qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")  # families whose checkpoints tie the head
 

@@ -195,7 +195,7 @@ def worker_main(
             platform.dist_backend, init_method=init_method, rank=rank, world_size=world_size
         )
         hf_config = load_hf_config(model_path, config)
-        tp = TensorParallel(rank, world_size)
+        tp = TensorParallel(rank, world_size, config.enable_expert_parallel)
         runner = build_runner(config, registry, platform, hf_config, getattr(torch, dtype_name), model_path, tp)
         runner.profile_peak()  # in step with rank 0's profiling run
         conn.send(("built", None))

@@ -56,7 +56,7 @@ class Executor:
         bitmask_kernel: BitmaskKernel,
     ) -> None:
         self.config, self.platform, self.hf_config = config, platform, hf_config
-        tp = TensorParallel(0, config.tensor_parallel_size)
+        tp = TensorParallel(0, config.tensor_parallel_size, config.enable_expert_parallel)
         # The draft model first: once started, the other ranks wait in rank 0's collectives.
         spec = config.speculative_config
         self.draft = self._build_draft(registry, dtype) if spec and spec.method == "draft_model" else None

@@ -1,0 +1,128 @@
+"""Mixtures of experts: Mixtral, Qwen2-MoE and Qwen3-MoE, the Llama network with some (or all)
+MLPs replaced by routed experts.
+
+``FusedMoE`` holds a layer's router (``gate``, replicated) and its experts' weights stacked for
+the platform's ``moe_route`` and ``fused_experts`` ops (``kiln.interfaces.model``): a platform
+fills them with its kernels, the model never loops over experts itself. Under tensor parallelism
+each rank holds every expert's slice of the intermediate size; with ``--enable-expert-parallel``
+it holds ``num_experts / ranks`` whole experts instead, and routes its tokens' other experts to
+nothing. Either way the ranks' partial sums meet in one all-reduce, as a dense MLP's do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+from kiln.distributed import TensorParallel
+from kiln.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from kiln.quantization.config import QuantConfig
+
+GATE_UP = {"gate_proj": 0, "up_proj": 1}  # their halves of w13
+
+
+class FusedMoE(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        intermediate_size: int,
+        renormalize: bool,
+        ops: SimpleNamespace,
+        tp: TensorParallel,
+        shared_expert: nn.Module | None = None,
+    ) -> None:
+        super().__init__()
+        if tp.expert_parallel:
+            self.num_local = tp.shard(num_experts, "number of experts (--enable-expert-parallel)")
+            inter = intermediate_size
+        else:
+            self.num_local = num_experts
+            inter = tp.shard(intermediate_size, "experts' intermediate size")
+        self.first = tp.rank * self.num_local if tp.expert_parallel else 0
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.w13 = nn.Parameter(torch.empty(self.num_local, 2 * inter, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(self.num_local, hidden_size, inter))
+        if shared_expert is not None:  # Qwen2-MoE: an MLP every token takes, scaled by a sigmoid gate
+            self.shared_expert = shared_expert
+            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+        self.ops, self.tp = ops, tp
+        self._pending = {"w13": 2 * self.num_local, "w2": self.num_local}  # expert tensors still to load
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.ops.moe_route(self.gate(x), self.top_k, self.renormalize)
+        if self.num_local < self.num_experts:  # expert parallelism: -1 for another rank's experts
+            local = ids - self.first
+            ids = torch.where((local >= 0) & (local < self.num_local), local, -1)
+        out = self.tp.all_reduce(self.ops.fused_experts(x, self.w13, self.w2, weights, ids))
+        if hasattr(self, "shared_expert"):
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+    def load_expert(self, expert: int, proj: str, leaf: str, tensor: torch.Tensor) -> list[str]:
+        """Copy one expert's checkpoint projection (``gate_proj``, ``up_proj`` or ``down_proj``)
+        into this rank's stacked weights; returns the parameters it completed."""
+        if leaf != "weight":
+            raise ValueError(f"expert {proj}.{leaf}: quantized or biased experts are not supported yet")
+        local = expert - self.first
+        if not 0 <= local < self.num_local:
+            if self.tp.expert_parallel and 0 <= expert < self.num_experts:
+                return []  # another rank's expert
+            raise ValueError(f"checkpoint has expert {expert}; the model has {self.num_experts}")
+        slice_of = (lambda t, dim: t) if self.tp.expert_parallel else self.tp.slice
+        if proj == "down_proj":
+            name, target, tensor = "w2", self.w2.data[local], slice_of(tensor, 1)
+        else:
+            inter = self.w2.shape[-1]
+            half = GATE_UP[proj]
+            name, target = "w13", self.w13.data[local, half * inter : (half + 1) * inter]
+            tensor = slice_of(tensor, 0)
+        target.copy_(tensor)
+        self._pending[name] -= 1
+        return [name] if self._pending[name] == 0 else []
+
+
+class MoEDecoderLayer(LlamaDecoderLayer):
+    """A decoder layer whose MLP is a ``FusedMoE`` where the config makes the layer sparse."""
+
+    def make_mlp(self, cfg, layer_idx: int, ops, tp: TensorParallel, quant: QuantConfig | None) -> nn.Module:
+        sparse = layer_idx not in (getattr(cfg, "mlp_only_layers", None) or [])
+        sparse = sparse and (layer_idx + 1) % (getattr(cfg, "decoder_sparse_step", None) or 1) == 0
+        if not sparse:
+            return super().make_mlp(cfg, layer_idx, ops, tp, quant)
+        shared = None
+        if getattr(cfg, "shared_expert_intermediate_size", 0):
+            prefix = f"model.layers.{layer_idx}.mlp.shared_expert"
+            shared = LlamaMLP(cfg, ops, tp, prefix, quant, intermediate_size=cfg.shared_expert_intermediate_size)
+        experts = getattr(cfg, "num_local_experts", None) or cfg.num_experts
+        inter = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
+        # Mixtral always renormalises its top-k weights; the Qwen MoEs say whether in their config.
+        renormalize = getattr(cfg, "norm_topk_prob", True)
+        return FusedMoE(cfg.hidden_size, experts, cfg.num_experts_per_tok, inter, renormalize, ops, tp, shared)
+
+
+class Qwen2MoeForCausalLM(LlamaForCausalLM):
+    lora_modules = {}  # adapters on experts are not mapped yet
+    decoder_layer = MoEDecoderLayer
+    supports_quantization = False
+
+
+class Qwen3MoeForCausalLM(Qwen2MoeForCausalLM):
+    pass
+
+
+# Mixtral's checkpoint names -> the Qwen MoE names the loader reads.
+MIXTRAL_NAMES = {".block_sparse_moe.": ".mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."}
+
+
+class MixtralForCausalLM(Qwen2MoeForCausalLM):
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            for old, new in MIXTRAL_NAMES.items():
+                name = name.replace(old, new)
+            yield name, tensor
