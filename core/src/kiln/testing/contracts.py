@@ -446,6 +446,8 @@ ARG_NAMES = {
     "silu_and_mul": ("x",),
     "gelu_and_mul": ("x",),
     "gelu_tanh_and_mul": ("x",),
+    "moe_route": ("router_logits", "top_k", "renormalize"),
+    "fused_experts": ("x", "w13", "w2", "weights", "ids"),
 }
 
 
@@ -479,6 +481,8 @@ class OpsContract:
     intermediate_sizes: ClassVar[tuple[int, ...]] = (21, 128, 1500)  # the gated activations' input is twice this
     # (heads, kv_heads, head_dim) for rotary_embedding and rms_norm on per-head views (Qwen3's q/k norm).
     head_shapes: ClassVar[tuple[tuple[int, int, int], ...]] = ((4, 4, 64), (6, 2, 128), (8, 1, 32), (2, 1, 80))
+    # (experts, top_k, hidden, intermediate) for moe_route and fused_experts.
+    moe_shapes: ClassVar[tuple[tuple[int, int, int, int], ...]] = ((8, 2, 64, 96), (16, 4, 128, 64))
     max_positions: ClassVar[int] = 1024
     rope_theta: ClassVar[float] = 10000.0
     eps: ClassVar[float] = 1e-6
@@ -494,6 +498,7 @@ class OpsContract:
             "hidden_size": (self.hidden_sizes, None),
             "intermediate_size": (self.intermediate_sizes, None),
             "head_shape": (self.head_shapes, [f"h{h}kv{kv}d{d}" for h, kv, d in self.head_shapes]),
+            "moe_shape": (self.moe_shapes, [f"e{e}k{k}h{h}i{i}" for e, k, h, i in self.moe_shapes]),
         }
         taken = {n for m in metafunc.definition.iter_markers("parametrize") for n in _argnames(m.args[0])}
         for name, (values, ids) in knobs.items():
@@ -582,6 +587,23 @@ class OpsContract:
         gen = torch.Generator().manual_seed(4)
         x = self._random(gen, num_tokens, 2 * intermediate_size, dtype=dtype, scale=4.0)
         self._check(name, (x,), dtype)
+
+
+    @pytest.mark.parametrize("renormalize", [True, False])
+    def test_moe_route(self, dtype, num_tokens, moe_shape, renormalize):
+        experts, top_k, _, _ = moe_shape
+        logits = self._random(torch.Generator().manual_seed(5), num_tokens, experts, dtype=dtype, scale=3.0)
+        self._check("moe_route", (logits, top_k, renormalize), dtype)
+
+    def test_fused_experts(self, dtype, num_tokens, moe_shape):
+        experts, top_k, hidden, inter = moe_shape
+        gen = torch.Generator().manual_seed(6)
+        x = self._random(gen, num_tokens, hidden, dtype=dtype)
+        w13 = self._random(gen, experts, 2 * inter, hidden, dtype=dtype, scale=hidden**-0.5)
+        w2 = self._random(gen, experts, hidden, inter, dtype=dtype, scale=inter**-0.5)
+        weights, ids = REFERENCE_OPS["moe_route"](torch.randn(num_tokens, experts, generator=gen), top_k, True)
+        ids[0, -1] = -1  # an expert another rank holds (expert parallelism): adds nothing
+        self._check("fused_experts", (x, w13, w2, weights.to(self.device), ids.to(self.device)), dtype)
 
 
 def _argnames(names) -> list[str]:
