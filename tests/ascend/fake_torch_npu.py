@@ -332,9 +332,10 @@ def npu_weight_quant_batchmatmul(
 #       antiquant_offset=None, per_token_scale=None, group_list=None, activation_input=None,
 #       activation_quant_scale=None, activation_quant_offset=None, split_item=0, group_type=None,
 #       group_list_type=0, act_type=0, output_dtype=None, tuning_config=None) -> List[Tensor]
-# y_i = x_i @ weight_i + bias_i, the non-quantized cases of A2/A3. The plugin calls it eagerly only
-# (steps with LoRA adapters never run in a graph), so it stays a plain function. Quantization,
-# activations and group_list_type 2 (int8 only) raise NotImplementedError.
+# y_i = x_i @ weight_i + bias_i, the non-quantized cases of A2/A3. It is a plain function (list and
+# keyword-only arguments); the one form a decode graph holds (MoE experts: one x, one 3-D weight, a
+# Tensor group_list, no bias) runs as the registered operator ``npu::_grouped_matmul_m``, so dynamo
+# sees one node. Quantization, activations and group_list_type 2 (int8 only) raise NotImplementedError.
 
 GMM_BIAS_DTYPE = {torch.float16: torch.float16, torch.bfloat16: torch.float32, torch.float32: torch.float32}
 
@@ -362,6 +363,35 @@ def npu_grouped_matmul(
     x must be contiguous; a weight contiguous or the transpose (last two dims) of a contiguous tensor.
     fp16 x/weight take fp16 bias, bf16 take fp32 bias, fp32 (Tensor group_list: only x, weight and y
     all single tensors) take fp32 bias; products summed in fp32, bias added, rounded once to the output."""
+    single = len(x) == 1 and len(weight) == 1 and weight[0].dim() == 3 and bias is None
+    if single and isinstance(group_list, torch.Tensor) and group_type == 0 and split_item in (2, 3):
+        quant = (scale, offset, antiquant_scale, antiquant_offset, per_token_scale, activation_input,
+                 activation_quant_scale, activation_quant_offset)  # fmt: skip
+        if all(q is None for q in quant) and act_type == 0 and output_dtype in (None, x[0].dtype):
+            return [_grouped_matmul_m(x[0], weight[0], group_list, split_item, group_list_type)]
+    return _grouped_matmul(
+        x, weight, bias=bias, scale=scale, offset=offset, antiquant_scale=antiquant_scale,
+        antiquant_offset=antiquant_offset, per_token_scale=per_token_scale, group_list=group_list,
+        activation_input=activation_input, activation_quant_scale=activation_quant_scale,
+        activation_quant_offset=activation_quant_offset, split_item=split_item, group_type=group_type,
+        group_list_type=group_list_type, act_type=act_type, output_dtype=output_dtype,
+    )  # fmt: skip
+
+
+@custom_op("npu::_grouped_matmul_m", mutates_args=())
+def _grouped_matmul_m(
+    x: torch.Tensor, weight: torch.Tensor, group_list: torch.Tensor, split_item: int, group_list_type: int
+) -> torch.Tensor:
+    return _grouped_matmul(
+        [x], [weight], group_list=group_list, split_item=split_item, group_type=0, group_list_type=group_list_type
+    )[0]
+
+
+def _grouped_matmul(
+    x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=None, antiquant_offset=None,
+    per_token_scale=None, group_list=None, activation_input=None, activation_quant_scale=None,
+    activation_quant_offset=None, split_item=0, group_type=None, group_list_type=0, act_type=0, output_dtype=None,
+) -> list[torch.Tensor]:  # fmt: skip
     calls.append("npu_grouped_matmul")
     quant = (scale, offset, antiquant_scale, antiquant_offset, per_token_scale, activation_input,
              activation_quant_scale, activation_quant_offset)  # fmt: skip
@@ -429,6 +459,76 @@ def npu_grouped_matmul(
     return ys if split_item in (0, 1) else [torch.cat(ys, dim=0)]
 
 
+# MoE routing (op-plugin docs/zh/custom_APIs/torch_npu: npu_moe_gating_top_k_softmax,
+# npu_moe_init_routing, npu_moe_compute_expert_tokens, npu_moe_finalize_routing; the docs' numpy
+# equivalents). Registered operators: a decode graph holds them.
+
+
+@custom_op("npu::npu_moe_gating_top_k_softmax", mutates_args=())
+def npu_moe_gating_top_k_softmax(
+    x: torch.Tensor, finished: torch.Tensor | None = None, k: int = 1
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """softmax over the last axis, its top k (y in x's dtype, expert_idx int32), and row_idx int32
+    with row_idx[t, j] = j * num_rows + t."""
+    calls.append("npu_moe_gating_top_k_softmax")
+    assert x.dim() == 2 and 0 < k <= min(x.shape[-1], 1024), "emulation: 2-D x, 0 < k <= experts, k <= 1024"
+    assert finished is None, "emulation: no finished rows"
+    y, idx = torch.topk(torch.softmax(x.float(), dim=-1), k, dim=-1)
+    rows = torch.arange(x.shape[0] * k, dtype=torch.int32).view(k, x.shape[0]).t().contiguous()
+    return y.to(x.dtype), idx.to(torch.int32), rows
+
+
+@custom_op("npu::npu_moe_init_routing", mutates_args=())
+def npu_moe_init_routing(
+    x: torch.Tensor, row_idx: torch.Tensor, expert_idx: torch.Tensor, active_num: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows of x repeated per slot and sorted (stably) by expert: expanded_x[i] = x[src[i] % num_rows]
+    where src is row_idx in that order; expanded_row_idx[src[i]] = i; expanded_expert_idx sorted."""
+    calls.append("npu_moe_init_routing")
+    assert x.dim() == 2 and expert_idx.dim() == 2 and row_idx.shape == expert_idx.shape
+    assert row_idx.dtype == expert_idx.dtype == torch.int32, "row_idx and expert_idx are int32"
+    num_rows, k = x.shape[0], expert_idx.shape[1]
+    order = torch.sort(expert_idx.reshape(-1), stable=True)
+    src = row_idx.reshape(-1)[order.indices].long()
+    expanded_row_idx = torch.empty_like(src, dtype=torch.int32)
+    expanded_row_idx[src] = torch.arange(src.numel(), dtype=torch.int32)
+    active = min(active_num, num_rows) * k
+    return x[src[:active] % num_rows], expanded_row_idx, order.values.to(torch.int32)
+
+
+@custom_op("npu::npu_moe_compute_expert_tokens", mutates_args=())
+def npu_moe_compute_expert_tokens(sorted_expert_for_source_row: torch.Tensor, num_expert: int) -> torch.Tensor:
+    """For each expert e < num_expert: one past the last row holding e (a binary search)."""
+    calls.append("npu_moe_compute_expert_tokens")
+    assert sorted_expert_for_source_row.dtype == torch.int32 and sorted_expert_for_source_row.dim() == 1
+    experts = torch.arange(num_expert, dtype=torch.int32)
+    return torch.searchsorted(sorted_expert_for_source_row, experts, right=True).to(torch.int32)
+
+
+@custom_op("npu::npu_moe_finalize_routing", mutates_args=())
+def npu_moe_finalize_routing(
+    expanded_permuted_rows: torch.Tensor, skip1: torch.Tensor | None, skip2: torch.Tensor | None,
+    bias: torch.Tensor | None, scales: torch.Tensor | None, expanded_src_to_dst_row: torch.Tensor,
+    expert_for_source_row: torch.Tensor | None, drop_pad_mode: int = 0, k: int = 1,
+) -> torch.Tensor:  # fmt: skip
+    """out[i] = skip1 + skip2 + sum over slots j of scales[i, j] * rows[expanded_src_to_dst_row[j * num_rows + i]]
+    (drop-less mode 0); fp32 sums, rounded once to the rows' dtype."""
+    calls.append("npu_moe_finalize_routing")
+    assert drop_pad_mode == 0 and bias is None, "emulation: drop-less mode 0, no bias"
+    assert scales is None or scales.dtype == expanded_permuted_rows.dtype, "scales share the rows' dtype"
+    assert expanded_src_to_dst_row.dtype == torch.int32
+    k = scales.shape[1] if scales is not None else k
+    num_rows = expanded_src_to_dst_row.numel() // k
+    out = torch.zeros(num_rows, expanded_permuted_rows.shape[-1])
+    for skip in (skip1, skip2):
+        if skip is not None:
+            out = out + skip.float()
+    for j in range(k):
+        rows = expanded_permuted_rows[expanded_src_to_dst_row[j * num_rows : (j + 1) * num_rows].long()].float()
+        out = out + (rows if scales is None else scales[:, j, None].float() * rows)
+    return out.to(expanded_permuted_rows.dtype)
+
+
 # Shape rules, for tracing (dynamo runs these on fake tensors instead of the ops).
 npu_rms_norm.register_fake(
     lambda x, gamma, epsilon=1e-6: (torch.empty_like(x), x.new_empty(*x.shape[:-1], 1, dtype=torch.float32))
@@ -445,6 +545,29 @@ npu_rotary_mul.register_fake(
 )
 npu_swiglu.register_fake(lambda x, dim=-1: x.new_empty(*x.shape[:-1], x.shape[-1] // 2))
 _npu_reshape_and_cache.register_fake(lambda *args: None)
+_grouped_matmul_m.register_fake(
+    lambda x, weight, group_list, split_item, group_list_type: x.new_empty(x.shape[0], weight.shape[-1])
+)
+npu_moe_gating_top_k_softmax.register_fake(
+    lambda x, finished=None, k=1: (
+        x.new_empty(x.shape[0], k),
+        x.new_empty(x.shape[0], k, dtype=torch.int32),
+        x.new_empty(x.shape[0], k, dtype=torch.int32),
+    )
+)
+npu_moe_init_routing.register_fake(
+    lambda x, row_idx, expert_idx, active_num: (
+        x.new_empty(min(active_num, x.shape[0]) * expert_idx.shape[1], x.shape[1]),
+        row_idx.new_empty(row_idx.numel()),
+        expert_idx.new_empty(expert_idx.numel()),
+    )
+)
+npu_moe_compute_expert_tokens.register_fake(lambda sorted_rows, num_expert: sorted_rows.new_empty(num_expert))
+npu_moe_finalize_routing.register_fake(
+    lambda rows, skip1, skip2, bias, scales, dst, experts, drop_pad_mode=0, k=1: rows.new_empty(
+        dst.numel() // (scales.shape[1] if scales is not None else k), rows.shape[-1]
+    )
+)
 _npu_paged_attention.register_fake(lambda *args: None)
 _npu_dynamic_quant.register_fake(
     lambda x, smooth_scales, dst_type: (

@@ -362,6 +362,26 @@ def test_dense_families_on_the_ascend_path(tiny_model_dir, npu_plugins, model_ty
 
 
 @pytest.mark.parametrize("eager", [False, True], ids=["graph", "eager"])
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe"])
+def test_moe_on_the_ascend_path(tiny_model_dir, npu_plugins, model_type, eager):
+    """Mixtures of experts through torch_npu's routing and grouped-matmul ops (one fixed-shape
+    chain, so decode graphs hold it) give the CPU plugin's tokens (which tests/core/test_moe.py
+    matches to transformers)."""
+    from kiln.testing.engine import make_engine
+
+    prompts = PROMPTS[3:]
+    common = dict(model=tiny_model_dir(model_type), dtype="float32", max_num_seqs=4, block_size=64,
+                  max_num_batched_tokens=64)  # fmt: skip
+    fake_torch_npu.calls.clear()
+    engine = make_engine(npu_plugins, device="npu_emulated", enforce_eager=eager, **common)
+    tokens, _, _ = run_tracking(engine, prompts, max_tokens=16)
+    assert (engine.executor.runner.graph_steps > 0) != eager
+    assert {"npu_moe_gating_top_k_softmax", "npu_moe_init_routing", "npu_moe_compute_expert_tokens",
+            "npu_grouped_matmul", "npu_moe_finalize_routing"} <= set(fake_torch_npu.calls)  # fmt: skip
+    assert tokens == run_tracking(make_engine(npu_plugins, device="cpu", **common), prompts, max_tokens=16)[0]
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["graph", "eager"])
 def test_drafts_verify_on_the_ascend_path(tiny_model_dir, npu_plugins, eager):
     """Speculative decoding: a step's drafts run as decode rows through the Ascend backend (in
     graph mode through the gear that holds them: 2 requests with 3 drafts each need gear 8, so

@@ -7,6 +7,7 @@ from collections.abc import Callable
 import torch
 
 from kiln_ascend.lora import add_lora
+from kiln_ascend.moe import fused_experts, moe_route
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -54,4 +55,6 @@ def fused_ops() -> dict[str, Callable]:
         "rotary_embedding": rotary_embedding,
         "silu_and_mul": silu_and_mul,
         "add_lora": add_lora,
+        "moe_route": moe_route,
+        "fused_experts": fused_experts,
     }
