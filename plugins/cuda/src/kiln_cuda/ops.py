@@ -9,6 +9,7 @@ import triton
 
 from kiln_cuda import kernels
 from kiln_cuda.lora import add_lora
+from kiln_cuda.moe import fused_experts
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -71,4 +72,5 @@ def fused_ops() -> dict[str, Callable]:
         "rotary_embedding": rotary_embedding,
         "silu_and_mul": silu_and_mul,
         "add_lora": add_lora,
+        "fused_experts": fused_experts,
     }

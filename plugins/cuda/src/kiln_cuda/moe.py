@@ -1,0 +1,90 @@
+"""``fused_experts`` (``kiln.interfaces.model``) on CUDA: the step's (token, slot) pairs sorted by
+expert, then one Triton grouped GEMM per projection over them, so each program multiplies a tile
+of one expert's rows by that expert's weights::
+
+    order = the slots t * k + j sorted by ids[t, j]; first[e], count[e]: expert e's run in order
+    h13[slot] = x[slot // k] @ w13[e].T        (grouped GEMM, rows gathered by token)
+    h = silu_and_mul(h13)
+    y[slot] = weights[slot] * (h[slot] @ w2[e].T)
+    out[t] = y[t * k] + ... + y[t * k + k - 1]
+
+Everything is computed on the device with shapes fixed by the step (no host sync: the grid is
+``experts x cdiv(tokens * k, BLOCK_M)`` and programs past their expert's run return at once), so a
+CUDA graph holds it. Another rank's expert (id -1) becomes expert 0 with weight 0.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_M, BLOCK_N, BLOCK_K = 16, 32, 32
+
+
+@triton.jit
+def moe_gemm_kernel(
+    a_ptr, w_ptr, c_ptr, order_ptr, first_ptr, count_ptr, scale_ptr, a_stride, w_stride_e, w_stride_n, c_stride,
+    N, K, TOP_K,
+    A_BY_TOKEN: tl.constexpr, SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Grid (experts, cdiv(slots, BLOCK_M), cdiv(N, BLOCK_N)): c[slot, n] = a[row] . w[e, n] for the
+    slots of expert e's run, row = slot // TOP_K if A_BY_TOKEN else slot, times scale[slot] if SCALE."""
+    e = tl.program_id(0)
+    m_tile = tl.program_id(1)
+    first = tl.load(first_ptr + e)
+    count = tl.load(count_ptr + e)
+    if m_tile * BLOCK_M < count:
+        idx = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        rmask = idx < count
+        slots = tl.load(order_ptr + first + idx, mask=rmask, other=0)
+        rows = slots // TOP_K if A_BY_TOKEN else slots
+        cols = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < N
+        w_base = w_ptr + e.to(tl.int64) * w_stride_e
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            kmask = ks < K
+            at = tl.load(a_ptr + rows[:, None] * a_stride + ks[None, :], mask=rmask[:, None] & kmask[None, :],
+                         other=0.0)  # fmt: skip
+            wt = tl.load(w_base + cols[None, :] * w_stride_n + ks[:, None], mask=kmask[:, None] & cmask[None, :],
+                         other=0.0)  # fmt: skip
+            acc += tl.dot(at, wt, input_precision="ieee")
+        if SCALE:
+            acc = acc * tl.load(scale_ptr + slots, mask=rmask, other=0.0)[:, None]
+        out = c_ptr + slots[:, None] * c_stride + cols[None, :]
+        tl.store(out, acc.to(c_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+
+
+def _grouped_gemm(a, w, order, first, count, slots, scale=None, top_k=1, by_token=False) -> torch.Tensor:
+    experts, n, k = w.shape
+    out = torch.empty((slots, n), dtype=a.dtype, device=a.device)
+    grid = (experts, triton.cdiv(slots, BLOCK_M), triton.cdiv(n, BLOCK_N))
+    moe_gemm_kernel[grid](
+        a, w, out, order, first, count, out if scale is None else scale, a.stride(0), w.stride(0), w.stride(1),
+        out.stride(0), n, k, top_k, A_BY_TOKEN=by_token, SCALE=scale is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        BLOCK_K=BLOCK_K,
+    )  # fmt: skip
+    return out
+
+
+def fused_experts(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    from kiln_cuda.ops import silu_and_mul
+
+    tokens, top_k = ids.shape
+    flat = ids.reshape(-1)
+    scale = torch.where(flat < 0, 0.0, weights.reshape(-1)).float().contiguous()
+    flat = flat.clamp(min=0)
+    order = torch.argsort(flat, stable=True)
+    expert_ids = torch.arange(w13.shape[0], device=x.device, dtype=flat.dtype)
+    ranked = flat[order]
+    first = torch.searchsorted(ranked, expert_ids)
+    count = torch.searchsorted(ranked, expert_ids, right=True) - first
+    x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
+    h = silu_and_mul(_grouped_gemm(x, w13, order, first, count, tokens * top_k, top_k=top_k, by_token=True))
+    y = _grouped_gemm(h, w2, order, first, count, tokens * top_k, scale=scale)
+    return y.view(tokens, top_k, -1).sum(dim=1)
