@@ -41,6 +41,7 @@ bench: setup
 	$(PY) bench/lora.py
 	$(PY) bench/beam_search.py
 	$(PY) bench/spec_decode.py
+	$(PY) bench/moe.py
 
 lint: setup
 	$(VENV)/bin/ruff check .

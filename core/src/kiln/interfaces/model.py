@@ -134,14 +134,22 @@ def fused_experts(
     each of its slots j with ``ids[t, j] = e >= 0``, ``weights[t, j] * w2[e] @ silu_and_mul(w13[e] @ x[t])``.
     ``w13`` is (experts, 2 * intermediate, hidden), gate rows then up rows; ``w2`` is
     (experts, hidden, intermediate). An id of -1 is an expert another rank holds (expert
-    parallelism): it adds nothing here. Experts are added in ascending order, as transformers does."""
+    parallelism): it adds nothing here."""
+    return route_to_experts(x, weights, ids, lambda e, rows: F.linear(silu_and_mul(F.linear(rows, w13[e])), w2[e]))
+
+
+def route_to_experts(
+    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, expert: Callable[[int, torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    """``fused_experts`` with each expert's MLP given as ``expert(e, rows of x) -> rows``: one
+    call per expert the step's tokens chose, in ascending order as transformers adds them (a
+    platform passes its own matmuls)."""
     out = torch.zeros_like(x)
     for e in ids.unique().tolist():
         if e < 0:
             continue
         token, slot = (ids == e).nonzero(as_tuple=True)
-        h = F.linear(silu_and_mul(F.linear(x[token], w13[e])), w2[e])
-        out.index_add_(0, token, (h * weights[token, slot, None]).to(x.dtype))
+        out.index_add_(0, token, (expert(e, x[token]) * weights[token, slot, None]).to(x.dtype))
     return out
 
 

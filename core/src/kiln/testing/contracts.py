@@ -588,7 +588,6 @@ class OpsContract:
         x = self._random(gen, num_tokens, 2 * intermediate_size, dtype=dtype, scale=4.0)
         self._check(name, (x,), dtype)
 
-
     @pytest.mark.parametrize("renormalize", [True, False])
     def test_moe_route(self, dtype, num_tokens, moe_shape, renormalize):
         experts, top_k, _, _ = moe_shape

@@ -17,6 +17,7 @@ from kiln.interfaces import lora as lora_reference
 from kiln.interfaces import model as reference
 from kiln.interfaces.lora import LoRAMapping
 from kiln_cpu import native
+from kiln_cpu.experts import PackedExperts
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
@@ -120,6 +121,16 @@ def add_lora(
     return y
 
 
+def fused_experts(
+    x: torch.Tensor, w13: torch.Tensor | PackedExperts, w2: torch.Tensor | PackedExperts, weights, ids
+) -> torch.Tensor:
+    """``kiln.interfaces.model.fused_experts`` through the matmul kernels of the experts' packed
+    form (``kiln_cpu.experts``), else the reference."""
+    if not isinstance(w13, PackedExperts):
+        return reference.fused_experts(x, w13, w2, weights, ids)
+    return reference.route_to_experts(x, weights, ids, lambda e, rows: w2(e, silu_and_mul(w13(e, rows))))
+
+
 def fused_ops() -> dict[str, Callable]:
     """The overrides, when the C kernels are built (``KILN_CPU_NATIVE=0`` turns them off)."""
     if native.load_kernels() is None:
@@ -130,4 +141,5 @@ def fused_ops() -> dict[str, Callable]:
         "rotary_embedding": rotary_embedding,
         "silu_and_mul": silu_and_mul,
         "add_lora": add_lora,
+        "fused_experts": fused_experts,
     }

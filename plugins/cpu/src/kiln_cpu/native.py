@@ -24,7 +24,10 @@ import torch
 logger = logging.getLogger("kiln.cpu")
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / n for n in ("paged_attention.c", "fused_ops.c", "tiled_linear.c", "int8_linear.c", "decode_layer.c", "lora.c")]
+SOURCES = [
+    CSRC / n
+    for n in ("paged_attention.c", "fused_ops.c", "tiled_linear.c", "int8_linear.c", "decode_layer.c", "lora.c")
+]
 FLAGS = ["-O3", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c11", f"-I{CSRC}"]
 
 

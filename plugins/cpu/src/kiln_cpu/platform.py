@@ -123,6 +123,7 @@ class CpuPlatform(Platform):
         return "cpu"
 
     def process_weights(self, model: torch.nn.Module, config) -> None:
+        from kiln_cpu.experts import use_packed_experts
         from kiln_cpu.fused_decode import use_fused_decode
         from kiln_cpu.packed_linear import PackedLinear, prepacking_works
         from kiln_cpu.tiled_weights import use_tiled_weights
@@ -137,6 +138,9 @@ class CpuPlatform(Platform):
                 "%d weights tiled for the CPU matmul kernel, %d of them in GGUF blocks%s",
                 swapped, gguf, " (int8 activations)" if int8 and gguf else "",
             )  # fmt: skip
+        experts = use_packed_experts(model)
+        if experts:
+            logger.info("the experts of %d mixture-of-experts layers packed for the CPU matmul kernels", experts)
         if prepacking_works():
             replace_linears(model, {torch.bfloat16: PackedLinear})
         fused = use_fused_decode(model)

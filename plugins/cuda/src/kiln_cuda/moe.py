@@ -10,7 +10,7 @@ of one expert's rows by that expert's weights::
 
 Everything is computed on the device with shapes fixed by the step (no host sync: the grid is
 ``experts x cdiv(tokens * k, BLOCK_M)`` and programs past their expert's run return at once), so a
-CUDA graph holds it. Another rank's expert (id -1) becomes expert 0 with weight 0.
+CUDA graph holds it. ``kiln_cuda.ops.fused_experts`` puts the pieces together.
 """
 
 from __future__ import annotations
@@ -58,7 +58,28 @@ def moe_gemm_kernel(
         tl.store(out, acc.to(c_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
 
 
-def _grouped_gemm(a, w, order, first, count, slots, scale=None, top_k=1, by_token=False) -> torch.Tensor:
+def expert_runs(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The slots ``t * k + j`` of ``ids`` (-1 counted as expert 0) sorted by expert, and where each
+    expert's run starts in that order and how long it is: (order, first, count)."""
+    flat = ids.reshape(-1).clamp(min=0)
+    order = torch.argsort(flat, stable=True)
+    ranked, experts = flat[order], torch.arange(num_experts, device=ids.device, dtype=flat.dtype)
+    first = torch.searchsorted(ranked, experts)
+    return order, first, torch.searchsorted(ranked, experts, right=True) - first
+
+
+def grouped_gemm(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    runs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    slots: int,
+    scale: torch.Tensor | None = None,
+    top_k: int = 1,
+    by_token: bool = False,
+) -> torch.Tensor:
+    """(slots, N): each slot's row of ``a`` (its token's, ``slot // top_k``, if ``by_token``) times
+    its expert's (N, K) weight of ``w``, times ``scale[slot]`` if given."""
+    order, first, count = runs
     experts, n, k = w.shape
     out = torch.empty((slots, n), dtype=a.dtype, device=a.device)
     grid = (experts, triton.cdiv(slots, BLOCK_M), triton.cdiv(n, BLOCK_N))
@@ -68,23 +89,3 @@ def _grouped_gemm(a, w, order, first, count, slots, scale=None, top_k=1, by_toke
         BLOCK_K=BLOCK_K,
     )  # fmt: skip
     return out
-
-
-def fused_experts(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
-) -> torch.Tensor:
-    from kiln_cuda.ops import silu_and_mul
-
-    tokens, top_k = ids.shape
-    flat = ids.reshape(-1)
-    scale = torch.where(flat < 0, 0.0, weights.reshape(-1)).float().contiguous()
-    flat = flat.clamp(min=0)
-    order = torch.argsort(flat, stable=True)
-    expert_ids = torch.arange(w13.shape[0], device=x.device, dtype=flat.dtype)
-    ranked = flat[order]
-    first = torch.searchsorted(ranked, expert_ids)
-    count = torch.searchsorted(ranked, expert_ids, right=True) - first
-    x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
-    h = silu_and_mul(_grouped_gemm(x, w13, order, first, count, tokens * top_k, top_k=top_k, by_token=True))
-    y = _grouped_gemm(h, w2, order, first, count, tokens * top_k, scale=scale)
-    return y.view(tokens, top_k, -1).sum(dim=1)

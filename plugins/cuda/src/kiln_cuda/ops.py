@@ -9,7 +9,7 @@ import triton
 
 from kiln_cuda import kernels
 from kiln_cuda.lora import add_lora
-from kiln_cuda.moe import fused_experts
+from kiln_cuda.moe import expert_runs, grouped_gemm
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -63,6 +63,19 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if x2.shape[0]:
         kernels.silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](x2, out, d, BLOCK=block)
     return out.view(*x.shape[:-1], d)
+
+
+def fused_experts(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """Through ``kiln_cuda.moe``'s grouped GEMM; another rank's expert (id -1) gets weight 0."""
+    tokens, top_k = ids.shape
+    runs = expert_runs(ids, w13.shape[0])
+    scale = torch.where(ids < 0, 0.0, weights).reshape(-1).float().contiguous()
+    x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
+    h = silu_and_mul(grouped_gemm(x, w13, runs, tokens * top_k, top_k=top_k, by_token=True))
+    y = grouped_gemm(h, w2, runs, tokens * top_k, scale=scale)
+    return y.view(tokens, top_k, -1).sum(dim=1)
 
 
 def fused_ops() -> dict[str, Callable]:
