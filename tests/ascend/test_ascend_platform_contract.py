@@ -9,8 +9,9 @@ import pytest
 import torch
 from tests.ascend import fake_torch_npu, fake_torchair  # noqa: I001
 
-from kiln.testing.contracts import OpsContract, PlatformContract
+from kiln.testing.contracts import PlatformContract
 from kiln.testing.lora_contract import LoRAOpsContract
+from kiln.testing.ops_contract import OpsContract
 from kiln_ascend import ops, plugin
 from kiln_ascend.platform import NpuPlatform
 from kiln_cpu.platform import CpuPlatform

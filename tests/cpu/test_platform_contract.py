@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from kiln.testing.contracts import OpsContract, PlatformContract
+from kiln.testing.contracts import PlatformContract
 from kiln.testing.lora_contract import LoRAOpsContract
+from kiln.testing.ops_contract import OpsContract
 from kiln_cpu import native, plugin
 from kiln_cpu.platform import CpuPlatform
 
@@ -44,5 +45,5 @@ class TestCpuLoRAContract(LoRAOpsContract):
 def test_the_ops_contract_runs_the_c_kernels():
     """Without the C kernels (no compiler) custom_ops is empty and the ops contract skips everything."""
     assert native.load_kernels() is not None and set(TestCpuOpsContract.ops) == {
-        "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "add_lora"
+        "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "add_lora", "fused_experts"
     }  # fmt: skip

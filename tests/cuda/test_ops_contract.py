@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from kiln.testing.contracts import OpsContract
 from kiln.testing.lora_contract import LoRAOpsContract
+from kiln.testing.ops_contract import OpsContract
 from kiln_cuda import ops
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

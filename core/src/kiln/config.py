@@ -75,6 +75,11 @@ class EngineConfig(SpeculativeFlags):
         description="awq, gptq, compressed-tensors, smoothquant (w8a8), weight_only_int8, gguf or none; "
         "auto-detected from the checkpoint's quantization_config (gguf for a .gguf file; none there: exact fp32)",
     )
+    model_impl: Literal["auto", "kiln", "vllm", "transformers"] = Field(
+        "auto",
+        description="'auto'/'kiln' (vLLM's 'vllm'): Kiln's own model classes; 'transformers': any decoder "
+        "transformers runs, through Kiln's scheduler, KV cache and attention (slower; one rank, unquantized)",
+    )
     trust_remote_code: bool = False
     revision: str | None = Field(None, description="the Hub revision (branch, tag or commit) of a repo-id model")
     tokenizer_revision: str | None = Field(None, description="the Hub revision of a repo-id --tokenizer")

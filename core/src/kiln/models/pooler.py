@@ -80,9 +80,14 @@ def setup_pooling(config: EngineConfig, hf_config: Any, registry: Registry, mode
     """
     archs = list(getattr(hf_config, "architectures", None) or [])
     arch = next((a for a in archs if a in registry.models), None)
-    if arch is None:
+    if config.model_impl == "transformers":
+        from kiln.models.transformers_backend import TransformersForCausalLM as model_cls
+
+        arch = archs[0] if archs else hf_config.model_type
+    elif arch is None:
         return None  # building the model says which architectures are supported
-    model_cls = load_ref(registry.models[arch])
+    else:
+        model_cls = load_ref(registry.models[arch])
     config.task = resolve_task(config, arch, model_cls, hf_config)
     if config.task == "generate":
         return None

@@ -52,6 +52,9 @@ TINY_CONFIGS: dict[str, dict] = {
         moe_intermediate_size=32,
         norm_topk_prob=False,
     ),
+    # Architectures Kiln has no class for, served by --model-impl transformers.
+    "gpt2": dict(num_attention_heads=4),
+    "opt": dict(num_attention_heads=4, ffn_dim=128, word_embed_proj_dim=64),
 }
 TIED = ("qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")  # families whose checkpoints tie the head
 

@@ -103,12 +103,16 @@ def build_model(
     archs = list(getattr(hf_config, "architectures", None) or [])
     models = registry.models
     arch = next((a for a in archs if a in models), None)
-    if arch is None:
+    if config.model_impl == "transformers":
+        from kiln.models.transformers_backend import TransformersForCausalLM as cls
+    elif arch is None:
         raise ValueError(
             f"model: architecture {archs or hf_config.model_type!r} is not supported; "
-            f"supported: {', '.join(sorted(models))}"
+            f"supported: {', '.join(sorted(models))}. --model-impl transformers serves any decoder that "
+            "transformers runs (slower)"
         )
-    cls = load_ref(models[arch])
+    else:
+        cls = load_ref(models[arch])
     quant, method = resolve_quantization(config, platform, hf_config, tp)
     ops = resolve_ops(platform.custom_ops())
     torch.manual_seed(config.seed)  # dummy weights: the same on every rank and every run
