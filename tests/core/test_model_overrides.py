@@ -66,8 +66,35 @@ def test_bad_values_are_named(kwargs, message):
 
 
 def test_an_unsupported_rope_type_says_which_are(tiny_model_dir):
-    with pytest.raises(ValueError, match="rope type 'dynamic' is not supported yet .* yarn"):
-        LLM(tiny_model_dir("llama"), rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    with pytest.raises(ValueError, match="rope type 'ntk_mixed' is not supported .*dynamic.* yarn"):
+        LLM(tiny_model_dir("llama"), rope_scaling={"rope_type": "ntk_mixed", "factor": 2.0})
+
+
+DYNAMIC = {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}
+
+
+def test_dynamic_ntk_matches_transformers_within_the_trained_context(tiny_model_dir, varied_prompts):
+    """Within its trained 2048 positions transformers' dynamic NTK rope is the plain one; so is Kiln's
+    when it serves no more (--max-model-len 512)."""
+    path = tiny_model_dir("llama", rope_parameters=DYNAMIC)
+    assert greedy(path, varied_prompts) == hf_greedy(path, varied_prompts, NEW_TOKENS)
+
+
+def test_dynamic_ntk_beyond_the_trained_context_takes_the_served_length(tiny_model_dir):
+    """Serving 4096 positions of a model trained on 2048, the table is transformers' dynamic rope for
+    a 4096-token sequence, and the context limit is 4x the trained one, as vLLM counts it."""
+    import torch
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from kiln.models.rope import context_limit, cos_sin_cache
+
+    cfg = AutoConfig.from_pretrained(tiny_model_dir("llama", rope_parameters=DYNAMIC))
+    inv_freq, _ = ROPE_INIT_FUNCTIONS["dynamic"](cfg, "cpu", seq_len=4096)
+    freqs = torch.outer(torch.arange(4096, dtype=torch.float64), inv_freq.double())
+    # transformers computes the frequencies in fp32: phases part by ~1e-4 at the far positions
+    torch.testing.assert_close(cos_sin_cache(64, 4096, cfg)[:, :32], freqs.cos().float(), atol=5e-4, rtol=0)
+    assert context_limit(cfg, 2048) == 8192
 
 
 def test_rope_scaling_in_the_older_spelling(tiny_model_dir, varied_prompts):

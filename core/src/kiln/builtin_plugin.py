@@ -14,6 +14,7 @@ DECODERS = {
     "GemmaForCausalLM": "gemma",
     "Gemma2ForCausalLM": "gemma",
     "Gemma3ForCausalLM": "gemma",
+    "InternLM2ForCausalLM": "internlm2",
     "MixtralForCausalLM": "moe",
     "Qwen2MoeForCausalLM": "moe",
     "Qwen3MoeForCausalLM": "moe",

@@ -56,10 +56,10 @@ def rotary_permutation(head_dim: int, rotating: int, interleaved: bool) -> list[
 
 def context_limit(hf_config, trained: int) -> int:
     """The positions a model takes: ``trained`` (its ``max_position_embeddings``), times the factor
-    of a rope scaling that stretches it (linear; YaRN from its original length), as vLLM counts."""
+    of a rope scaling that stretches it (linear, dynamic; YaRN from its original length), as vLLM counts."""
     _, scaling = rope_settings(hf_config)
     kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "linear":
+    if kind in ("linear", "dynamic"):
         return int(trained * scaling["factor"])
     if kind == "yarn" and scaling.get("factor"):
         return max(trained, int((scaling.get("original_max_position_embeddings") or trained) * scaling["factor"]))
@@ -82,6 +82,13 @@ def _inv_freq(
         return _yarn(inv_freq, head_dim, theta, scaling, max_positions)
     if kind == "longrope":
         return _longrope(inv_freq, scaling, max_positions, serving)
+    if kind == "dynamic":
+        # Dynamic NTK: transformers raises theta as a sequence outgrows the trained context, for
+        # that sequence's length. One table serves every sequence here, so it takes the length
+        # Kiln serves: equal to transformers for every sequence within the trained context.
+        longest, factor = max(serving, max_positions), scaling["factor"]
+        theta = theta * ((factor * longest / max_positions) - (factor - 1)) ** (head_dim / (head_dim - 2))
+        return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)), 1.0
     if kind == "llama3":
         factor = scaling["factor"]
         low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
@@ -92,10 +99,7 @@ def _inv_freq(
         scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
         medium = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
         return torch.where(medium, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled), 1.0
-    raise ValueError(
-        f"rope type {kind!r} is not supported yet (default, linear, llama3, longrope and yarn are); "
-        "dynamic NTK scaling changes each sequence's frequencies as it grows"
-    )
+    raise ValueError(f"rope type {kind!r} is not supported (default, linear, dynamic, llama3, longrope and yarn are)")
 
 
 def _longrope(inv_freq: torch.Tensor, scaling: dict, max_positions: int, serving: int) -> tuple[torch.Tensor, float]:
