@@ -28,6 +28,14 @@ def test_two_ranks_match_one(tiny_model_dir, cpu_plugins, varied_prompts, model_
     assert multiprocessing.active_children() == []  # shutdown stopped rank 1
 
 
+def test_ranks_loading_one_at_a_time_match_one(tiny_model_dir, cpu_plugins, varied_prompts):
+    """--max-parallel-loading-workers 1: rank 1 reads the checkpoint after rank 0 has (a barrier
+    between the waves), then both serve as usual."""
+    common = dict(model=tiny_model_dir("llama"), device="cpu", dtype="float32", max_num_batched_tokens=64)
+    split, _ = run(cpu_plugins, varied_prompts, tensor_parallel_size=2, max_parallel_loading_workers=1, **common)
+    assert split == run(cpu_plugins, varied_prompts, **common)[0]
+
+
 def test_drafts_verify_across_two_ranks(tiny_model_dir, cpu_plugins, varied_prompts):
     """Speculative decoding under tensor parallelism: rank 1 runs the same draft rows (the step's
     batch carries them) and the tokens are those of one rank without drafts."""

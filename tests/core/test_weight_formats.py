@@ -64,13 +64,15 @@ def tokens(path: str, **engine_args) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("fmt,num_shards", [("safetensors", 3), ("pt", 1), ("pt", 3)])
-def test_every_format_gives_the_same_tokens(source, tmp_path, fmt, num_shards):
+def test_every_format_gives_the_same_tokens(source, tmp_path, capfd, fmt, num_shards):
     path, expected = source
     target = tmp_path / "model"
     write_shards(target, without_weights(path, target), fmt, num_shards)
     if fmt == "pt":
         torch.save({"not": "weights"}, target / "training_args.bin")  # a training leftover is skipped
     assert tokens(str(target)) == expected  # auto finds them
+    # Several shards show a progress bar over them; one file none.
+    assert (f"Loading {fmt} shards" in capfd.readouterr().err) == (num_shards > 1)
     assert tokens(str(target), load_format=fmt) == expected
 
 

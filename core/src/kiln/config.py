@@ -57,6 +57,9 @@ class EngineConfig(SpeculativeFlags):
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     preemption_mode: Literal["recompute"] | None = None
     load_format: Literal["auto", "safetensors", "pt", "gguf", "dummy"] = "auto"
+    max_parallel_loading_workers: int | None = Field(
+        None, ge=1, description="tensor-parallel ranks that read the checkpoint at once (the others wait their turn)"
+    )
     generation_config: str | None = Field("auto", description="'auto' (the model's), 'vllm' (none) or a folder")
     max_logprobs: int = Field(20, ge=0)
     device: str = "auto"

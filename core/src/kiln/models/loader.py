@@ -254,10 +254,13 @@ SAFETENSORS_DTYPES = {
 }  # fmt: skip
 
 
-def iter_weights(path: str, load_format: str = "auto") -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) from every weight file of ``path`` (``weight_files``)."""
+def iter_weights(path: str, load_format: str = "auto", progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) from every weight file of ``path`` (``weight_files``); with
+    ``progress``, a bar over the files when there are several (shards)."""
+    from tqdm.auto import tqdm
+
     fmt, files = weight_files(path, load_format)
-    for file in files:
+    for file in tqdm(files, desc=f"Loading {fmt} shards", unit="shard", disable=not progress or len(files) < 2):
         yield from _read_safetensors(file) if fmt == "safetensors" else _read_pt(file)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 import torch
@@ -90,6 +91,18 @@ def build_backend(
     )
 
 
+def in_turn(workers: int | None, tp: TensorParallel, load: Callable[[], None]) -> None:
+    """Run ``load`` on this rank in its turn: ranks go in waves of ``workers``
+    (``--max-parallel-loading-workers``), each wave after the one before has finished."""
+    if not workers or tp.size <= workers:
+        load()
+        return
+    for wave in range(-(-tp.size // workers)):
+        if wave == tp.rank // workers:
+            load()
+        torch.distributed.barrier()
+
+
 def build_model(
     config: EngineConfig,
     registry: Registry,
@@ -127,8 +140,12 @@ def build_model(
         torch.set_default_dtype(default_dtype)
     if config.load_format != "dummy":
         fmt = "auto" if config.load_format == "gguf" else config.load_format  # a GGUF file was converted
-        weights = iter_weights(model_path, fmt)
-        model.load_weights(weights if quant is None else canonical_weights(weights, quant))
+        weights = iter_weights(model_path, fmt, progress=tp.rank == 0)
+        in_turn(
+            config.max_parallel_loading_workers,
+            tp,
+            lambda: model.load_weights(weights if quant is None else canonical_weights(weights, quant)),
+        )
     model.eval()
     if quant is not None:
         layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
