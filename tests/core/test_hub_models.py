@@ -78,3 +78,27 @@ def test_tokenizer_revision_and_code_revision(hub, tiny_model_dir):
     with pytest.raises(ValueError, match="--code-revision: remote code runs from the model's --revision snapshot"):
         EngineConfig.create(model=REPO, revision="v1", code_revision="main")
     EngineConfig.create(model=REPO, revision="v1", code_revision="v1")  # the same one: fine
+
+
+@pytest.fixture(scope="module")
+def modelscope_cache(tmp_path_factory, tiny_model_dir):
+    """A cache laid out as ModelScope's client lays it out: REPO at "master" and at "v1"."""
+    cache = tmp_path_factory.mktemp("modelscope")
+    repo = cache / "models" / REPO.replace("/", "--")
+    shutil.copytree(tiny_model_dir("llama"), repo / "snapshots" / "master")
+    shutil.copytree(tiny_model_dir("llama", seed=1), repo / "snapshots" / "v1")
+    return str(cache)
+
+
+def test_modelscope_serves_its_cached_snapshot(monkeypatch, modelscope_cache, tiny_model_dir):
+    """KILN_USE_MODELSCOPE=true: repo ids resolve through ModelScope's client and cache instead."""
+    monkeypatch.setenv("KILN_USE_MODELSCOPE", "true")
+    monkeypatch.setenv("MODELSCOPE_CACHE", modelscope_cache)
+    llm = LLM(REPO, dtype="float32")
+    assert llm.engine.model_info.path.endswith("master")
+    assert tokens(llm) == tokens(LLM(tiny_model_dir("llama"), dtype="float32"))
+    assert LLM(REPO, revision="v1", download_dir=modelscope_cache).engine.model_info.path.endswith("v1")
+    with pytest.raises(
+        ValueError, match=r"'kiln-test/tiny-llama' .* ModelScope cache .* revision 'v9'.*HF_HUB_OFFLINE"
+    ):
+        LLM(REPO, revision="v9")

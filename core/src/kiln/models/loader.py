@@ -3,7 +3,10 @@ dummy weights.
 
 A repo id (``org/name``) that is not a local path resolves through ``huggingface_hub`` to a
 snapshot folder in its cache (``--download-dir``, else ``HF_HUB_CACHE``), downloading what is
-missing unless ``HF_HUB_OFFLINE`` is set; the token comes from the usual environment.
+missing unless ``HF_HUB_OFFLINE`` is set; the token comes from the usual environment. With
+``KILN_USE_MODELSCOPE=true`` (the usual source on Ascend clusters in China) it resolves through
+ModelScope's client and cache instead (``--download-dir``, else ``MODELSCOPE_CACHE``), offline
+under ``HF_HUB_OFFLINE`` too.
 
 A folder's weights (``weight_files``) are ``*.safetensors`` or PyTorch ``*.bin`` files
 (``--load-format safetensors|pt``; ``auto`` prefers safetensors), sharded or not: where an
@@ -123,7 +126,9 @@ def hub_snapshot(repo_id: str, revision: str | None, download_dir: str | None, f
     ``ValueError`` (naming ``flag``) says what was looked for and where."""
     from huggingface_hub import HfApi, constants, snapshot_download
 
-    offline = constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    offline = constants.HF_HUB_OFFLINE or _flag_set("HF_HUB_OFFLINE")
+    if _flag_set("KILN_USE_MODELSCOPE"):
+        return modelscope_snapshot(repo_id, revision, download_dir, offline, flag)
     cache = download_dir or constants.HF_HUB_CACHE
     try:
         if offline:  # the cached snapshot as it is
@@ -139,6 +144,34 @@ def hub_snapshot(repo_id: str, revision: str | None, download_dir: str | None, f
             f"{flag}: {repo_id!r} is not a local folder or file, and the Hugging Face cache {cache!r} has no "
             f"snapshot of it at revision {revision or 'main'!r}; {how}"
         ) from None
+
+
+def modelscope_snapshot(repo_id: str, revision: str | None, download_dir: str | None, offline: bool, flag: str) -> str:
+    """``hub_snapshot`` through ModelScope's client and cache (its default revision: master)."""
+    try:
+        from modelscope import snapshot_download
+        from modelscope.hub.api import HubApi
+    except ImportError:
+        raise ValueError(
+            f"{flag}: KILN_USE_MODELSCOPE is set but modelscope is not installed (pip install modelscope)"
+        ) from None
+    cache = download_dir or os.environ.get("MODELSCOPE_CACHE") or str(Path.home() / ".cache" / "modelscope" / "hub")
+    try:
+        if offline:
+            return snapshot_download(repo_id, revision=revision, cache_dir=cache, local_files_only=True)
+        files = [f["Path"] for f in HubApi().get_model_files(repo_id, revision=revision or "master", recursive=True)]
+        weights = "*.safetensors" if any(f.endswith(".safetensors") for f in files) else "*.bin"  # not both
+        return snapshot_download(repo_id, revision=revision, cache_dir=cache, allow_patterns=[*HUB_FILES, weights])
+    except Exception as exc:  # noqa: BLE001 (as for the Hugging Face Hub)
+        how = "HF_HUB_OFFLINE is set, so nothing was downloaded" if offline else f"the download failed ({exc})"
+        raise ValueError(
+            f"{flag}: {repo_id!r} is not a local folder or file, and the ModelScope cache {cache!r} has no "
+            f"snapshot of it at revision {revision or 'master'!r}; {how}"
+        ) from None
+
+
+def _flag_set(name: str) -> bool:
+    return os.environ.get(name, "").lower() in ("1", "true", "yes", "on")
 
 
 # Per format: the index file naming the shards, and the pattern of the weight files without one.
