@@ -116,10 +116,11 @@ def test_engine_through_triton_kernels_matches_the_cpu_plugin(tiny_model_dir, ki
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the interpreter path on CPU")
-@pytest.mark.parametrize("model_type", ["glm4", "gemma3_text", "qwen2_moe"])
+@pytest.mark.parametrize("model_type", ["glm4", "gemma3_text", "qwen2_moe", "deepseek_v2"])
 def test_model_families_through_triton_kernels_match_the_cpu_plugin(tiny_model_dir, kiln_plugins, model_type):
-    """GLM-4's reordered partial rotary, Gemma 3's windowed layer, q/k norms and two ropes, and
-    Qwen2-MoE's experts through the grouped-GEMM kernel, on the Triton kernels
+    """GLM-4's reordered partial rotary, Gemma 3's windowed layer, q/k norms and two ropes,
+    Qwen2-MoE's experts through the grouped-GEMM kernel and DeepSeek-V2's latent attention, on the
+    Triton kernels
     (tests/core/test_dense_families.py and test_moe.py match the CPU plugin to transformers)."""
     import kiln_cpu.plugin
     import kiln_cuda.plugin

@@ -130,7 +130,7 @@ class LlamaDecoderLayer(nn.Module):
         sliding_window: int | None = None,
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_idx, ops, backend, tp, quant, sliding_window)
+        self.self_attn = self.make_attention(cfg, layer_idx, ops, backend, tp, quant, sliding_window)
         self.mlp = self.make_mlp(cfg, layer_idx, ops, tp, quant)
         # q/k norms, all-reduces and subclasses' own forwards are not part of the layout's promise
         own = type(self).forward is LlamaDecoderLayer.forward and type(self.self_attn).forward is LlamaAttention.forward
@@ -139,6 +139,10 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.ops = ops
+
+    def make_attention(self, cfg, layer_idx, ops, backend, tp, quant, sliding_window) -> nn.Module:
+        """The layer's attention (DeepSeek's latent attention: ``kiln.models.deepseek``)."""
+        return LlamaAttention(cfg, layer_idx, ops, backend, tp, quant, sliding_window)
 
     def make_mlp(self, cfg, layer_idx: int, ops, tp: TensorParallel, quant: QuantConfig | None) -> nn.Module:
         """The layer's MLP (mixtures of experts give some layers theirs: ``kiln.models.moe``)."""
@@ -196,6 +200,14 @@ class LlamaForCausalLM(nn.Module):
     interleaved_rotary = False  # rotation pairs are adjacent dimensions (GLM), not halves
     scaled_embeddings = False  # embeddings times sqrt(hidden_size) (Gemma)
     supports_quantization = True
+    # A checkpoint projection -> (the merged matmul it joins, the projections that matmul stacks).
+    merged_projections = {
+        "q_proj": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
+        "k_proj": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
+        "v_proj": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
+        "gate_proj": ("gate_up_proj", ("gate_proj", "up_proj")),
+        "up_proj": ("gate_up_proj", ("gate_proj", "up_proj")),
+    }
 
     def __init__(
         self,
@@ -273,13 +285,7 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         pending: dict[str, dict[str, torch.Tensor]] = {}
         loaded: set[str] = set()
-        merges = {
-            "q_proj": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
-            "k_proj": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
-            "v_proj": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
-            "gate_proj": ("gate_up_proj", ("gate_proj", "up_proj")),
-            "up_proj": ("gate_up_proj", ("gate_proj", "up_proj")),
-        }
+        merges = self.merged_projections
         for name, tensor in self.checkpoint_tensors(weights):
             name = name.removeprefix("model.")
             if "rotary_emb" in name or (name == "lm_head.weight" and self.tie_word_embeddings):

@@ -54,8 +54,13 @@ class FusedMoE(nn.Module):
         self.ops, self.tp = ops, tp
         self._pending = {"w13": 2 * self.num_local, "w2": self.num_local}  # expert tensors still to load
 
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's experts and their weights (tokens, top_k); families with another rule
+        (DeepSeek's grouped top-k) override it."""
+        return self.ops.moe_route(self.gate(x), self.top_k, self.renormalize)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.ops.moe_route(self.gate(x), self.top_k, self.renormalize)
+        weights, ids = self.route(x)
         if self.num_local < self.num_experts:  # expert parallelism: -1 for another rank's experts
             local = ids - self.first
             ids = torch.where((local >= 0) & (local < self.num_local), local, -1)

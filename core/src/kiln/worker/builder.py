@@ -57,12 +57,16 @@ def build_backend(
     config: EngineConfig, registry: Registry, platform: Platform, hf_config, dtype: torch.dtype, tp: TensorParallel
 ) -> AttentionBackend:
     """The chosen (or the platform's) attention backend for this rank's heads, else ``torch_ref``."""
+    from kiln.models.deepseek import latent_dims
     from kiln.models.llama import head_dim_of
 
-    head_dim = head_dim_of(hf_config)
-    heads = tp.shard(hf_config.num_attention_heads, "attention heads")
-    # Encoder configs (BERT) have no num_key_value_heads: every head has its own K/V.
-    kv_heads = tp.shard(getattr(hf_config, "num_key_value_heads", hf_config.num_attention_heads), "key/value heads")
+    if getattr(hf_config, "kv_lora_rank", None):  # multi-head latent attention: one latent K/V head
+        heads, kv_heads, head_dim = latent_dims(hf_config, tp)
+    else:
+        head_dim = head_dim_of(hf_config)
+        heads = tp.shard(hf_config.num_attention_heads, "attention heads")
+        # Encoder configs (BERT) have no num_key_value_heads: every head has its own K/V.
+        kv_heads = tp.shard(getattr(hf_config, "num_key_value_heads", hf_config.num_attention_heads), "key/value heads")
     cache_dtype = KV_CACHE_DTYPES.get(config.kv_cache_dtype, dtype)
     backends = registry.attention_backends
     chosen = config.attention_backend
