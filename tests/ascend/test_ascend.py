@@ -344,7 +344,7 @@ def test_sliding_window_on_the_ascend_path(tiny_model_dir, npu_plugins, eager):
 
 
 @pytest.mark.parametrize("eager", [False, True], ids=["graph", "eager"])
-@pytest.mark.parametrize("model_type", ["glm4", "gemma3_text"])
+@pytest.mark.parametrize("model_type", ["phi3", "glm", "glm4", "gemma", "gemma3_text"])
 def test_dense_families_on_the_ascend_path(tiny_model_dir, npu_plugins, model_type, eager):
     """GLM-4 (half of each head rotating in adjacent pairs, reordered at load for the rotary op;
     q/k/v biases; norms after each sublayer) and Gemma 3 (GeGLU, q/k norms, an 8-token window on
@@ -362,7 +362,7 @@ def test_dense_families_on_the_ascend_path(tiny_model_dir, npu_plugins, model_ty
 
 
 @pytest.mark.parametrize("eager", [False, True], ids=["graph", "eager"])
-@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe", "deepseek_v3"])
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3"])
 def test_moe_on_the_ascend_path(tiny_model_dir, npu_plugins, model_type, eager):
     """Mixtures of experts through torch_npu's routing and grouped-matmul ops (one fixed-shape
     chain, so decode graphs hold it) give the CPU plugin's tokens (which tests/core/test_moe.py and

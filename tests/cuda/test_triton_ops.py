@@ -116,7 +116,9 @@ def test_engine_through_triton_kernels_matches_the_cpu_plugin(tiny_model_dir, ki
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the interpreter path on CPU")
-@pytest.mark.parametrize("model_type", ["glm4", "gemma3_text", "qwen2_moe", "deepseek_v2"])
+@pytest.mark.parametrize(
+    "model_type", ["phi3", "glm", "glm4", "gemma", "gemma3_text", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2"]
+)
 def test_model_families_through_triton_kernels_match_the_cpu_plugin(tiny_model_dir, kiln_plugins, model_type):
     """GLM-4's reordered partial rotary, Gemma 3's windowed layer, q/k norms and two ropes,
     Qwen2-MoE's experts through the grouped-GEMM kernel and DeepSeek-V2's latent attention, on the
