@@ -143,13 +143,19 @@ def route_to_experts(
 ) -> torch.Tensor:
     """``fused_experts`` with each expert's MLP given as ``expert(e, rows of x) -> rows``: one
     call per expert the step's tokens chose, in ascending order as transformers adds them (a
-    platform passes its own matmuls)."""
+    platform passes its own matmuls). The (token, slot) pairs are sorted by expert once."""
     out = torch.zeros_like(x)
-    for e in ids.unique().tolist():
-        if e < 0:
-            continue
-        token, slot = (ids == e).nonzero(as_tuple=True)
-        out.index_add_(0, token, (expert(e, x[token]) * weights[token, slot, None]).to(x.dtype))
+    flat, top_k = ids.reshape(-1), ids.shape[-1]
+    order = torch.argsort(flat, stable=True)  # within an expert, its tokens in ascending order
+    counts = torch.bincount(flat + 1, minlength=1).tolist()  # bucket 0: another rank's experts (-1)
+    start = counts[0]
+    for e, count in enumerate(counts[1:]):
+        if count:
+            pairs = order[start : start + count]
+            token = pairs // top_k
+            h = expert(e, x[token]) * weights.reshape(-1)[pairs, None]
+            out.index_add_(0, token, h.to(x.dtype))
+            start += count
     return out
 
 
