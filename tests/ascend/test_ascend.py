@@ -361,6 +361,15 @@ def test_dense_families_on_the_ascend_path(tiny_model_dir, npu_plugins, model_ty
     assert tokens == run_tracking(make_engine(npu_plugins, device="cpu", **common), prompts, max_tokens=16)[0]
 
 
+def test_gemma2_refuses_a_backend_without_soft_caps(tiny_model_dir, npu_plugins):
+    """No Ascend attention op soft-caps scores: Gemma 2 says so at start-up, naming a backend that can."""
+    from kiln.testing.engine import make_engine
+
+    model = tiny_model_dir("gemma2", attn_logit_softcapping=3.0, final_logit_softcapping=5.0)
+    with pytest.raises(ValueError, match=r"soft-caps its attention scores at 3.0.*--attention-backend torch_ref"):
+        make_engine(npu_plugins, model=model, device="npu_emulated", dtype="float32")
+
+
 @pytest.mark.parametrize("eager", [False, True], ids=["graph", "eager"])
 @pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3"])
 def test_moe_on_the_ascend_path(tiny_model_dir, npu_plugins, model_type, eager):

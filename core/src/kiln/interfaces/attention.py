@@ -256,6 +256,11 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slo
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+    if not kv_cache.is_contiguous():  # another layout's reference view: write through its indices
+        bs = kv_cache.shape[2]
+        blocks, offsets = slot_mapping // bs, slot_mapping % bs
+        kv_cache[0, blocks, offsets], kv_cache[1, blocks, offsets] = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
+        return
     flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])
     flat[0].index_copy_(0, slot_mapping, k)
     flat[1].index_copy_(0, slot_mapping, v)
@@ -301,6 +306,38 @@ def attention(
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layout: BatchLayout,
+    scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+) -> torch.Tensor:
+    """The reference computation of ``AttentionBackend.forward`` (the ``torch_ref`` backend's),
+    one request at a time, on a cache in the reference layout (a backend passes its
+    ``reference_view``): writes the step's K/V, then attends each request's queries to its keys."""
+    write_kv_cache(k, v, kv_cache, layout.slot_mapping)
+    out = torch.zeros_like(q)
+    bs = layout.block_size
+    starts = layout.query_start_loc.tolist()
+    for i, seq_len in enumerate(layout.seq_lens_cpu):
+        q_start, q_end = starts[i], starts[i + 1]
+        context = seq_len - (q_end - q_start)
+        key, value = gather_kv(kv_cache, layout.block_table[i, : -(-seq_len // bs)].long(), seq_len)
+        key, value = key.to(q.dtype), value.to(q.dtype)  # a narrower cache (--kv-cache-dtype) widens back
+        # Query j (position context + j) sees keys 0..context + j (the last w of them with a window).
+        q_pos = torch.arange(context, seq_len, device=q.device)
+        mask = attend_mask(q_pos, torch.arange(seq_len, device=q.device), sliding_window)
+        o = attention(
+            q[q_start:q_end].transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), mask, scale, logit_softcap
+        )
+        out[q_start:q_end] = o.transpose(0, 1)
+    return out
 
 
 def gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:

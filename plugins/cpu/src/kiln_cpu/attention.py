@@ -30,7 +30,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kiln.interfaces.attention import AttentionBackend, BatchLayout, attend_mask, padded_rows, window_start
+from kiln.interfaces.attention import (
+    AttentionBackend,
+    BatchLayout,
+    attend_mask,
+    padded_rows,
+    paged_attention,
+    window_start,
+)
 from kiln_cpu import native
 
 
@@ -58,6 +65,7 @@ class CpuAttentionBackend(AttentionBackend):
     name = "cpu"
     cache_dtypes = (torch.bfloat16,)
     supports_sliding_window = True
+    supports_logit_softcap = True
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -85,7 +93,12 @@ class CpuAttentionBackend(AttentionBackend):
             prefills.append((starts[i], starts[i + 1], context, seq_len, blocks))
         return CpuMetadata(layout, decode_blocks, prefills)
 
-    def forward(self, q, k, v, kv_cache, metadata: CpuMetadata, *, layer_idx, scale, sliding_window=None):
+    def forward(
+        self, q, k, v, kv_cache, metadata: CpuMetadata, *, layer_idx, scale, sliding_window=None, logit_softcap=None
+    ):
+        if logit_softcap is not None:  # Gemma 2's soft-capped layers: the reference computation (no kernel has it)
+            return paged_attention(q, k, v, self.reference_view(kv_cache), metadata.layout, scale, sliding_window,
+                                   logit_softcap)  # fmt: skip
         self._write(k, v, kv_cache, metadata.layout)
         out = torch.empty_like(q)
         if metadata.decode_blocks is not None:
