@@ -12,16 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kiln import LLM, SamplingParams
-from kiln.testing.models import hf_greedy
-
-NEW_TOKENS = 16
-GREEDY = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0)
-ENGINE_VARIANTS = {
-    "default": {},
-    "chunked-prefill-tiny-budget": dict(enable_chunked_prefill=True, max_num_batched_tokens=16),
-    "forced-preemption": dict(block_size=16, num_gpu_blocks_override=13, max_model_len=160),
-}
+from kiln.testing.engine import run_and_shut_down
+from kiln.testing.models import FAMILY_TOKENS, FAMILY_VARIANTS, assert_generates, hf_greedy
 
 
 def with_score_correction(path: str) -> str:
@@ -40,32 +32,22 @@ def deepseek_reference(request, tiny_model_dir, varied_prompts):
     path = tiny_model_dir(request.param)
     if request.param == "deepseek_v3":
         path = with_score_correction(path)
-    return path, hf_greedy(path, varied_prompts, NEW_TOKENS)
+    return path, hf_greedy(path, varied_prompts, FAMILY_TOKENS)
 
 
-@pytest.mark.parametrize("variant", list(ENGINE_VARIANTS))
+@pytest.mark.parametrize("variant", list(FAMILY_VARIANTS))
 def test_deepseek_matches_transformers(deepseek_reference, varied_prompts, variant):
     path, expected = deepseek_reference
-    llm = LLM(path, **{"max_model_len": 256, "dtype": "float32", **ENGINE_VARIANTS[variant]})
-    prompts = [{"prompt_token_ids": p} for p in varied_prompts]
-    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == expected
-    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == expected  # prefix-cache hits
+    llm = assert_generates(path, varied_prompts, expected, **FAMILY_VARIANTS[variant])
     backend = llm.engine.executor.runner.backend
     assert (backend.num_kv_heads, backend.head_dim) == (1, 32 + 16)  # the cache holds one latent head
 
 
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["sliced-experts", "expert-parallel"])
 def test_two_ranks_match_one(tiny_model_dir, cpu_plugins, varied_prompts, expert_parallel):
-    from kiln.testing.engine import make_engine, run_greedy
-
     common = dict(model=tiny_model_dir("deepseek_v2"), device="cpu", dtype="float32", max_num_batched_tokens=64)
-
-    def run(**args):
-        engine = make_engine(cpu_plugins, **common, **args)
-        try:
-            return run_greedy(engine, varied_prompts), engine.executor.runner.backend.num_heads
-        finally:
-            engine.shutdown()
-
-    split, heads = run(tensor_parallel_size=2, enable_expert_parallel=expert_parallel)
-    assert heads == 2 and split == run()[0]
+    split, engine = run_and_shut_down(
+        cpu_plugins, varied_prompts, tensor_parallel_size=2, enable_expert_parallel=expert_parallel, **common
+    )
+    assert engine.executor.runner.backend.num_heads == 2  # of 4
+    assert split == run_and_shut_down(cpu_plugins, varied_prompts, **common)[0]

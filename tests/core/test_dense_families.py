@@ -8,12 +8,10 @@ from __future__ import annotations
 import pytest
 from transformers import AutoConfig
 
-from kiln import LLM, SamplingParams
+from kiln import LLM
 from kiln.models.sliding_window import sliding_windows
-from kiln.testing.models import hf_greedy
+from kiln.testing.models import FAMILY_TOKENS, FAMILY_VARIANTS, assert_generates, hf_greedy
 
-NEW_TOKENS = 16
-GREEDY = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0)
 # family -> (config overrides, engine arguments it needs)
 FAMILIES = {
     "phi3": ({}, {}),
@@ -24,12 +22,6 @@ FAMILIES = {
     "gemma2": ({}, {}),  # soft caps on scores and logits
     "gemma2-reference-attention": ({}, dict(attention_backend="torch_ref")),
     "gemma3_text": ({}, {}),  # q/k norms; sliding and full layers with ropes of their own
-}
-ENGINE_VARIANTS = {
-    "default": {},
-    "chunked-prefill-tiny-budget": dict(enable_chunked_prefill=True, max_num_batched_tokens=16),
-    # 12 usable blocks of 16 tokens for 5 prompts of up to 77 + 16 tokens: forces preemption.
-    "forced-preemption": dict(block_size=16, num_gpu_blocks_override=13, max_model_len=160),
 }
 GEMMA2_CAPS = dict(attn_logit_softcapping=3.0, final_logit_softcapping=5.0)  # low enough to bite on tiny logits
 
@@ -43,17 +35,13 @@ def model_dir(tiny_model_dir, family: str) -> str:
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family_reference(request, tiny_model_dir, varied_prompts):
     path = model_dir(tiny_model_dir, request.param)
-    return path, FAMILIES[request.param][1], hf_greedy(path, varied_prompts, NEW_TOKENS)
+    return path, FAMILIES[request.param][1], hf_greedy(path, varied_prompts, FAMILY_TOKENS)
 
 
-@pytest.mark.parametrize("variant", list(ENGINE_VARIANTS))
+@pytest.mark.parametrize("variant", list(FAMILY_VARIANTS))
 def test_families_match_transformers(family_reference, varied_prompts, variant):
     path, needs, expected = family_reference
-    llm = LLM(path, **{"max_model_len": 256, "dtype": "float32", **needs, **ENGINE_VARIANTS[variant]})
-    prompts = [{"prompt_token_ids": p} for p in varied_prompts]
-    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == expected
-    # Again on the same engine: the prompts' full blocks now come from the prefix cache.
-    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == expected
+    assert_generates(path, varied_prompts, expected, **needs, **FAMILY_VARIANTS[variant])
 
 
 @pytest.mark.parametrize("max_model_len", [48, 256], ids=["short-factors", "long-factors"])
@@ -71,9 +59,7 @@ def test_longrope_matches_transformers_within_and_beyond_the_original_context(ti
         "phi3", rope_scaling=scaling, original_max_position_embeddings=48, max_position_embeddings=256
     )
     prompts = [[7, 8, 9], list(range(300, 330))] if max_model_len == 48 else [list(range(300, 350)), [42] * 60]
-    llm = LLM(path, dtype="float32", max_model_len=max_model_len)
-    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
-    assert got == hf_greedy(path, prompts, NEW_TOKENS)
+    assert_generates(path, prompts, hf_greedy(path, prompts, FAMILY_TOKENS), max_model_len=max_model_len)
 
 
 @pytest.mark.parametrize(

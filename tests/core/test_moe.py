@@ -9,48 +9,27 @@ import multiprocessing
 
 import pytest
 
-from kiln import LLM, SamplingParams
-from kiln.testing.models import hf_greedy
-
-NEW_TOKENS = 16
-GREEDY = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0)
-ENGINE_VARIANTS = {
-    "default": {},
-    "chunked-prefill-tiny-budget": dict(enable_chunked_prefill=True, max_num_batched_tokens=16),
-    "forced-preemption": dict(block_size=16, num_gpu_blocks_override=13, max_model_len=160),
-}
+from kiln.testing.engine import run_and_shut_down
+from kiln.testing.models import FAMILY_TOKENS, FAMILY_VARIANTS, assert_generates, hf_greedy
 
 
 @pytest.fixture(scope="module", params=["mixtral", "qwen2_moe", "qwen3_moe"])
 def moe_reference(request, tiny_model_dir, varied_prompts):
     path = tiny_model_dir(request.param)
-    return path, hf_greedy(path, varied_prompts, NEW_TOKENS)
+    return path, hf_greedy(path, varied_prompts, FAMILY_TOKENS)
 
 
-@pytest.mark.parametrize("variant", list(ENGINE_VARIANTS))
+@pytest.mark.parametrize("variant", list(FAMILY_VARIANTS))
 def test_moe_models_match_transformers(moe_reference, varied_prompts, variant):
     path, expected = moe_reference
-    llm = LLM(path, **{"max_model_len": 256, "dtype": "float32", **ENGINE_VARIANTS[variant]})
-    prompts = [{"prompt_token_ids": p} for p in varied_prompts]
-    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == expected
-    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == expected  # prefix-cache hits
-
-
-def run(plugins, prompts, **engine_args):
-    from kiln.testing.engine import make_engine, run_greedy
-
-    engine = make_engine(plugins, **engine_args)
-    try:
-        return run_greedy(engine, prompts), engine
-    finally:
-        engine.shutdown()
+    assert_generates(path, varied_prompts, expected, **FAMILY_VARIANTS[variant])
 
 
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["sliced-experts", "expert-parallel"])
 @pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe"])
 def test_two_ranks_match_one(tiny_model_dir, cpu_plugins, varied_prompts, model_type, expert_parallel):
     common = dict(model=tiny_model_dir(model_type), device="cpu", dtype="float32", max_num_batched_tokens=64)
-    split, engine = run(
+    split, engine = run_and_shut_down(
         cpu_plugins, varied_prompts, tensor_parallel_size=2, enable_expert_parallel=expert_parallel, **common
     )
     moe = next(m for m in engine.executor.runner.model.modules() if hasattr(m, "load_expert"))
@@ -58,7 +37,7 @@ def test_two_ranks_match_one(tiny_model_dir, cpu_plugins, varied_prompts, model_
     inter = 128 if model_type == "mixtral" else 32
     assert moe.w13.shape[0] == (2 if expert_parallel else 4)
     assert moe.w2.shape[-1] == (inter if expert_parallel else inter // 2)
-    assert split == run(cpu_plugins, varied_prompts, **common)[0]
+    assert split == run_and_shut_down(cpu_plugins, varied_prompts, **common)[0]
     assert multiprocessing.active_children() == []
 
 

@@ -7,15 +7,7 @@ import multiprocessing
 
 import pytest
 
-
-def run(plugins, prompts, **engine_args):
-    from kiln.testing.engine import make_engine, run_greedy
-
-    engine = make_engine(plugins, **engine_args)
-    try:
-        return run_greedy(engine, prompts), engine
-    finally:
-        engine.shutdown()
+from kiln.testing.engine import run_and_shut_down as run
 
 
 # qwen2: q/k/v biases are split too; glm: and its query/key rows reordered; phi3: fused projections

@@ -7,39 +7,25 @@ from __future__ import annotations
 
 import pytest
 
-from kiln import LLM, SamplingParams
-from kiln.testing.models import hf_greedy
-
-NEW_TOKENS = 16
-GREEDY = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0)
-ENGINE_VARIANTS = {
-    "default": {},
-    "chunked-prefill-tiny-budget": dict(enable_chunked_prefill=True, max_num_batched_tokens=16),
-    "forced-preemption": dict(block_size=16, num_gpu_blocks_override=13, max_model_len=160),
-}
+from kiln import LLM
+from kiln.testing.models import FAMILY_TOKENS, FAMILY_VARIANTS, assert_generates, hf_greedy
 
 
 @pytest.fixture(scope="module", params=["gpt2", "opt"])
 def fallback_reference(request, tiny_model_dir, varied_prompts):
     path = tiny_model_dir(request.param)
-    return path, hf_greedy(path, varied_prompts, NEW_TOKENS)
+    return path, hf_greedy(path, varied_prompts, FAMILY_TOKENS)
 
 
-@pytest.mark.parametrize("variant", list(ENGINE_VARIANTS))
+@pytest.mark.parametrize("variant", list(FAMILY_VARIANTS))
 def test_fallback_matches_transformers(fallback_reference, varied_prompts, variant):
     path, expected = fallback_reference
-    llm = LLM(path, model_impl="transformers", dtype="float32", **{"max_model_len": 256, **ENGINE_VARIANTS[variant]})
-    prompts = [{"prompt_token_ids": p} for p in varied_prompts]
-    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == expected
-    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == expected  # prefix-cache hits
+    assert_generates(path, varied_prompts, expected, model_impl="transformers", **FAMILY_VARIANTS[variant])
 
 
-def test_a_kiln_architecture_through_the_fallback_matches_kiln(tiny_model_dir, varied_prompts):
+def test_a_kiln_architecture_through_the_fallback_matches_transformers(tiny_model_dir, varied_prompts):
     path = tiny_model_dir("qwen3")
-    prompts = [{"prompt_token_ids": p} for p in varied_prompts]
-    native = LLM(path, dtype="float32", max_model_len=256).generate(prompts, GREEDY)
-    fallback = LLM(path, model_impl="transformers", dtype="float32", max_model_len=256).generate(prompts, GREEDY)
-    assert [o.outputs[0].token_ids for o in fallback] == [o.outputs[0].token_ids for o in native]
+    assert_generates(path, varied_prompts, hf_greedy(path, varied_prompts, FAMILY_TOKENS), model_impl="transformers")
 
 
 def test_an_unwritten_architecture_names_the_fallback(tiny_model_dir):

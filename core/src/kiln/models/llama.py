@@ -148,13 +148,15 @@ class LlamaDecoderLayer(nn.Module):
         """The layer's MLP (mixtures of experts give some layers theirs: ``kiln.models.moe``)."""
         return LlamaMLP(cfg, ops, tp, f"model.layers.{layer_idx}.mlp", quant)
 
-    def forward(self, positions, x, residual, rope_cache, ctx):
+    def pre_norm(self, x, residual):
+        """``input_layernorm`` of the layer's input, with the residual stream added first (after
+        the first layer); returns (normed, residual)."""
         if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.ops.fused_add_rms_norm(
-                x, residual, self.input_layernorm.weight, self.input_layernorm.eps
-            )
+            return self.input_layernorm(x), x
+        return self.ops.fused_add_rms_norm(x, residual, self.input_layernorm.weight, self.input_layernorm.eps)
+
+    def forward(self, positions, x, residual, rope_cache, ctx):
+        x, residual = self.pre_norm(x, residual)
         x = self.self_attn(positions, x, rope_cache, ctx)
         norm = self.post_attention_layernorm
         x, residual = self.ops.fused_add_rms_norm(x, residual, norm.weight, norm.eps)
@@ -175,12 +177,7 @@ class SandwichDecoderLayer(LlamaDecoderLayer):
             setattr(self, name, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops))
 
     def forward(self, positions, x, residual, rope_cache, ctx):
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.ops.fused_add_rms_norm(
-                x, residual, self.input_layernorm.weight, self.input_layernorm.eps
-            )
+        x, residual = self.pre_norm(x, residual)
         attn_out, mlp_in, mlp_out = (getattr(self, name) for name in self.norm_names)
         x = attn_out(self.self_attn(positions, x, rope_cache, ctx))
         x, residual = self.ops.fused_add_rms_norm(x, residual, mlp_in.weight, mlp_in.eps)

@@ -30,6 +30,16 @@ def run_greedy(engine, prompts: list[list[int]], max_tokens: int = 8, loras: lis
     return [done[str(i)] for i in range(len(prompts))]
 
 
+def run_and_shut_down(plugins, prompts: list[list[int]], **engine_args: Any) -> tuple[list[list[int]], Any]:
+    """``run_greedy`` on a fresh engine, shut down afterwards (its tensor-parallel ranks stopped);
+    returns (the tokens, the engine, for its shapes)."""
+    engine = make_engine(plugins, **engine_args)
+    try:
+        return run_greedy(engine, prompts), engine
+    finally:
+        engine.shutdown()
+
+
 def greedy_tokens(
     plugins, prompts: list[list[int]], max_tokens: int = 8, loras: list | None = None, **engine_args: Any
 ) -> list[list[int]]:

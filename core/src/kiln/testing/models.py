@@ -5,6 +5,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+# Multi-head latent attention (a 32-wide latent, 16 rotary dims) and grouped routing: DeepSeek V2 / V3.
+DEEPSEEK = dict(
+    num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16,
+    v_head_dim=24, head_dim=16, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+    n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2,
+)  # fmt: skip
 # Small shapes that still exercise GQA, qkv bias and q/k norm. Head size 64 is what
 # real models use (and what fast kernels specialise on); qwen2 keeps 16 so the
 # generic code paths run too.
@@ -52,45 +58,8 @@ TINY_CONFIGS: dict[str, dict] = {
         moe_intermediate_size=32,
         norm_topk_prob=False,
     ),
-    # Multi-head latent attention (a 32-wide latent, 16 rotary dims) and grouped routing.
-    "deepseek_v2": dict(
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        kv_lora_rank=32,
-        q_lora_rank=None,
-        qk_nope_head_dim=16,
-        qk_rope_head_dim=16,
-        v_head_dim=24,
-        head_dim=16,
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        n_shared_experts=1,
-        first_k_dense_replace=1,
-        topk_method="group_limited_greedy",
-        n_group=4,
-        topk_group=2,
-        routed_scaling_factor=1.5,
-    ),
-    "deepseek_v3": dict(
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        kv_lora_rank=32,
-        q_lora_rank=24,
-        qk_nope_head_dim=16,
-        qk_rope_head_dim=16,
-        v_head_dim=24,
-        head_dim=16,
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        n_shared_experts=1,
-        first_k_dense_replace=1,
-        n_group=4,
-        topk_group=2,
-        routed_scaling_factor=2.5,
-        norm_topk_prob=True,
-    ),
+    "deepseek_v2": DEEPSEEK | dict(q_lora_rank=None, topk_method="group_limited_greedy", routed_scaling_factor=1.5),
+    "deepseek_v3": DEEPSEEK | dict(q_lora_rank=24, routed_scaling_factor=2.5, norm_topk_prob=True),
     # Architectures Kiln has no class for, served by --model-impl transformers.
     "gpt2": dict(num_attention_heads=4),
     "opt": dict(num_attention_heads=4, ffn_dim=128, word_embed_proj_dim=64),
@@ -135,6 +104,31 @@ def build_tiny_model(
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
+
+
+FAMILY_TOKENS = 16  # new tokens per prompt in the model-family checks
+# Engine settings under which every model family must match transformers: the defaults, a
+# 16-token step budget (chunked prefill), and 12 usable blocks of 16 tokens for 5 prompts of up
+# to 77 + 16 tokens (forced preemption).
+FAMILY_VARIANTS: dict[str, dict] = {
+    "default": {},
+    "chunked-prefill-tiny-budget": dict(enable_chunked_prefill=True, max_num_batched_tokens=16),
+    "forced-preemption": dict(block_size=16, num_gpu_blocks_override=13, max_model_len=160),
+}
+
+
+def assert_generates(path: str, prompts: list[list[int]], expected: list[list[int]], **engine_args: object):
+    """Kiln's greedy tokens for ``prompts`` (``FAMILY_TOKENS`` each, fp32) equal ``expected``, and
+    again on the same engine, where the prompts' full blocks come from the prefix cache; returns
+    the ``LLM``."""
+    from kiln import LLM, SamplingParams
+
+    llm = LLM(path, **{"max_model_len": 256, "dtype": "float32", **engine_args})
+    params = SamplingParams(max_tokens=FAMILY_TOKENS, min_tokens=FAMILY_TOKENS, temperature=0)
+    for _ in range(2):
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        assert [o.outputs[0].token_ids for o in outputs] == expected
+    return llm
 
 
 def hf_greedy(
