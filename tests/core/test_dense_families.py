@@ -44,22 +44,37 @@ def test_families_match_transformers(family_reference, varied_prompts, variant):
     assert_generates(path, varied_prompts, expected, **needs, **FAMILY_VARIANTS[variant])
 
 
-@pytest.mark.parametrize("max_model_len", [48, 256], ids=["short-factors", "long-factors"])
-def test_longrope_matches_transformers_within_and_beyond_the_original_context(tiny_model_dir, max_model_len):
-    """Kiln picks LongRoPE's factors once, by the context it serves; transformers by each sequence's
-    length. They agree for every sequence when Kiln serves at most the original 48 positions, and
-    for sequences longer than it (here prompts of 50+ tokens) when Kiln serves more."""
-    # One factor per rotating pair of a 16-wide head.
-    scaling = {
-        "rope_type": "longrope",
-        "short_factor": [1.0, 1.5, 2.0, 3.0] * 2,
-        "long_factor": [2.0, 4.0, 8.0, 9.0] * 2,
-    }
+LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 3.0] * 2, "long_factor": [2.0, 4.0, 8.0, 9.0] * 2}
+
+
+@pytest.mark.parametrize("max_model_len", [48, 256], ids=["within", "extended"])
+def test_longrope_matches_transformers_within_the_original_context(tiny_model_dir, max_model_len):
+    """Sequences within LongRoPE's original 48 positions take its short factors in transformers,
+    and in Kiln whatever context it serves (one factor per rotating pair of a 16-wide head)."""
     path = tiny_model_dir(
-        "phi3", rope_scaling=scaling, original_max_position_embeddings=48, max_position_embeddings=256
+        "phi3", rope_scaling=LONGROPE, original_max_position_embeddings=48, max_position_embeddings=256
     )
-    prompts = [[7, 8, 9], list(range(300, 330))] if max_model_len == 48 else [list(range(300, 350)), [42] * 60]
+    prompts = [[7, 8, 9], list(range(300, 330))]  # 30 + 16 tokens at the most
     assert_generates(path, prompts, hf_greedy(path, prompts, FAMILY_TOKENS), max_model_len=max_model_len)
+
+
+def test_longrope_positions_past_the_original_context_take_the_long_factors(tiny_model_dir):
+    import torch
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from kiln.models.rope import cos_sin_cache
+
+    path = tiny_model_dir(
+        "phi3", rope_scaling=LONGROPE, original_max_position_embeddings=48, max_position_embeddings=256
+    )
+    cfg = AutoConfig.from_pretrained(path)
+    table = cos_sin_cache(16, 256, cfg)
+    for seq_len, rows in ((48, slice(0, 48)), (256, slice(48, 256))):  # short factors, then long ones
+        inv_freq, attention = ROPE_INIT_FUNCTIONS["longrope"](cfg, "cpu", seq_len=seq_len)
+        positions = torch.arange(256, dtype=torch.float64)[rows]
+        expected = torch.outer(positions, inv_freq.double()).cos() * attention
+        torch.testing.assert_close(table[rows, :8], expected.float(), atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize(

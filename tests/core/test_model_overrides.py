@@ -20,7 +20,7 @@ YARN_MSCALE = {**YARN, "factor": 8.0, "mscale": 0.707, "mscale_all_dim": 1.0, "b
 
 
 def greedy(path: str, prompts, **engine_args) -> list[list[int]]:
-    llm = LLM(path, dtype="float32", max_model_len=512, **engine_args)
+    llm = LLM(path, **{"dtype": "float32", "max_model_len": 512, **engine_args})
     return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
 
 
@@ -73,16 +73,18 @@ def test_an_unsupported_rope_type_says_which_are(tiny_model_dir):
 DYNAMIC = {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}
 
 
-def test_dynamic_ntk_matches_transformers_within_the_trained_context(tiny_model_dir, varied_prompts):
-    """Within its trained 2048 positions transformers' dynamic NTK rope is the plain one; so is Kiln's
-    when it serves no more (--max-model-len 512)."""
+@pytest.mark.parametrize("max_model_len", [512, 8192])
+def test_dynamic_ntk_matches_transformers_within_the_trained_context(tiny_model_dir, varied_prompts, max_model_len):
+    """Within its trained 2048 positions transformers' dynamic NTK rope is the plain one; so is Kiln's,
+    whatever context it serves (8192: the 4x the factor allows)."""
     path = tiny_model_dir("llama", rope_parameters=DYNAMIC)
-    assert greedy(path, varied_prompts) == hf_greedy(path, varied_prompts, NEW_TOKENS)
+    assert greedy(path, varied_prompts, max_model_len=max_model_len) == hf_greedy(path, varied_prompts, NEW_TOKENS)
 
 
 def test_dynamic_ntk_beyond_the_trained_context_takes_the_served_length(tiny_model_dir):
-    """Serving 4096 positions of a model trained on 2048, the table is transformers' dynamic rope for
-    a 4096-token sequence, and the context limit is 4x the trained one, as vLLM counts it."""
+    """Serving 4096 positions of a model trained on 2048, the positions past 2048 take transformers'
+    dynamic rope for a 4096-token sequence, those before the plain one; the context limit is 4x the
+    trained one, as vLLM counts it."""
     import torch
     from transformers import AutoConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -90,10 +92,12 @@ def test_dynamic_ntk_beyond_the_trained_context_takes_the_served_length(tiny_mod
     from kiln.models.rope import context_limit, cos_sin_cache
 
     cfg = AutoConfig.from_pretrained(tiny_model_dir("llama", rope_parameters=DYNAMIC))
-    inv_freq, _ = ROPE_INIT_FUNCTIONS["dynamic"](cfg, "cpu", seq_len=4096)
-    freqs = torch.outer(torch.arange(4096, dtype=torch.float64), inv_freq.double())
-    # transformers computes the frequencies in fp32: phases part by ~1e-4 at the far positions
-    torch.testing.assert_close(cos_sin_cache(64, 4096, cfg)[:, :32], freqs.cos().float(), atol=5e-4, rtol=0)
+    table = cos_sin_cache(64, 4096, cfg)
+    for seq_len, rows in ((2048, slice(0, 2048)), (4096, slice(2048, 4096))):
+        inv_freq, _ = ROPE_INIT_FUNCTIONS["dynamic"](cfg, "cpu", seq_len=seq_len)
+        freqs = torch.outer(torch.arange(4096, dtype=torch.float64)[rows], inv_freq.double())
+        # transformers computes the frequencies in fp32: phases part by ~1e-4 at the far positions
+        torch.testing.assert_close(table[rows, :32], freqs.cos().float(), atol=5e-4, rtol=0)
     assert context_limit(cfg, 2048) == 8192
 
 

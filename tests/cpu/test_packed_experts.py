@@ -42,3 +42,23 @@ def test_packed_experts_match_the_reference(dtype, tokens):
     got = fused_experts(x, module.w13, module.w2, weights, ids)
     tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
     torch.testing.assert_close(got, expected, **tol)
+
+
+def test_without_the_c_kernels_the_experts_stay_stacked(tiny_model_dir):
+    """KILN_CPU_NATIVE=0 (or no compiler): no plugin fused_experts to read packed experts, so the
+    platform leaves them as they are and the reference runs them (bf16: oneDNN alone could pack)."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "from kiln import LLM, SamplingParams\n"
+        f"llm = LLM({tiny_model_dir('mixtral')!r}, dtype='bfloat16', max_model_len=128)\n"
+        "out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))\n"
+        "moe = next(m for m in llm.engine.executor.runner.model.modules() if hasattr(m, 'load_expert'))\n"
+        "print(type(moe.w13).__name__, len(out[0].outputs[0].token_ids))\n"
+    )
+    env = {**os.environ, "KILN_CPU_NATIVE": "0"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-2:] == ["Parameter", "4"]

@@ -8,7 +8,8 @@ and device, and provides:
   flattened token stream per step (``kiln.interfaces.attention.BatchLayout``);
 * ``compute_logits(hidden) -> (rows, vocab)`` float32 logits;
 * ``load_weights(iterable of (name, tensor))`` for Hugging Face checkpoint names;
-* ``layers``: one entry per attention layer (one KV cache each).
+* ``layers``: one entry per attention layer (one KV cache each);
+* optionally ``supports_graphs = False``: its decode steps never run in a platform's graphs.
 
 Encoder models (``kiln.models.bert``) differ: class attribute ``is_encoder = True``; ``forward``
 returns the last layer's hidden states (num_tokens, hidden), attending bidirectionally within

@@ -16,7 +16,6 @@ platforms' rotary op, as for GLM (``kiln.models.rope``)."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
 import torch
@@ -25,10 +24,8 @@ from torch import nn
 from kiln.distributed import TensorParallel
 from kiln.interfaces.model import StepContext
 from kiln.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, RMSNorm
-from kiln.models.moe import FusedMoE
-from kiln.models.rope import rope_settings, rotary_permutation
-
-GATE_UP = ("gate_proj", "up_proj")
+from kiln.models.moe import GATE_UP, FusedMoE
+from kiln.models.rope import mscale, rope_kind, rope_settings, rotary_permutation
 
 
 def latent_dims(cfg, tp: TensorParallel) -> tuple[int, int, int]:
@@ -40,10 +37,8 @@ def _softmax_scale(cfg) -> float:
     """``qk_head_dim ** -0.5``, times YaRN's ``mscale(factor, mscale_all_dim) ** 2``."""
     scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
     _, rope = rope_settings(cfg)
-    m = rope.get("mscale_all_dim") if rope.get("rope_type", rope.get("type", "default")) != "default" else 0
-    if m and rope.get("factor", 1) > 1:
-        scale *= (0.1 * m * math.log(rope["factor"]) + 1.0) ** 2
-    return scale
+    m = rope.get("mscale_all_dim") if rope_kind(rope) != "default" else 0
+    return scale * mscale(rope.get("factor", 1), m) ** 2 if m else scale
 
 
 class LatentAttention(nn.Module):
@@ -56,19 +51,20 @@ class LatentAttention(nn.Module):
         self.nope, self.rope, self.v_dim, self.latent = (
             cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
         )  # fmt: skip
-        bias = bool(getattr(cfg, "attention_bias", False))
+        if getattr(cfg, "attention_bias", False):
+            raise ValueError("DeepSeek with attention biases (config 'attention_bias': true) is not supported")
         q_out = heads * (self.nope + self.rope)
         if cfg.q_lora_rank:
-            self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=bias)
+            self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, ops)
             self.q_b_proj = nn.Linear(cfg.q_lora_rank, q_out, bias=False)
         else:
             self.q_proj = nn.Linear(cfg.hidden_size, q_out, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, self.latent + self.rope, bias=bias)
+        self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, self.latent + self.rope, bias=False)
         self.kv_a_layernorm = RMSNorm(self.latent, cfg.rms_norm_eps, ops)
         self.w_uk = nn.Parameter(torch.empty(heads, self.nope, self.latent))  # kv_b_proj's key half
         self.w_uv = nn.Parameter(torch.empty(heads, self.v_dim, self.latent))  # and its value half
-        self.o_proj = nn.Linear(heads * self.v_dim, cfg.hidden_size, bias=bias)
+        self.o_proj = nn.Linear(heads * self.v_dim, cfg.hidden_size, bias=False)
         self.scale = _softmax_scale(cfg)
 
     def forward(self, positions, x, rope_cache, ctx: StepContext):
@@ -159,6 +155,9 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         order = rotary_permutation(rope, rope, interleaved) if interleaved else None
         order = torch.tensor(order) if order is not None else None
         for name, tensor in weights:
+            parts = name.split(".")
+            if parts[:2] == ["model", "layers"] and int(parts[2]) >= cfg.num_hidden_layers:
+                continue  # V3's multi-token-prediction layer: a speculative head, not part of the model
             if name.endswith(("self_attn.q_proj.weight", "self_attn.q_b_proj.weight")):
                 heads = tensor.view(cfg.num_attention_heads, nope + rope, -1)
                 if order is not None:

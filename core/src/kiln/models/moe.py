@@ -21,7 +21,7 @@ from kiln.distributed import TensorParallel
 from kiln.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from kiln.quantization.config import QuantConfig
 
-GATE_UP = {"gate_proj": 0, "up_proj": 1}  # their halves of w13
+GATE_UP = ("gate_proj", "up_proj")  # the halves of w13 (and of a dense MLP's merged gate_up_proj)
 
 
 class FusedMoE(nn.Module):
@@ -52,7 +52,11 @@ class FusedMoE(nn.Module):
             self.shared_expert = shared_expert
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
         self.ops, self.tp = ops, tp
-        self._pending = {"w13": 2 * self.num_local, "w2": self.num_local}  # expert tensors still to load
+        # The (expert, projection) pairs still to load, per stacked weight.
+        self._pending = {
+            "w13": {(e, p) for e in range(self.num_local) for p in GATE_UP},
+            "w2": set(range(self.num_local)),
+        }
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's experts and their weights (tokens, top_k); families with another rule
@@ -81,15 +85,15 @@ class FusedMoE(nn.Module):
             raise ValueError(f"checkpoint has expert {expert}; the model has {self.num_experts}")
         slice_of = (lambda t, dim: t) if self.tp.expert_parallel else self.tp.slice
         if proj == "down_proj":
-            name, target, tensor = "w2", self.w2.data[local], slice_of(tensor, 1)
+            name, key, target, tensor = "w2", local, self.w2.data[local], slice_of(tensor, 1)
         else:
-            inter = self.w2.shape[-1]
-            half = GATE_UP[proj]
-            name, target = "w13", self.w13.data[local, half * inter : (half + 1) * inter]
-            tensor = slice_of(tensor, 0)
+            inter, half = self.w2.shape[-1], GATE_UP.index(proj)
+            name, key = "w13", (local, proj)
+            target, tensor = self.w13.data[local, half * inter : (half + 1) * inter], slice_of(tensor, 0)
         target.copy_(tensor)
-        self._pending[name] -= 1
-        return [name] if self._pending[name] == 0 else []
+        pending = self._pending[name]
+        pending.discard(key)
+        return [name] if not pending else []
 
 
 class MoEDecoderLayer(LlamaDecoderLayer):

@@ -29,6 +29,11 @@ def rope_settings(hf_config, layer_type: str = FULL_ATTENTION) -> tuple[float, d
     return float(theta), params
 
 
+def rope_kind(params: dict) -> str:
+    """The rope type of a scaling dict: ``rope_type``, or the older ``type`` (``default`` when neither)."""
+    return params.get("rope_type", params.get("type", "default"))
+
+
 def per_layer_type(params: dict) -> bool:
     """Whether rope parameters are kept per kind of layer rather than once for the model."""
     return isinstance(params.get(FULL_ATTENTION), dict)
@@ -58,7 +63,7 @@ def context_limit(hf_config, trained: int) -> int:
     """The positions a model takes: ``trained`` (its ``max_position_embeddings``), times the factor
     of a rope scaling that stretches it (linear, dynamic; YaRN from its original length), as vLLM counts."""
     _, scaling = rope_settings(hf_config)
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    kind = rope_kind(scaling)
     if kind in ("linear", "dynamic"):
         return int(trained * scaling["factor"])
     if kind == "yarn" and scaling.get("factor"):
@@ -67,13 +72,14 @@ def context_limit(hf_config, trained: int) -> int:
 
 
 def _inv_freq(
-    head_dim: int, theta: float, scaling: dict, max_positions: int, serving: int
+    head_dim: int, theta: float, scaling: dict, max_positions: int, serving: int, beyond: bool = False
 ) -> tuple[torch.Tensor, float]:
     """Inverse frequencies over ``head_dim`` rotating dimensions, and the factor cos/sin are
     scaled by (1.0 but for YaRN and LongRoPE). ``max_positions`` is the model's trained context,
-    ``serving`` the one Kiln serves."""
+    ``serving`` the one Kiln serves; ``beyond``: those of the positions past the context a
+    length-dependent rope (``long_context_start``) was trained on."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    kind = rope_kind(scaling)
     if kind == "default":
         return inv_freq, 1.0
     if kind == "linear":
@@ -81,13 +87,13 @@ def _inv_freq(
     if kind == "yarn":
         return _yarn(inv_freq, head_dim, theta, scaling, max_positions)
     if kind == "longrope":
-        return _longrope(inv_freq, scaling, max_positions, serving)
+        return _longrope(inv_freq, scaling, max_positions, beyond)
     if kind == "dynamic":
-        # Dynamic NTK: transformers raises theta as a sequence outgrows the trained context, for
-        # that sequence's length. One table serves every sequence here, so it takes the length
-        # Kiln serves: equal to transformers for every sequence within the trained context.
-        longest, factor = max(serving, max_positions), scaling["factor"]
-        theta = theta * ((factor * longest / max_positions) - (factor - 1)) ** (head_dim / (head_dim - 2))
+        if not beyond:
+            return inv_freq, 1.0
+        # Dynamic NTK: theta raised for a sequence as long as the context Kiln serves.
+        factor = scaling["factor"]
+        theta = theta * ((factor * serving / max_positions) - (factor - 1)) ** (head_dim / (head_dim - 2))
         return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)), 1.0
     if kind == "llama3":
         factor = scaling["factor"]
@@ -102,19 +108,16 @@ def _inv_freq(
     raise ValueError(f"rope type {kind!r} is not supported (default, linear, dynamic, llama3, longrope and yarn are)")
 
 
-def _longrope(inv_freq: torch.Tensor, scaling: dict, max_positions: int, serving: int) -> tuple[torch.Tensor, float]:
-    """LongRoPE (Phi-3): per-frequency factors, ``long_factor`` for contexts beyond
+def _longrope(inv_freq: torch.Tensor, scaling: dict, max_positions: int, beyond: bool) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3): per-frequency factors, ``long_factor`` beyond
     ``original_max_position_embeddings`` and ``short_factor`` within it; cos/sin scaled by
-    ``sqrt(1 + ln(factor) / ln(original))``. transformers switches per sequence as it grows past
-    the original length; one table must serve every sequence, so, as vLLM does, the factors
-    follow the context Kiln serves (``--max-model-len``): equal to transformers for every
-    sequence when that is within the original length, and for sequences longer than it."""
+    ``sqrt(1 + ln(factor) / ln(original))``."""
     original = scaling["original_max_position_embeddings"]
     factor = scaling.get("factor") or max_positions / original
     attention = scaling.get("attention_factor")
     if attention is None:
         attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
-    ext = scaling["long_factor"] if serving > original else scaling["short_factor"]
+    ext = scaling["long_factor"] if beyond else scaling["short_factor"]
     return inv_freq / torch.tensor(ext, dtype=torch.float64), float(attention)
 
 
@@ -126,9 +129,6 @@ def _yarn(
     scaled by ``0.1 ln(factor) + 1`` (or the ratio of the ``mscale`` terms, or ``attention_factor``)."""
     original = scaling.get("original_max_position_embeddings") or max_positions
     factor = scaling.get("factor") or max_positions / original
-
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
 
     attention = scaling.get("attention_factor")
     if attention is None:
@@ -147,6 +147,29 @@ def _yarn(
     return inv_freq / factor * (1 - extrapolated) + inv_freq * extrapolated, float(attention)
 
 
+def long_context_start(scaling: dict, trained: int) -> int | None:
+    """Where a rope whose frequencies depend on the sequence's length (``dynamic``, ``longrope``)
+    switches to its long-context ones; None for the others.
+
+    transformers recomputes those frequencies for each sequence from its length, so a sequence
+    past the switch rotates even its first positions the long way. One table serves every
+    sequence here, so the switch is by position instead: positions before it take the short
+    frequencies, positions from it on the long ones (for ``dynamic``, theta raised for the whole
+    context Kiln serves). Every sequence within the trained context therefore matches
+    transformers, whatever ``--max-model-len``; a longer one keeps its first positions' short
+    rotation, as a transformers sequence that grows past the switch during generation keeps its
+    cached keys'."""
+    kind = rope_kind(scaling)
+    if kind == "longrope":
+        return scaling["original_max_position_embeddings"]
+    return trained if kind == "dynamic" else None
+
+
+def mscale(scale: float, m: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched ``scale`` times."""
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+
 def cos_sin_cache(
     head_dim: int, max_positions: int, hf_config, rotating: int | None = None, layer_type: str = FULL_ATTENTION
 ) -> torch.Tensor:
@@ -159,6 +182,10 @@ def cos_sin_cache(
     trained = getattr(hf_config, "max_position_embeddings", None) or max_positions
     inv_freq, attention = _inv_freq(rotating, theta, scaling, trained, max_positions)
     freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
+    start = long_context_start(scaling, trained)
+    if start is not None and max_positions > start:
+        far, _ = _inv_freq(rotating, theta, scaling, trained, max_positions, beyond=True)
+        freqs[start:] = torch.outer(torch.arange(start, max_positions, dtype=torch.float64), far)
     still = head_dim // 2 - rotating // 2
     cos = torch.cat((freqs.cos() * attention, freqs.new_ones(max_positions, still)), dim=-1)
     sin = torch.cat((freqs.sin() * attention, freqs.new_zeros(max_positions, still)), dim=-1)

@@ -2,9 +2,10 @@
 
 Follows transformers' reading of each family's config:
 
-* ``mistral``, ``mixtral``, ``phi3``: every layer uses ``sliding_window`` when it is set (Mistral-7B-v0.1:
-  4096, Phi-3-mini-4k: 2047).
-* ``qwen2`` / ``qwen3`` (and their MoE): only with ``use_sliding_window``, and only the layers
+* ``mistral``, ``mixtral``, ``phi3``, ``qwen3_moe``: every layer uses ``sliding_window`` when it is
+  set (Mistral-7B-v0.1: 4096, Phi-3-mini-4k: 2047; Qwen3-MoE's config keeps it only with
+  ``use_sliding_window``).
+* ``qwen2`` / ``qwen3`` / ``qwen2_moe``: only with ``use_sliding_window``, and only the layers
   ``layer_types`` marks ``"sliding_attention"`` (by default those from
   ``max_window_layers`` on).
 * ``gemma2`` / ``gemma3_text``: the layers ``layer_types`` marks (Gemma 2 every other one,
@@ -16,9 +17,9 @@ A query at position p then sees keys at positions k with ``p - k < window``.
 
 from __future__ import annotations
 
-EVERY_LAYER = ("mistral", "mixtral", "phi3")
+EVERY_LAYER = ("mistral", "mixtral", "phi3", "qwen3_moe")
 # Families whose config picks sliding layers by use_sliding_window / layer_types.
-LAYER_TYPED = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+LAYER_TYPED = ("qwen2", "qwen3", "qwen2_moe")
 ALWAYS_LAYER_TYPED = ("gemma2", "gemma3_text")  # layer_types alone
 SLIDING = "sliding_attention"
 

@@ -4,12 +4,13 @@ backend does.
 
 The transformers model is built with an attention implementation registered here
 (``ATTENTION``): its layers compute their own projections, norms and rope, and at attention hand
-(1, heads, tokens, dim) queries, keys and values to ``paged_attention``, which runs the platform's
+(1, heads, tokens, dim) queries, keys and values to ``kiln_attention``, which runs the platform's
 attention backend on Kiln's flattened token stream (one "batch" row holding every sequence of the
 step) and cache. The step's context reaches it through the forward's keyword arguments, which
 transformers passes down to attention; the model is asked for no masks (Kiln's backend applies
 causality per sequence) and no cache of its own. Slower than Kiln's own classes (no fused ops, no
-decode graphs), one rank only, unquantized."""
+decode graphs), one rank only, unquantized; ropes that change with the batch's longest sequence
+(``dynamic``, ``longrope``) are refused, as they would make one request's output depend on another's."""
 
 from __future__ import annotations
 
@@ -21,14 +22,24 @@ from torch import nn
 from kiln.distributed import TensorParallel
 from kiln.interfaces.attention import AttentionBackend
 from kiln.interfaces.model import StepContext
+from kiln.models.rope import rope_kind, rope_settings
 from kiln.quantization.config import QuantConfig
 
 ATTENTION = "kiln_paged"
 
 
-def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+# Attention arguments some models pass that Kiln's backends cannot apply (GPT-OSS's sinks).
+UNSUPPORTED = ("s_aux",)
+
+
+def kiln_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers' attention-function signature over Kiln's paged cache: returns
     ((1, tokens, heads, dim) output, no weights)."""
+    for name in UNSUPPORTED:
+        if kwargs.get(name) is not None:
+            raise ValueError(
+                f"--model-impl transformers: the model's attention takes {name!r}, which Kiln cannot apply"
+            )
     ctx: StepContext = kwargs["kiln_ctx"]
     backend: AttentionBackend = kwargs["kiln_backend"]
     layer = module.layer_idx
@@ -48,7 +59,7 @@ def _register() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    AttentionInterface.register(ATTENTION, paged_attention)
+    AttentionInterface.register(ATTENTION, kiln_attention)
     AttentionMaskInterface.register(ATTENTION, lambda *args, **kwargs: None)  # causality is the backend's
 
 
@@ -56,6 +67,7 @@ class TransformersForCausalLM(nn.Module):
     """Kiln's model interface (``kiln.interfaces.model``) around a transformers causal LM."""
 
     lora_modules = {}
+    supports_graphs = False  # transformers' layers: eager steps only
 
     def __init__(
         self,
@@ -78,6 +90,11 @@ class TransformersForCausalLM(nn.Module):
             supported = getattr(backend, f"supports_{what}")
             if value and not supported:
                 raise ValueError(f"model: its {what} needs an attention backend that applies it (torch_ref does)")
+        kind = rope_kind(rope_settings(cfg)[1])
+        if kind in ("dynamic", "longrope"):
+            raise ValueError(
+                f"--model-impl transformers: a {kind} rope depends on the batch; Kiln's own classes serve it"
+            )
         _register()
         self.config = cfg
         self.backend = backend
@@ -94,11 +111,24 @@ class TransformersForCausalLM(nn.Module):
         return out.last_hidden_state[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.get_output_embeddings()(hidden).float()
+        """The output embeddings, then what the families' ``*ForCausalLM.forward`` applies to them:
+        Cohere's ``logit_scale``, Granite's ``logits_scaling``, Gemma 2's soft cap."""
+        logits = self.model.get_output_embeddings()(hidden)
+        cfg = self.config
+        if getattr(cfg, "logit_scale", None):
+            logits = logits * cfg.logit_scale
+        if getattr(cfg, "logits_scaling", None):
+            logits = logits / cfg.logits_scaling
+        if getattr(cfg, "final_logit_softcapping", None):
+            logits = torch.tanh(logits / cfg.final_logit_softcapping) * cfg.final_logit_softcapping
+        return logits.float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """The checkpoint's tensors by their transformers names; tied weights may be absent."""
-        result = self.model.load_state_dict(dict(weights), strict=False)
+        """The checkpoint's tensors by their transformers names (with the base model's prefix
+        where a checkpoint leaves it out); tied weights may be absent."""
+        names, prefix = set(self.model.state_dict()), self.model.base_model_prefix
+        state = {n if n in names or f"{prefix}.{n}" not in names else f"{prefix}.{n}": t for n, t in weights}
+        result = self.model.load_state_dict(state, strict=False)
         tied = set(getattr(self.model, "all_tied_weights_keys", None) or {})
         missing = [k for k in result.missing_keys if k not in tied and not k.endswith("rotary_emb.inv_freq")]
         if missing:

@@ -151,6 +151,8 @@ def build_model(
             lambda: model.load_weights(weights if quant is None else canonical_weights(weights, quant)),
         )
     model.eval()
+    if config.enable_expert_parallel and not any(hasattr(m, "load_expert") for m in model.modules()):
+        logger.warning("--enable-expert-parallel changes nothing: the model has no experts")
     if quant is not None:
         layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
         for layer in layers:

@@ -154,7 +154,9 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         # Sizes first: with none (e.g. max_num_seqs 1 on Ascend) no graph runner is built at all.
         # Encoders never decode: a one-token prompt step must not take the decode-graph path.
-        eager = config.enforce_eager or getattr(model, "is_encoder", False)
+        eager = (
+            config.enforce_eager or getattr(model, "is_encoder", False) or not getattr(model, "supports_graphs", True)
+        )
         sizes = [] if eager else platform.graph_sizes(config)
         self.graphs = platform.graph_runner(config) if sizes else None
         if self.graphs is not None and not backend.supports_decode_graphs:

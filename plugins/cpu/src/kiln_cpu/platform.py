@@ -138,7 +138,8 @@ class CpuPlatform(Platform):
                 "%d weights tiled for the CPU matmul kernel, %d of them in GGUF blocks%s",
                 swapped, gguf, " (int8 activations)" if int8 and gguf else "",
             )  # fmt: skip
-        experts = use_packed_experts(model)
+        # Packed experts need the plugin's fused_experts (absent without the C kernels).
+        experts = use_packed_experts(model) if "fused_experts" in self.custom_ops() else 0
         if experts:
             logger.info("the experts of %d mixture-of-experts layers packed for the CPU matmul kernels", experts)
         if prepacking_works():
