@@ -10,7 +10,8 @@ of one expert's rows by that expert's weights::
 
 Everything is computed on the device with shapes fixed by the step (no host sync: the grid is
 ``experts x cdiv(tokens * k, BLOCK_M)`` and programs past their expert's run return at once), so a
-CUDA graph holds it. ``kiln_cuda.ops.fused_experts`` puts the pieces together.
+CUDA graph holds it. ``kiln_cuda.ops.fused_experts`` puts the pieces together; under expert
+parallelism the slots of other ranks' experts (id -1) are in no run, so no program computes them.
 """
 
 from __future__ import annotations
@@ -59,9 +60,10 @@ def moe_gemm_kernel(
 
 
 def expert_runs(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The slots ``t * k + j`` of ``ids`` (-1 counted as expert 0) sorted by expert, and where each
-    expert's run starts in that order and how long it is: (order, first, count)."""
-    flat = ids.reshape(-1).clamp(min=0)
+    """The slots ``t * k + j`` of ``ids`` sorted by expert, and where each expert's run starts in
+    that order and how long it is: (order, first, count). Slots of another rank's experts (-1)
+    sort first and belong to no run: no program computes them."""
+    flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     ranked, experts = flat[order], torch.arange(num_experts, device=ids.device, dtype=flat.dtype)
     first = torch.searchsorted(ranked, experts)
@@ -81,7 +83,7 @@ def grouped_gemm(
     its expert's (N, K) weight of ``w``, times ``scale[slot]`` if given."""
     order, first, count = runs
     experts, n, k = w.shape
-    out = torch.empty((slots, n), dtype=a.dtype, device=a.device)
+    out = torch.zeros((slots, n), dtype=a.dtype, device=a.device)  # slots in no run stay 0
     grid = (experts, triton.cdiv(slots, BLOCK_M), triton.cdiv(n, BLOCK_N))
     moe_gemm_kernel[grid](
         a, w, out, order, first, count, out if scale is None else scale, a.stride(0), w.stride(0), w.stride(1),

@@ -68,10 +68,10 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 def fused_experts(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
 ) -> torch.Tensor:
-    """Through ``kiln_cuda.moe``'s grouped GEMM; another rank's expert (id -1) gets weight 0."""
+    """Through ``kiln_cuda.moe``'s grouped GEMM; another rank's experts (id -1) are not computed."""
     tokens, top_k = ids.shape
     runs = expert_runs(ids, w13.shape[0])
-    scale = torch.where(ids < 0, 0.0, weights).reshape(-1).float().contiguous()
+    scale = weights.reshape(-1).float().contiguous()
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
     h = silu_and_mul(grouped_gemm(x, w13, runs, tokens * top_k, top_k=top_k, by_token=True))
     y = grouped_gemm(h, w2, runs, tokens * top_k, scale=scale)
