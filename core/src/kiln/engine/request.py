@@ -91,6 +91,12 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
+    @property
+    def num_sampled_rows(self) -> int:
+        """Logits rows a step that reaches this sequence's end samples from: its last token's,
+        then one per draft (speculative decoding)."""
+        return 1 + len(self.spec_token_ids)
+
     def fork(self, request_id: str) -> Request:
         """A copy of this sequence under a new id, for beam search: same tokens, progress and
         metrics (one record per user request); ``KVCacheManager.fork`` shares the blocks."""

@@ -36,7 +36,7 @@ class ModelOutput:
     """One forward pass: logits of the requests that sample, and prompt logprobs computed."""
 
     sampling_reqs: list[Request]  # in logits row order
-    logits: torch.Tensor  # (rows, vocab) float32 on the device: 1 + len(spec_token_ids) rows per request
+    logits: torch.Tensor  # (rows, vocab) float32 on the device: num_sampled_rows rows per request
     prompt_logprobs: dict[Request, list[TopLogprobs]]
     forward_time: float
     pooled: dict[Request, torch.Tensor] = field(default_factory=dict)  # pooling requests' outputs (host)

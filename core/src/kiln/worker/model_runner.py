@@ -38,7 +38,7 @@ logger = logging.getLogger("kiln.runner")
 @dataclass(slots=True)
 class StepResult:
     sampling_reqs: list[Request]  # requests that sample this step, in logits row order
-    logits: torch.Tensor  # (rows, vocab) float32 on the device: 1 + len(spec_token_ids) rows per request
+    logits: torch.Tensor  # (rows, vocab) float32 on the device: num_sampled_rows rows per request
     prompt_logits: dict[Request, tuple[int, torch.Tensor]]  # req -> (first position, logits rows)
     forward_time: float
     pooled: dict[Request, torch.Tensor] = field(default_factory=dict)  # pooling requests' outputs, on the host
@@ -252,7 +252,7 @@ class ModelRunner:
         step = StepBatch.of(batch)
         step.block_copies = output.block_copies
         if self.lora is not None and any(req.lora_request is not None for req, _ in batch):
-            per_row = [req.lora_request for req, _ in batch for _ in range(1 + len(req.spec_token_ids))]
+            per_row = [req.lora_request for req, _ in batch for _ in range(req.num_sampled_rows)]
             step.lora_slots, step.lora_loads = self.lora.assign(per_row)
 
         rows: list[int] = []  # flat token indices whose logits we need

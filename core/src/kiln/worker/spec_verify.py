@@ -55,12 +55,12 @@ def sample_with_drafts(
 ) -> dict[Request, list[SampledToken]]:
     """The tokens each request emits this step: its accepted drafts, then one sampled token.
 
-    ``logits`` has ``1 + len(req.spec_token_ids)`` rows per request, in order (one without
+    ``logits`` has ``req.num_sampled_rows`` rows per request, in order (one without
     drafts); it may be modified in place."""
     starts, num_rows = [], 0
     for req in reqs:
         starts.append(num_rows)
-        num_rows += 1 + len(req.spec_token_ids)
+        num_rows += req.num_sampled_rows
     out: dict[Request, list[SampledToken]] = {req: [] for req in reqs}
     advanced = [0] * len(reqs)  # drafts each matcher accepted here, rolled back at the end
     alive, pos = list(range(len(reqs))), 0
