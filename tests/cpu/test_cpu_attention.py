@@ -1,6 +1,7 @@
 """The CPU plugin's attention backend honours the AttentionBackend contract, with and
-without its native decode kernel."""
+without its native decode and prefill kernels."""
 
+import pytest
 import torch
 
 from kiln.testing.contracts import AttentionBackendContract
@@ -14,6 +15,7 @@ class TorchOnlyBackend(CpuAttentionBackend):
     def __init__(self, *args):
         super().__init__(*args)
         self.native = None
+        self.native_prefill = False
 
 
 class TestCpuAttentionNative(AttentionBackendContract):
@@ -24,10 +26,32 @@ class TestCpuAttentionTorchFallback(AttentionBackendContract):
     backend_cls = TorchOnlyBackend
 
 
+# Decodes, a prefill and a chunk on a cached prefix across the native prefill kernel's edges:
+# work items of 128 query positions, tiles of 32, online-softmax steps of 64 keys.
+LONG_BATCH = [(40, 1), (0, 300), (150, 170)]
+
+
 class TestCpuAttentionBfloat16(AttentionBackendContract):
     backend_cls = CpuAttentionBackend
     dtype = torch.bfloat16
     atol = 2e-2
+
+    @pytest.mark.parametrize("window", [None, 50, 200])
+    @pytest.mark.parametrize(("heads", "head_dim"), [((6, 2), 64), ((8, 1), 128), ((4, 4), 64)])
+    def test_long_prefills_match_reference(self, heads, head_dim, window):
+        self._check_batch(heads, head_dim, 16, LONG_BATCH, seed=5, sliding_window=window)
+
+
+def test_bf16_prefills_take_the_native_kernel_where_the_cpu_has_avx512_bf16():
+    """So that the bf16 contract above tests the kernel on such machines (and the fallback on others)."""
+    with open("/proc/cpuinfo") as f:
+        has_bf16 = " avx512_bf16" in f.read()
+    assert CpuAttentionBackend(6, 2, 64, torch.bfloat16).native_prefill == has_bf16
+    assert not CpuAttentionBackend(6, 2, 64, torch.float32).native_prefill
+
+
+class TestCpuAttentionBfloat16TorchFallback(TestCpuAttentionBfloat16):
+    backend_cls = TorchOnlyBackend
 
 
 class TestCpuAttentionBfloat16Cache(AttentionBackendContract):

@@ -134,14 +134,14 @@ class AttentionBackendContract:
     def test_matches_reference(self, heads, head_dim, block_size, batch):
         if not self.backend_cls.supports(head_dim=head_dim, dtype=self.dtype, block_size=block_size):
             pytest.skip("unsupported shape")
-        self._check_batch(heads, head_dim, block_size, batch)
+        self._check_batch(heads, head_dim, block_size, BATCHES[batch], seed=batch)
 
     @pytest.mark.parametrize("window", SLIDING_WINDOWS)
     @pytest.mark.parametrize("batch", range(len(BATCHES)))
     def test_sliding_window_matches_reference(self, batch, window):
         """Each query sees only the last ``window`` positions, in decodes, fresh prefills and
         chunks on a cached prefix alike (GQA 3, head size 64, the smallest block size it runs)."""
-        self._check_batch((6, 2), 64, self._window_block_size(), batch, sliding_window=window)
+        self._check_batch((6, 2), 64, self._window_block_size(), BATCHES[batch], seed=batch, sliding_window=window)
 
     def _window_block_size(self) -> int:
         if not self.backend_cls.supports_sliding_window:
@@ -154,13 +154,14 @@ class AttentionBackendContract:
             pytest.skip("unsupported shape")
         return sizes[0]
 
-    def _check_batch(self, heads, head_dim, block_size, batch, sliding_window=None):
-        """``BATCHES[batch]``: the backend's output and cache against the reference's."""
+    def _check_batch(self, heads, head_dim, block_size, shapes, seed, sliding_window=None):
+        """Requests of (context_len, query_len) ``shapes``: the backend's output and cache against
+        the reference's."""
         num_heads, num_kv_heads = heads
-        rng = random.Random(batch * 1000 + head_dim + block_size)
-        torch.manual_seed(batch)
-        num_blocks = 64
-        layout, num_tokens = random_layout(rng, block_size, num_blocks, BATCHES[batch], self.device)
+        rng = random.Random(seed * 1000 + head_dim + block_size)
+        torch.manual_seed(seed)
+        num_blocks = max(64, sum(-(-(c + n) // block_size) for c, n in shapes) + 8)
+        layout, num_tokens = random_layout(rng, block_size, num_blocks, shapes, self.device)
         ref, backend, ref_cache, cache, (q, k, v) = self._setup(
             num_heads, num_kv_heads, head_dim, block_size, num_blocks, num_tokens
         )

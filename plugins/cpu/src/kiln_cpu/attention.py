@@ -12,8 +12,11 @@ through and that gathers turn straight into SDPA's (heads, len, dim) shape.
   layer over blocks gathered into a padded (reqs, kv_heads, len, dim) tensor,
   with a key-padding mask. GQA needs no K/V copies: the query heads sharing a KV
   head become that head's "query length".
-* Prefills with nothing cached use the new K/V directly (causal SDPA); chunks
-  that continue a cached prefix gather their context from the cache.
+* Prefills and prefill chunks of a bf16 model with a bf16 cache, on CPUs with
+  AVX512-BF16: one call per layer into ``csrc/prefill_attention.c``, which reads
+  K/V from the cache (five times torch's flash kernel on 32 prompts of 128 tokens).
+* Prefills otherwise with nothing cached use the new K/V directly (causal SDPA);
+  chunks that continue a cached prefix gather their context from the cache.
 * A sliding window (Mistral, some Qwen layers) masks keys more than ``w - 1``
   positions back; the C kernel and cached-prefix chunks skip blocks wholly
   before the window. Blocks are never freed for it: the cache holds every token.
@@ -46,6 +49,7 @@ class CpuMetadata:
     layout: BatchLayout
     decode_blocks: torch.Tensor | None  # (num_decodes, max_blocks) int64
     prefills: list[tuple[int, int, int, int, torch.Tensor]]  # q_start, q_end, context, seq_len, block ids
+    prefill_seqs: torch.Tensor | None = None  # (prefills, 4) int64 for csrc/prefill_attention.c
     # Torch decode path: (num_decodes, 1, 1, max_len) bool, True = attend, per sliding window.
     decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
     c_step: object = None  # a decode-only step's arguments for csrc/decode_layer.c (kiln_cpu.fused_decode)
@@ -71,6 +75,7 @@ class CpuAttentionBackend(AttentionBackend):
         super().__init__(*args, **kwargs)
         shape = (self.num_heads, self.num_kv_heads, self.head_dim)
         self.native = native.load_kernels() if native.supports(*shape, self.dtype, self.cache_dtype) else None
+        self.native_prefill = native.supports_prefill(*shape, self.dtype, self.cache_dtype)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (2, num_blocks, self.num_kv_heads, block_size, self.head_dim)
@@ -91,7 +96,13 @@ class CpuAttentionBackend(AttentionBackend):
             context = seq_len - layout.query_lens_cpu[i]
             blocks = layout.block_table[i, : -(-seq_len // bs)].long() if context else None
             prefills.append((starts[i], starts[i + 1], context, seq_len, blocks))
-        return CpuMetadata(layout, decode_blocks, prefills)
+        seqs = None
+        if self.native_prefill and prefills:
+            rows = [
+                (q_start, q_end - q_start, context, nd + i) for i, (q_start, q_end, context, *_) in enumerate(prefills)
+            ]
+            seqs = torch.tensor(rows, dtype=torch.int64)
+        return CpuMetadata(layout, decode_blocks, prefills, seqs)
 
     def forward(
         self, q, k, v, kv_cache, metadata: CpuMetadata, *, layer_idx, scale, sliding_window=None, logit_softcap=None
@@ -111,6 +122,10 @@ class CpuAttentionBackend(AttentionBackend):
                 )  # fmt: skip
             else:
                 out[:nd] = self._decode(q[:nd], kv_cache, metadata, scale, sliding_window)
+        if metadata.prefill_seqs is not None:
+            layout = metadata.layout
+            native.prefill_attention(out, q, kv_cache, layout.block_table, metadata.prefill_seqs, scale, sliding_window)
+            return out
         bs = metadata.layout.block_size
         for q_start, q_end, context, seq_len, blocks in metadata.prefills:
             # NOTE: 4-D inputs take torch's CPU flash kernel; 3-D ones fall back to the

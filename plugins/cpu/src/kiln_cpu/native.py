@@ -26,7 +26,15 @@ logger = logging.getLogger("kiln.cpu")
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [
     CSRC / n
-    for n in ("paged_attention.c", "fused_ops.c", "tiled_linear.c", "int8_linear.c", "decode_layer.c", "lora.c")
+    for n in (
+        "paged_attention.c",
+        "prefill_attention.c",
+        "fused_ops.c",
+        "tiled_linear.c",
+        "int8_linear.c",
+        "decode_layer.c",
+        "lora.c",
+    )
 ]
 FLAGS = ["-O3", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c11", f"-I{CSRC}"]
 
@@ -77,6 +85,9 @@ def load_kernels() -> ctypes.CDLL | None:
     for fn in (lib.paged_decode_attention_f32, lib.paged_decode_attention_bf16, lib.paged_decode_attention_f32_bf16):
         fn.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float, i64]
         fn.restype = ctypes.c_int
+    lib.prefill_attention_bf16.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, ptr, *[i64] * 5, ctypes.c_float, i64]
+    lib.prefill_attention_bf16.restype = ctypes.c_int
+    lib.prefill_attention_bf16_available.restype = ctypes.c_int
     f32 = ctypes.c_float
     for dt in ("f32", "bf16"):
         getattr(lib, f"rms_norm_{dt}").argtypes = [ptr, ptr, ptr, i64, i64, i64, f32]
@@ -148,6 +159,29 @@ def paged_decode_attention(
         raise ValueError(f"native decode attention does not support head_dim={head_dim}, heads={num_heads}")
 
 
+def prefill_attention(
+    out: torch.Tensor,  # (tokens, heads, dim) bf16, rows may be strided: written in place
+    q: torch.Tensor,  # (tokens, heads, dim) bf16, rows may be strided
+    kv_cache: torch.Tensor,  # (2, blocks, kv_heads, block_size, dim) bf16, holding every query's own K/V too
+    block_table: torch.Tensor,  # (reqs, width) int32, contiguous rows
+    seqs: torch.Tensor,  # (prefills, 4) int64: first token row, query length, context length, block-table row
+    scale: float,
+    sliding_window: int | None = None,
+) -> None:
+    """Causal attention of prefill queries (and chunks on a cached prefix) over the keys
+    the cache holds up to each query's position (its last ``sliding_window`` of them)."""
+    for name, x in (("out", out), ("q", q)):
+        if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
+            raise ValueError(f"native prefill attention needs (tokens, heads, dim) rows in {name}")
+    status = load_kernels().prefill_attention_bf16(
+        out.data_ptr(), out.stride(0), q.data_ptr(), q.stride(0), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
+        block_table.data_ptr(), block_table.stride(0), seqs.data_ptr(), seqs.shape[0], q.shape[1], kv_cache.shape[2],
+        q.shape[2], kv_cache.shape[3], scale, sliding_window or 0,
+    )  # fmt: skip
+    if status != 0:
+        raise ValueError(f"native prefill attention does not support head_dim={q.shape[2]}, heads={q.shape[1]}")
+
+
 def write_kv_cache(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, block_size: int):
     """Copy (tokens, kv_heads, dim) K/V rows (rows may be strided) into their slots; slot -1 is skipped."""
     lib = load_kernels()
@@ -165,3 +199,16 @@ def supports(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtyp
     group = num_heads // num_kv_heads
     dtypes_ok = (dtype, cache_dtype) in _ATTENTION_KERNELS
     return dtypes_ok and head_dim in (64, 128) and 1 <= group <= 8 and group * num_kv_heads == num_heads
+
+
+def supports_prefill(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, cache_dtype: torch.dtype):
+    """Whether ``prefill_attention`` runs here: bf16 queries and cache, on a CPU with AVX512-BF16
+    (others use torch's flash kernel)."""
+    lib = load_kernels()
+    shapes_ok = head_dim in (64, 128) and num_heads % num_kv_heads == 0
+    return (
+        dtype == cache_dtype == torch.bfloat16
+        and shapes_ok
+        and lib is not None
+        and bool(lib.prefill_attention_bf16_available())
+    )

@@ -48,26 +48,30 @@ static inline i8 load8_s8(const int8_t *p) { return (i8){p[0], p[1], p[2], p[3],
 
 static inline float hsum8(v8 a) { return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7])); }
 
-static inline v8 vmax(v8 a, v8 b) {
-    const i8 take_b = a < b;
-    return (v8)(((i8)a & ~take_b) | ((i8)b & take_b));
-}
+/* max and exp(x) for x <= 0 over a float vector type V whose lanes the int vector type I
+ * matches (eight lanes here; sixteen in kernels built for AVX-512).
+ * exp: Cephes' single-precision polynomial, about 1 ulp: x = n ln2 + r. */
+#define DEFINE_VMAX_EXP(VMAX, EXP, V, I, SPLAT)                                   \
+    static inline V VMAX(V a, V b) {                                             \
+        const I take_b = a < b;                                                  \
+        return (V)(((I)a & ~take_b) | ((I)b & take_b));                          \
+    }                                                                            \
+    static inline V EXP(V x) {                                                   \
+        x = VMAX(x, SPLAT(-87.0f));                                              \
+        const I n = __builtin_convertvector(x * SPLAT(1.44269504088896341f) - SPLAT(0.5f), I); \
+        const V nf = __builtin_convertvector(n, V);                              \
+        const V r = x - nf * SPLAT(0.693359375f) + nf * SPLAT(2.12194440e-4f);   \
+        V p = SPLAT(1.9875691500e-4f);                                           \
+        p = p * r + SPLAT(1.3981999507e-3f);                                     \
+        p = p * r + SPLAT(8.3334519073e-3f);                                     \
+        p = p * r + SPLAT(4.1665795894e-2f);                                     \
+        p = p * r + SPLAT(1.6666665459e-1f);                                     \
+        p = p * r + SPLAT(5.0000001201e-1f);                                     \
+        p = p * r * r + r + SPLAT(1.0f);                                         \
+        return p * (V)((n + 127) << 23);                                         \
+    }
 
-/* exp(x) for x <= 0 (Cephes' single-precision polynomial, about 1 ulp): x = n ln2 + r. */
-static inline v8 exp8_nonpositive(v8 x) {
-    x = vmax(x, splat(-87.0f));
-    const i8 n = __builtin_convertvector(x * splat(1.44269504088896341f) - splat(0.5f), i8);
-    const v8 nf = __builtin_convertvector(n, v8);
-    const v8 r = x - nf * splat(0.693359375f) + nf * splat(2.12194440e-4f);
-    v8 p = splat(1.9875691500e-4f);
-    p = p * r + splat(1.3981999507e-3f);
-    p = p * r + splat(8.3334519073e-3f);
-    p = p * r + splat(4.1665795894e-2f);
-    p = p * r + splat(1.6666665459e-1f);
-    p = p * r + splat(5.0000001201e-1f);
-    p = p * r * r + r + splat(1.0f);
-    return p * (v8)((n + 127) << 23);
-}
+DEFINE_VMAX_EXP(vmax, exp8_nonpositive, v8, i8, splat)
 
 /* fp32 -> bf16, round to nearest even (inputs are finite). */
 static inline uint16_t to_bf16(float x) {
