@@ -39,8 +39,9 @@ def register_attention_backends(register):
 
 @hookimpl
 def register_models(register):
-    for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
-        register(arch, LLAMA)
+    for family in ("Llama", "Mistral", "Qwen2", "Qwen3"):
+        register(f"{family}ForCausalLM", LLAMA)
+        register(f"{family}Model", "kiln.models.llama:LlamaModel")
     for arch, module in DECODERS.items():
         register(arch, f"kiln.models.{module}:{arch}")
     for arch, cls in ENCODERS.items():

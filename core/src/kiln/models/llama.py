@@ -197,6 +197,7 @@ class LlamaForCausalLM(nn.Module):
     interleaved_rotary = False  # rotation pairs are adjacent dimensions (GLM), not halves
     scaled_embeddings = False  # embeddings times sqrt(hidden_size) (Gemma)
     supports_quantization = True
+    pooling_only = False  # saved without its LM head (``LlamaModel``): serves pooling tasks only
     # A checkpoint projection -> (the merged matmul it joins, the projections that matmul stacks).
     merged_projections = {
         "q_proj": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
@@ -235,8 +236,8 @@ class LlamaForCausalLM(nn.Module):
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if self.tie_word_embeddings:
+        self.lm_head = None if self.pooling_only else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if self.tie_word_embeddings and self.lm_head is not None:
             self.lm_head.weight = self.embed_tokens.weight  # one tensor; a platform may repack a copy
         self.logit_softcap = getattr(cfg, "final_logit_softcapping", None)
         head_dim = head_dim_of(cfg)
@@ -351,3 +352,11 @@ QK_NORM_TYPES = ("qwen3", "qwen3_moe", "gemma3_text")  # families with an RMS no
 # hidden_act -> the op of kiln.interfaces.model that applies it to the gate, times the up projection
 GATED_ACTIVATIONS = {"silu": "silu_and_mul", "gelu_pytorch_tanh": "gelu_tanh_and_mul", "gelu_new": "gelu_tanh_and_mul",
                      "gelu": "gelu_and_mul"}  # fmt: skip
+
+
+class LlamaModel(LlamaForCausalLM):
+    """A Llama-family decoder saved without its LM head (``LlamaModel``, ``MistralModel``,
+    ``Qwen2Model``, ``Qwen3Model``), as sentence-transformers saves decoder embedding models
+    (e5-mistral style): tensors named without the ``model.`` prefix, served for pooling only."""
+
+    pooling_only = True

@@ -38,7 +38,16 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kiln.pooler")
 
-_ST_MODES = {"pooling_mode_cls_token": "CLS", "pooling_mode_mean_tokens": "MEAN", "pooling_mode_lasttoken": "LAST"}
+# sentence-transformers' pooling modes (those Kiln runs), and the older config's booleans for each mode.
+_ST_MODES = {"cls": "CLS", "mean": "MEAN", "lasttoken": "LAST"}
+_ST_LEGACY_KEYS = {
+    "pooling_mode_cls_token": "cls",
+    "pooling_mode_max_tokens": "max",
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+    "pooling_mode_weightedmean_tokens": "weightedmean",
+    "pooling_mode_lasttoken": "lasttoken",
+}
 
 
 def resolve_task(config: EngineConfig, arch: str, model_cls: type, hf_config: Any) -> str:
@@ -48,6 +57,7 @@ def resolve_task(config: EngineConfig, arch: str, model_cls: type, hf_config: An
         raise ValueError("--task: give either --task or --runner/--convert, not both")
     encoder = bool(getattr(model_cls, "is_encoder", False))
     classifier = hasattr(model_cls, "classify")
+    headless = bool(getattr(model_cls, "pooling_only", False))  # a decoder without its LM head
     native = ("score" if getattr(hf_config, "num_labels", 2) == 1 else "classify") if classifier else None
     if task == "auto":
         if runner == "generate" and convert not in ("auto", "none"):
@@ -56,12 +66,13 @@ def resolve_task(config: EngineConfig, arch: str, model_cls: type, hf_config: An
             task = convert
         elif runner == "generate":
             task = "generate"
-        elif runner == "pooling" or encoder or classifier:
+        elif runner == "pooling" or encoder or classifier or headless:
             task = native or "embed"  # vLLM's --runner pooling turns a causal LM into an embedding model
         else:
             task = "generate"
-    if task == "generate" and (encoder or classifier):
-        raise ValueError(f"--task generate: {arch} is not a generation model; serve it with --task {native or 'embed'}")
+    if task == "generate" and (encoder or classifier or headless):
+        why = "has no LM head" if headless else "is not a generation model"
+        raise ValueError(f"--task generate: {arch} {why}; serve it with --task {native or 'embed'}")
     if task in ("score", "classify") and not classifier:
         raise ValueError(
             f"--task {task}: {arch} has no classification head; serve a *ForSequenceClassification model "
@@ -126,15 +137,14 @@ def _sentence_transformers_config(model_path: str, config: PoolerConfig, pooling
         return config
     kinds = {str(m.get("type", "")).rsplit(".", 1)[-1]: m.get("path", "") for m in modules}
     pooling = _read_json(os.path.join(model_path, kinds.get("Pooling", "1_Pooling"), "config.json")) or {}
-    chosen = [mode for key, mode in _ST_MODES.items() if pooling.get(key)]
-    others = [k for k, v in pooling.items() if k.startswith("pooling_mode_") and v and k not in _ST_MODES]
-    if (others or len(chosen) > 1) and not pooling_given:
+    modes = _st_pooling_modes(pooling)
+    if (len(modes) > 1 or any(m not in _ST_MODES for m in modes)) and not pooling_given:
         raise ValueError(
-            f"model: its sentence-transformers pooling ({', '.join(others + chosen)}) is not supported; "
+            f"model: its sentence-transformers pooling ({', '.join(modes)}) is not supported; "
             'choose one with --override-pooler-config \'{"pooling_type": "MEAN"}\' (LAST, MEAN or CLS)'
         )
-    if chosen:
-        config = replace(config, pooling_type=chosen[0])
+    if len(modes) == 1 and modes[0] in _ST_MODES:
+        config = replace(config, pooling_type=_ST_MODES[modes[0]])
     config = replace(config, normalize="Normalize" in kinds)
     st = _read_json(os.path.join(model_path, "config_sentence_transformers.json")) or {}
     similarity = st.get("similarity_fn_name") or "cosine"
@@ -142,6 +152,16 @@ def _sentence_transformers_config(model_path: str, config: PoolerConfig, pooling
         logger.warning("similarity %r is not supported; scores use cosine similarity", similarity)
         similarity = "cosine"
     return replace(config, similarity=similarity)
+
+
+def _st_pooling_modes(pooling: dict) -> list[str]:
+    """The modes of a sentence-transformers ``Pooling`` config: ``pooling_mode``, one name or a list
+    (version 6 on), or the older ``pooling_mode_*`` booleans."""
+    mode = pooling.get("pooling_mode")
+    if mode is not None:
+        return [mode] if isinstance(mode, str) else list(mode)
+    on = [k for k, v in pooling.items() if k.startswith("pooling_mode_") and v]
+    return [_ST_LEGACY_KEYS.get(k, k) for k in on]
 
 
 def load_dense_layers(model_path: str) -> list[nn.Module]:
