@@ -203,12 +203,10 @@ def supports(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtyp
 
 def supports_prefill(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, cache_dtype: torch.dtype):
     """Whether ``prefill_attention`` runs here: bf16 queries and cache, on a CPU with AVX512-BF16
-    (others use torch's flash kernel)."""
-    lib = load_kernels()
+    but no AMX (others use torch's flash kernel, which oneDNN runs on AMX tiles where there are some:
+    this kernel has not been measured against that)."""
     shapes_ok = head_dim in (64, 128) and num_heads % num_kv_heads == 0
-    return (
-        dtype == cache_dtype == torch.bfloat16
-        and shapes_ok
-        and lib is not None
-        and bool(lib.prefill_attention_bf16_available())
-    )
+    if dtype != torch.bfloat16 or cache_dtype != dtype or not shapes_ok or " amx_bf16" in _cpu_flags():
+        return False
+    lib = load_kernels()
+    return lib is not None and bool(lib.prefill_attention_bf16_available())
