@@ -114,7 +114,7 @@ def test_resolve():
         resolve("awq", None)
     with pytest.raises(ValueError, match="unknown method 'int3'"):
         resolve("int3", None)
-    with pytest.raises(ValueError, match="fp8: not implemented"):
+    with pytest.raises(ValueError, match="--quantization fp8: needs an fp8 checkpoint"):
         resolve("fp8", None)
     with pytest.raises(ValueError, match="'bitsandbytes' in config.json is not supported"):
         resolve(None, {"quant_method": "bitsandbytes"})

@@ -72,6 +72,39 @@ class QuantConfig:
         return f"{self.method} {self.scheme.describe()}"
 
 
+@dataclass(frozen=True)
+class Fp8Layout:
+    """An fp8 checkpoint: each quantized linear layer ``X`` stores ``X.weight`` in float8 (e4m3)
+    and ``X.<scale_name>``, one fp32 scale per tensor, per output feature or per ``block`` of
+    (rows, columns): ``w = fp8 * scale``. Kiln widens these weights once at load
+    (``kiln.quantization.fp8``): no platform computes in fp8."""
+
+    scale_name: str
+    block: tuple[int, int] | None = None
+
+
+def fp8_layout(qc: dict | None) -> Fp8Layout | None:
+    """The layout of an fp8 ``quantization_config`` (``quant_method: fp8``, as DeepSeek-V3 and
+    Qwen3-FP8 ship, or compressed-tensors with float weights); None for any other."""
+    method = (qc or {}).get("quant_method")
+    if method == "fp8":
+        if qc.get("fmt", "e4m3") != "e4m3":
+            raise ValueError(f"fp8: format {qc.get('fmt')!r} (Kiln reads e4m3 checkpoints)")
+        block = qc.get("weight_block_size")
+        return Fp8Layout("weight_scale_inv", tuple(block)) if block else Fp8Layout("weight_scale")
+    if method != "compressed-tensors":
+        return None
+    groups = list((qc.get("config_groups") or {}).values())
+    weights = (groups[0].get("weights") or {}) if len(groups) == 1 else {}
+    if weights.get("type") != "float":
+        return None
+    strategy = weights.get("strategy")
+    if weights.get("num_bits") != 8 or strategy not in ("tensor", "channel", "block"):
+        raise ValueError(f"compressed-tensors: float weights {weights} (Kiln reads 8-bit per tensor, channel or block)")
+    block = weights.get("block_structure") if strategy == "block" else None
+    return Fp8Layout("weight_scale", tuple(block) if block else None)
+
+
 def normalize_flag(flag: str | None) -> str | None:
     """``--quantization``'s canonical name (None when not given or ``none``)."""
     if flag is None:
@@ -167,8 +200,16 @@ def resolve(flag: str | None, hf_quant_config: dict | None) -> QuantConfig | Non
         if hf_quant_config:
             raise ValueError("--quantization none: the checkpoint is quantized; serve it with its own method")
         return None
+    if fp8_layout(hf_quant_config) is not None:  # widened at load: served unquantized
+        if name not in (None, "fp8", "compressed-tensors"):
+            raise ValueError(f"--quantization {flag}: the checkpoint's weights are fp8 (--quantization fp8)")
+        return None
     if name == "fp8":
-        raise ValueError("--quantization fp8: not implemented in Kiln yet; use weight_only_int8 or smoothquant")
+        raise ValueError(
+            "--quantization fp8: needs an fp8 checkpoint (quant_method fp8, or compressed-tensors float8 weights), "
+            "whose weights Kiln widens at load; no Kiln platform computes in fp8, so quantizing other weights to "
+            "fp8 would only lose accuracy: use weight_only_int8 or smoothquant"
+        )
     if not hf_quant_config:
         if name is None:
             return None

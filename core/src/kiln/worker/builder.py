@@ -22,6 +22,7 @@ from kiln.models.loader import iter_weights, load_hf_config
 from kiln.quantization import config as quant_config
 from kiln.quantization.checkpoint import canonical_weights
 from kiln.quantization.config import QuantConfig
+from kiln.quantization.fp8 import widen_fp8
 from kiln.registry import Registry, load_ref
 from kiln.worker.model_runner import ModelRunner
 
@@ -145,6 +146,10 @@ def build_model(
     if config.load_format != "dummy":
         fmt = "auto" if config.load_format == "gguf" else config.load_format  # a GGUF file was converted
         weights = iter_weights(model_path, fmt, progress=tp.rank == 0)
+        fp8 = quant_config.fp8_layout(getattr(hf_config, "quantization_config", None))
+        if fp8 is not None:
+            logger.info("fp8 checkpoint: weights widened to %s at load (no platform computes in fp8)", dtype)
+            weights = widen_fp8(weights, fp8)
         in_turn(
             config.max_parallel_loading_workers,
             tp,
