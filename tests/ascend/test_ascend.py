@@ -413,15 +413,23 @@ def test_drafts_verify_on_the_ascend_path(tiny_model_dir, npu_plugins, eager):
     assert (engine.executor.runner.graph_steps > 0) is not eager
 
 
-def test_a_draft_model_on_the_ascend_path(tiny_model_dir, npu_plugins):
-    """A draft model (eager, its own cache over the same blocks) proposing for a target in graph
-    mode: the CPU plugin's greedy tokens, with drafts accepted and rejected."""
+def test_a_draft_model_on_the_ascend_path(tiny_model_dir, npu_plugins, tmp_path):
+    """A draft model and an EAGLE head (eager, their own caches over the same blocks) proposing for
+    a target in graph mode: the CPU plugin's greedy tokens, with drafts accepted and rejected."""
     from kiln.testing.engine import greedy_tokens, make_engine, run_greedy
+    from kiln.testing.spec_decode import build_eagle_head
 
     prompts = [[1000, 7, 9], list(range(100, 119))]
     draft = {"method": "draft_model", "model": tiny_model_dir("llama", rope_theta=300.0), "num_speculative_tokens": 3}
     common = dict(model=tiny_model_dir("llama"), dtype="float32", max_num_seqs=2, block_size=64)
     engine = make_engine(npu_plugins, device="npu_emulated", speculative_config=draft, **common)
-    assert run_greedy(engine, prompts, 12) == greedy_tokens(npu_plugins, prompts, 12, device="cpu", **common)
+    want = greedy_tokens(npu_plugins, prompts, 12, device="cpu", **common)
+    assert run_greedy(engine, prompts, 12) == want
     stats = engine.core.scheduler.spec_stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens and engine.executor.runner.graph_steps > 0
+    # An EAGLE head reading the hidden states of the target's graph steps.
+    head, _ = build_eagle_head(common["model"], tmp_path / "eagle")
+    eagle = {"method": "eagle", "model": head, "num_speculative_tokens": 3}
+    engine = make_engine(npu_plugins, device="npu_emulated", speculative_config=eagle, **common)
+    assert run_greedy(engine, prompts, 12) == want
+    assert engine.core.scheduler.spec_stats.num_draft_tokens > 0 and engine.executor.runner.graph_steps > 0

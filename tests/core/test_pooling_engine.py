@@ -243,6 +243,8 @@ def test_pooler_config_from_sentence_transformers_files(tmp_path):
     assert (config.pooling_type, config.normalize) == ("LAST", True)  # the flag wins
     assert load_pooler_config("classify", str(tmp_path), is_encoder=True, overrides=None).pooling_type == "CLS"
     assert load_pooler_config("reward", str(tmp_path), is_encoder=False, overrides=None).pooling_type == "ALL"
+    write_sentence_transformers(tmp_path, {"pooling_mode_cls_token": False}, normalize=False)  # none on: mean
+    assert load_pooler_config("embed", str(tmp_path), is_encoder=True, overrides=None).pooling_type == "MEAN"
     write_sentence_transformers(tmp_path, {"pooling_mode_max_tokens": True}, normalize=False)
     with pytest.raises(ValueError, match=r"pooling \(max\) is not supported.*--override-pooler-config"):
         load_pooler_config("embed", str(tmp_path), is_encoder=True, overrides=None)

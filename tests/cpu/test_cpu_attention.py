@@ -46,7 +46,7 @@ def test_bf16_prefills_take_the_native_kernel_where_the_cpu_has_avx512_bf16():
     """So that the bf16 contract above tests the kernel on such machines (and the fallback on others:
     no AVX512-BF16, or AMX, where torch's kernel is kept)."""
     flags = native._cpu_flags()
-    expected = " avx512_bf16" in flags and " amx_bf16" not in flags
+    expected = " avx512_bf16" in flags and " amx_bf16" not in flags and native.load_kernels() is not None
     assert CpuAttentionBackend(6, 2, 64, torch.bfloat16).native_prefill == expected
     assert not CpuAttentionBackend(6, 2, 64, torch.float32).native_prefill
 

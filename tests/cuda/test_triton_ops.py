@@ -138,13 +138,13 @@ def test_model_families_through_triton_kernels_match_the_cpu_plugin(tiny_model_d
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the interpreter path on CPU")
-def test_drafts_verify_through_triton_kernels_as_on_the_cpu_plugin(tiny_model_dir, kiln_plugins):
+def test_drafts_verify_through_triton_kernels_as_on_the_cpu_plugin(tiny_model_dir, kiln_plugins, tmp_path):
     """Speculative decoding: each step's drafts run as decode rows through the Triton attention
     kernels and are accepted or rejected as on the CPU plugin."""
     import kiln_cpu.plugin
     import kiln_cuda.plugin
     from kiln.testing.engine import greedy_tokens
-    from kiln.testing.spec_decode import replayed_greedy
+    from kiln.testing.spec_decode import build_eagle_head, replayed_greedy
 
     for module, name in ((kiln_cpu.plugin, "cpu"), (kiln_cuda.plugin, "cuda"), (sys.modules[__name__], "test")):
         kiln_plugins.register(module, name=name)
@@ -157,6 +157,10 @@ def test_drafts_verify_through_triton_kernels_as_on_the_cpu_plugin(tiny_model_di
     # A draft model (its own cache over the same blocks) on the same kernels.
     draft = {"method": "draft_model", "model": tiny_model_dir("llama", rope_theta=300.0), "num_speculative_tokens": 3}
     assert greedy_tokens(kiln_plugins, prompts, 8, device="cpu_triton", speculative_config=draft, **common) == got
+    # An EAGLE head (reading the target's hidden states) on the same kernels.
+    head, _ = build_eagle_head(common["model"], tmp_path / "eagle")
+    eagle = {"method": "eagle", "model": head, "num_speculative_tokens": 3}
+    assert greedy_tokens(kiln_plugins, prompts, 8, device="cpu_triton", speculative_config=eagle, **common) == got
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the interpreter path on CPU")

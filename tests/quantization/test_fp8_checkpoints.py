@@ -88,11 +88,13 @@ def test_fp8_checkpoints_generate_as_their_widened_weights(tiny_model_dir, tmp_p
 
 
 def test_block_scales_cover_partial_blocks():
+    """Blocks of 32 rows by 48 columns (not square: rows and columns cannot be swapped unseen)."""
     weight = torch.randn(100, 70)
-    q, scale = quantize(weight, (48, 48), per_row=False)
-    assert scale.shape == (3, 2)
-    back = widen(q, scale, (48, 48))
-    assert back[96:, 48:].abs().max() <= scale[2, 1] * FP8_MAX * 1.0001  # the corner block's own scale
+    q, scale = quantize(weight, (32, 48), per_row=False)
+    assert scale.shape == (4, 2)
+    back = widen(q, scale, (32, 48))
+    for (r, c), s in zip([(0, 0), (99, 69), (40, 10), (70, 50)], [scale[0, 0], scale[3, 1], scale[1, 0], scale[2, 1]]):
+        assert back[r, c] == q[r, c].float() * s  # each value with its own block's scale
     torch.testing.assert_close(back, weight, atol=0.0, rtol=0.07)  # e4m3 keeps 3 mantissa bits
 
 
@@ -100,7 +102,9 @@ def test_fp8_stream_pairs_weights_with_scales_in_any_order():
     w = torch.randn(4, 8)
     q, scale = quantize(w, None, per_row=False)
     assert scale.dim() == 0
-    stream = [("a.weight_scale", scale), ("a.weight", q), ("a.input_scale", torch.tensor(1.0)), ("norm.weight", w)]
+    one = torch.tensor(1.0)
+    kv_scales = [("k_proj.output_scale", one), ("attn.kv_scale", one), ("attn.k_scale", one), ("attn.v_scale", one)]
+    stream = [("a.weight_scale", scale), ("a.weight", q), ("a.input_scale", one), *kv_scales, ("norm.weight", w)]
     out = dict(widen_fp8(stream, Fp8Layout("weight_scale")))
     assert set(out) == {"a.weight", "norm.weight"} and out["norm.weight"] is w
     with pytest.raises(ValueError, match=r"fp8 checkpoint: b.weight_scale is missing \(it has b.weight\)"):
@@ -116,3 +120,10 @@ def test_fp8_flag_resolution():
     groups = {"g": {"weights": {"num_bits": 4, "type": "float", "strategy": "channel"}}}
     with pytest.raises(ValueError, match="compressed-tensors: float weights"):
         fp8_layout({"quant_method": "compressed-tensors", "config_groups": groups})
+    groups["g"]["weights"].update(num_bits=8, strategy="block", block_structure="128x128")
+    with pytest.raises(ValueError, match=r"block strategy needs block_structure \[rows, columns\], got '128x128'"):
+        fp8_layout({"quant_method": "compressed-tensors", "config_groups": groups})
+    groups["g"]["weights"]["block_structure"] = [128, 64]
+    assert fp8_layout({"quant_method": "compressed-tensors", "config_groups": groups}) == Fp8Layout(
+        "weight_scale", (128, 64)
+    )

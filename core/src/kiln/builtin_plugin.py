@@ -42,6 +42,7 @@ def register_models(register):
     for family in ("Llama", "Mistral", "Qwen2", "Qwen3"):
         register(f"{family}ForCausalLM", LLAMA)
         register(f"{family}Model", "kiln.models.llama:LlamaModel")
+    register("EagleLlamaForCausalLM", "kiln.models.eagle:EagleLlamaForCausalLM")  # --speculative-config eagle
     for arch, module in DECODERS.items():
         register(arch, f"kiln.models.{module}:{arch}")
     for arch, cls in ENCODERS.items():

@@ -198,6 +198,7 @@ class LlamaForCausalLM(nn.Module):
     scaled_embeddings = False  # embeddings times sqrt(hidden_size) (Gemma)
     supports_quantization = True
     pooling_only = False  # saved without its LM head (``LlamaModel``): serves pooling tasks only
+    optional_weights: tuple[str, ...] = ()  # parameters a checkpoint may leave out (set by the caller)
     # A checkpoint projection -> (the merged matmul it joins, the projections that matmul stacks).
     merged_projections = {
         "q_proj": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
@@ -284,9 +285,10 @@ class LlamaForCausalLM(nn.Module):
         pending: dict[str, dict[str, torch.Tensor]] = {}
         loaded: set[str] = set()
         merges = self.merged_projections
+        no_head = self.tie_word_embeddings or self.lm_head is None  # a checkpoint's LM head is not loaded
         for name, tensor in self.checkpoint_tensors(weights):
             name = name.removeprefix("model.")
-            if "rotary_emb" in name or (name == "lm_head.weight" and self.tie_word_embeddings):
+            if "rotary_emb" in name or (name == "lm_head.weight" and no_head):
                 continue
             if ".experts." in name:  # layers.N.mlp.experts.E.{gate,up,down}_proj.weight
                 block, _, rest = name.partition(".experts.")
@@ -314,7 +316,7 @@ class LlamaForCausalLM(nn.Module):
                 else:
                     continue
             loaded.update(load_linear_tensor(params, name, tensor))
-        missing = set(params) - loaded
+        missing = set(params) - loaded - set(self.optional_weights)
         if pending or missing:
             raise ValueError(f"checkpoint is missing weights: {sorted(missing | set(pending))[:8]}")
 

@@ -160,8 +160,9 @@ def _st_pooling_modes(pooling: dict) -> list[str]:
     mode = pooling.get("pooling_mode")
     if mode is not None:
         return [mode] if isinstance(mode, str) else list(mode)
-    on = [k for k, v in pooling.items() if k.startswith("pooling_mode_") and v]
-    return [_ST_LEGACY_KEYS.get(k, k) for k in on]
+    given = [k for k in pooling if k.startswith("pooling_mode_")]
+    on = [k for k in given if pooling[k]]
+    return [_ST_LEGACY_KEYS.get(k, k) for k in on] if on or not given else ["mean"]  # none on: its default
 
 
 def load_dense_layers(model_path: str) -> list[nn.Module]:

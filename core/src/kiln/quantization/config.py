@@ -102,6 +102,8 @@ def fp8_layout(qc: dict | None) -> Fp8Layout | None:
     if weights.get("num_bits") != 8 or strategy not in ("tensor", "channel", "block"):
         raise ValueError(f"compressed-tensors: float weights {weights} (Kiln reads 8-bit per tensor, channel or block)")
     block = weights.get("block_structure") if strategy == "block" else None
+    if strategy == "block" and not (isinstance(block, list) and len(block) == 2 and all(type(n) is int for n in block)):
+        raise ValueError(f"compressed-tensors: block strategy needs block_structure [rows, columns], got {block!r}")
     return Fp8Layout("weight_scale", tuple(block) if block else None)
 
 

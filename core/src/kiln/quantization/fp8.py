@@ -1,7 +1,8 @@
 """fp8 checkpoints widened at load: each ``X.weight`` in float8 times its ``X.<scale>`` (per
 tensor, per output feature, or per block) becomes an fp32 ``X.weight`` that the model copies into
 its own dtype, so the model is served as an unquantized one. Activation and KV-cache scales
-(``input_scale``, ``k_scale``, ``v_scale``) have nothing to scale there and are dropped."""
+(``input_scale``; ``k_scale``/``v_scale``, compressed-tensors' ``k_proj.output_scale``, AutoFP8's
+``kv_scale``) have nothing to scale there and are dropped."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 
 from kiln.quantization.config import Fp8Layout
 
-_DROPPED = ("input_scale", "k_scale", "v_scale", "q_scale")
+_DROPPED = ("input_scale", "output_scale", "k_scale", "v_scale", "q_scale", "kv_scale", "prob_output_scale")
 
 
 def widen(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:

@@ -15,9 +15,11 @@ DEFAULT_LOOKUP = 5
 NGRAM_MODEL = ("[ngram]", "ngram")  # the older way to ask for n-gram lookup: --speculative-model "[ngram]"
 _NOT_YET = (
     "speculative method {!r} is not implemented yet: Kiln speculates by n-gram prompt lookup "
-    '(\'{{"method": "ngram", "num_speculative_tokens": 4}}\') or with a draft model '
-    '(\'{{"method": "draft_model", "model": "PATH", "num_speculative_tokens": 4}}\')'
+    '(\'{{"method": "ngram", "num_speculative_tokens": 4}}\'), with a draft model '
+    '(\'{{"method": "draft_model", "model": "PATH", "num_speculative_tokens": 4}}\') or an EAGLE head '
+    '(\'{{"method": "eagle", "model": "PATH", "num_speculative_tokens": 4}}\')'
 )
+MODEL_METHODS = ("draft_model", "eagle")  # the methods that load a second model
 
 
 class SpeculativeConfig(BaseModel):
@@ -26,14 +28,16 @@ class SpeculativeConfig(BaseModel):
     ``method`` ``ngram`` proposes, for each decoding sequence, the tokens that followed the
     most recent earlier occurrence of its last ``prompt_lookup_max`` .. ``prompt_lookup_min``
     tokens (in the prompt or its output). ``draft_model`` proposes the greedy continuation of
-    a smaller ``model`` sharing the target's vocabulary (``kiln.worker.draft_model``).
+    a smaller ``model`` sharing the target's vocabulary (``kiln.worker.draft_model``);
+    ``eagle`` that of an EAGLE-1 head ``model`` fed the target's hidden states
+    (``kiln.worker.eagle``).
     Verification is exact (``rejection_sampler``): outputs are distributed as without
     speculation, token for token identical when greedy.
     """
 
     model_config = ConfigDict(extra="forbid")
 
-    method: str | None = Field(None, description="ngram or draft_model (eagle, eagle3...: not yet)")
+    method: str | None = Field(None, description="ngram, draft_model or eagle (eagle3...: not yet)")
     model: str | None = Field(None, description="a draft model, or '[ngram]' / 'ngram' (the older spelling)")
     num_speculative_tokens: int | None = Field(None, ge=1, le=64)
     prompt_lookup_max: int | None = Field(None, ge=1)
@@ -54,11 +58,11 @@ class SpeculativeConfig(BaseModel):
             if self.model is None:
                 raise ValueError("give a method (ngram) or a draft model")
             self.method = "ngram" if self.model in NGRAM_MODEL else "draft_model"
-        if self.method not in ("ngram", "draft_model"):
+        if self.method not in ("ngram", *MODEL_METHODS):
             raise ValueError(_NOT_YET.format(self.method))
         if self.num_speculative_tokens is None:
             raise ValueError("num_speculative_tokens is required (how many tokens to propose per step)")
-        if self.method == "draft_model":
+        if self.method in MODEL_METHODS:
             return self._check_draft_model()
         if self.model is not None and self.model not in NGRAM_MODEL:
             raise ValueError(f"model: n-gram lookup uses no draft model (got {self.model!r})")
@@ -83,7 +87,7 @@ class SpeculativeConfig(BaseModel):
 
     def _check_draft_model(self) -> SpeculativeConfig:
         refused = {
-            "model": (self.model in (None, *NGRAM_MODEL), "the draft model's folder (or Hub id) is required"),
+            "model": (self.model in (None, *NGRAM_MODEL), f"{self.method}: the draft's folder (or Hub id) is required"),
             "prompt_lookup_max": (self.prompt_lookup_max is not None, "n-gram lookup only"),
             "prompt_lookup_min": (self.prompt_lookup_min is not None, "n-gram lookup only"),
             "draft_tensor_parallel_size": (

@@ -24,6 +24,7 @@ from kiln.quantization import config as quant_config
 from kiln.registry import Registry
 from kiln.worker.builder import build_runner
 from kiln.worker.draft_model import DraftModel
+from kiln.worker.eagle import EagleDraft
 from kiln.worker.sampler import BitmaskKernel, Sampler, prompt_top_logprobs
 from kiln.worker.spec_verify import sample_with_drafts
 from kiln.worker.tp_workers import TensorParallelWorkers
@@ -59,10 +60,13 @@ class Executor:
         tp = TensorParallel(0, config.tensor_parallel_size, config.enable_expert_parallel)
         # The draft model first: once started, the other ranks wait in rank 0's collectives.
         spec = config.speculative_config
-        self.draft = self._build_draft(registry, dtype) if spec and spec.method == "draft_model" else None
+        self.draft = self._build_draft(registry, dtype) if spec and spec.method in ("draft_model", "eagle") else None
         self.workers = self._start_workers(model_path, dtype, tp) if tp.size > 1 else None
         try:
             self.runner = build_runner(config, registry, platform, hf_config, dtype, model_path, tp)
+            if isinstance(self.draft, EagleDraft):  # the head reads the target's embeddings, LM head and states
+                self.draft.runner.model.attach(self.runner.model)
+                self.runner.keep_features = True
             self.num_blocks = self._num_kv_blocks()  # the workers profile alongside, then report "built"
             if self.workers is not None:
                 self.workers.expect("built")
@@ -109,15 +113,24 @@ class Executor:
             }
         )  # fmt: skip
         hf_config = load_hf_config(files.path, config)
+        eagle = spec.method == "eagle"
+        if eagle:  # published EAGLE-1 heads say LlamaForCausalLM
+            hf_config.architectures = ["EagleLlamaForCausalLM"]
+            if self.hf_config.hidden_size != hf_config.hidden_size:
+                raise ValueError(
+                    f"--speculative-config: the EAGLE head's hidden size ({hf_config.hidden_size}) differs from "
+                    f"the target's ({self.hf_config.hidden_size}); it must be trained for this target"
+                )
         if hf_config.vocab_size != self.hf_config.vocab_size:
             raise ValueError(
                 f"--speculative-config: the draft model's vocabulary ({hf_config.vocab_size} tokens) differs from "
                 f"the target's ({self.hf_config.vocab_size}); a draft model must share the target's tokenizer"
             )
         runner = build_runner(config, registry, self.platform, hf_config, dtype, files.path, TensorParallel(0, 1))
-        if getattr(runner.model, "is_encoder", False) or not hasattr(runner.model, "compute_logits"):
+        headless = getattr(runner.model, "pooling_only", False) and not eagle  # an EAGLE head gets the target's
+        if getattr(runner.model, "is_encoder", False) or not hasattr(runner.model, "compute_logits") or headless:
             raise ValueError(f"--speculative-config: the draft model {spec.model!r} is not a causal language model")
-        return DraftModel(runner, self.config.max_num_batched_tokens)
+        return (EagleDraft if eagle else DraftModel)(runner, self.config.max_num_batched_tokens)
 
     def _num_kv_blocks(self) -> int:
         cfg = self.config
@@ -152,6 +165,8 @@ class Executor:
         """Run the model over the scheduled tokens (all ranks); prompt logprobs of positions
         computed for the first time."""
         result = self.runner.execute(scheduled)
+        if result.features:
+            self.draft.observe(result.features)
         prompt_logprobs = {}
         for req, (first, logits) in result.prompt_logits.items():
             if req.num_prompt_logprobs != first:

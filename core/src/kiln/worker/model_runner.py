@@ -42,6 +42,8 @@ class StepResult:
     prompt_logits: dict[Request, tuple[int, torch.Tensor]]  # req -> (first position, logits rows)
     forward_time: float
     pooled: dict[Request, torch.Tensor] = field(default_factory=dict)  # pooling requests' outputs, on the host
+    # With ``keep_features``: each request's hidden states, (first position, rows), for an EAGLE head.
+    features: dict[Request, tuple[int, torch.Tensor]] = field(default_factory=dict)
 
 
 class DecodeStep(torch.nn.Module):
@@ -166,6 +168,7 @@ class ModelRunner:
         _note_unused_graph_flags(config, platform, built=self.graphs is not None)
         self.max_blocks_per_req = -(-config.max_model_len // config.block_size)
         self.graph_steps = 0  # decode steps run as graphs, for logs and tests
+        self.keep_features = False  # return the hidden states of every computed token (EAGLE drafts)
         self.peers = None  # tensor-parallel ranks 1..N-1 (rank 0 only): has send(StepBatch)
         # sentence-transformers projections after pooling (embedding models; a few KB, on the host)
         self.dense = load_dense_layers(config.model) if config.task == "embed" and config.model else []
@@ -287,8 +290,15 @@ class ModelRunner:
         else:  # only pooling requests (pooling models may have no LM head)
             logits = hidden.new_zeros((0, 0), dtype=torch.float32)
         pooled = pool(self.model, hidden, pool_spans, self.dense) if pool_spans else {}
+        features = {}
+        if self.keep_features:
+            kept, offset = hidden[:offset].clone(), 0  # a graph's output buffer is reused next step
+            for req, n in batch:
+                if req.pooling_params is None:
+                    features[req] = (req.num_computed_tokens, kept[offset : offset + n])
+                offset += n
         self.platform.synchronize()
         forward_time = time.perf_counter() - t0
         # Sampling stays on the device; prompt log-probs are read row by row, on the host.
         prompt_logits = {req: (first, logits[o : o + c].cpu()) for req, first, o, c in prompt_spans}
-        return StepResult(sampling_reqs, logits[sample_from:], prompt_logits, forward_time, pooled)
+        return StepResult(sampling_reqs, logits[sample_from:], prompt_logits, forward_time, pooled, features)

@@ -122,7 +122,7 @@ class CpuAttentionBackend(AttentionBackend):
                 )  # fmt: skip
             else:
                 out[:nd] = self._decode(q[:nd], kv_cache, metadata, scale, sliding_window)
-        if metadata.prefill_seqs is not None:
+        if metadata.prefill_seqs is not None and q.dtype == torch.bfloat16:
             layout = metadata.layout
             native.prefill_attention(out, q, kv_cache, layout.block_table, metadata.prefill_seqs, scale, sliding_window)
             return out

@@ -171,13 +171,21 @@ def prefill_attention(
     """Causal attention of prefill queries (and chunks on a cached prefix) over the keys
     the cache holds up to each query's position (its last ``sliding_window`` of them)."""
     for name, x in (("out", out), ("q", q)):
-        if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
-            raise ValueError(f"native prefill attention needs (tokens, heads, dim) rows in {name}")
+        if x.stride(2) != 1 or x.stride(1) != x.shape[2] or x.dtype != torch.bfloat16:
+            raise ValueError(f"native prefill attention needs (tokens, heads, dim) bf16 rows in {name}")
+    if kv_cache.dtype != torch.bfloat16 or not kv_cache.is_contiguous() or kv_cache.shape[-1] != q.shape[2]:
+        raise ValueError("native prefill attention needs a contiguous bf16 cache of the queries' head size")
+    if block_table.dtype != torch.int32 or block_table.stride(1) != 1 or seqs.dtype != torch.int64:
+        raise ValueError("native prefill attention needs an int32 block table and int64 sequence rows")
+    seqs = seqs.contiguous()
+    window = min(sliding_window or 0, 2**31 - 1)  # the kernel compares positions in 32 bits
     status = load_kernels().prefill_attention_bf16(
         out.data_ptr(), out.stride(0), q.data_ptr(), q.stride(0), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
         block_table.data_ptr(), block_table.stride(0), seqs.data_ptr(), seqs.shape[0], q.shape[1], kv_cache.shape[2],
-        q.shape[2], kv_cache.shape[3], scale, sliding_window or 0,
+        q.shape[2], kv_cache.shape[3], scale, window,
     )  # fmt: skip
+    if status == -2:
+        raise MemoryError("native prefill attention: out of memory for its buffers")
     if status != 0:
         raise ValueError(f"native prefill attention does not support head_dim={q.shape[2]}, heads={q.shape[1]}")
 

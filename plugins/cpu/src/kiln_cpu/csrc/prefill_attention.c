@@ -56,8 +56,9 @@ typedef struct {
 } Buffers;
 
 /* Copies keys key0..end-1 of one kv head (and their values, interleaved) out of the
- * paged cache; rows up to KB past the end are zero so that register blocks may read them. */
-static void gather_item(Buffers *b, const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *table,
+ * paged cache; rows up to KB past the end are zero so that register blocks may read them.
+ * Returns -1 when the buffers cannot grow. */
+static int gather_item(Buffers *b, const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *table,
                         int64_t key0, int64_t end, int64_t kv_head, int64_t num_kv_heads, int64_t block_size,
                         int64_t D) {
     const int64_t n = end - key0, padded = (n + KB) & ~(int64_t)1;
@@ -67,6 +68,10 @@ static void gather_item(Buffers *b, const uint16_t *k_cache, const uint16_t *v_c
         b->capacity = padded;
         b->keys = aligned_alloc(64, padded * D * sizeof(uint16_t));
         b->values = aligned_alloc(64, padded / 2 * D * sizeof(uint32_t));
+        if (b->keys == NULL || b->values == NULL) {
+            b->capacity = 0;
+            return -1;
+        }
     }
     memset(b->keys + n * D, 0, (padded - n) * D * sizeof(uint16_t));
     static const uint16_t lo_idx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
@@ -91,6 +96,7 @@ static void gather_item(Buffers *b, const uint16_t *k_cache, const uint16_t *v_c
             _mm512_storeu_si512(w + d + 16, _mm512_permutex2var_epi16(a, hi, c));
         }
     }
+    return 0;
 }
 
 /* One tile: `rows` (<= ROWS) query positions pos0.. of one head, strided by q_stride,
@@ -201,6 +207,8 @@ int prefill_attention_bf16(uint16_t *out, int64_t out_stride, const uint16_t *q,
     int64_t items = 0;
     for (int64_t i = 0; i < num_seqs; i++) items += num_kv_heads * ((seqs[4 * i + 1] + CHUNK - 1) / CHUNK);
     int64_t *item = malloc(3 * items * sizeof(int64_t) + 1);
+    if (item == NULL) return -2;
+    int failed = 0;
     for (int64_t i = 0, n = 0; i < num_seqs; i++)
         for (int64_t h = 0; h < num_kv_heads; h++)
             for (int64_t c = 0; c < seqs[4 * i + 1]; c += CHUNK, n++) {
@@ -211,13 +219,17 @@ int prefill_attention_bf16(uint16_t *out, int64_t out_stride, const uint16_t *q,
     _Pragma("omp parallel") {
         Buffers b = {NULL, NULL, 0};
         _Pragma("omp for schedule(dynamic, 1)") for (int64_t n = 0; n < items; n++) {
+            if (failed) continue;
             const int64_t *sq = seqs + 4 * item[3 * n];
             const int64_t h = item[3 * n + 1], c = item[3 * n + 2];
             const int64_t rows = sq[1] - c < CHUNK ? sq[1] - c : CHUNK;
             const int64_t pos0 = sq[2] + c, end = pos0 + rows; /* positions of the item's queries */
             const int64_t key0 = window > 0 && pos0 - window + 1 > 0 ? pos0 - window + 1 : 0;
-            gather_item(&b, k_cache, v_cache, block_table + sq[3] * table_stride, key0, end, h, num_kv_heads,
-                        block_size, head_dim);
+            if (gather_item(&b, k_cache, v_cache, block_table + sq[3] * table_stride, key0, end, h, num_kv_heads,
+                            block_size, head_dim) != 0) {
+                _Pragma("omp atomic write") failed = 1;
+                continue;
+            }
             for (int64_t g = 0; g < group; g++) {
                 const int64_t head = h * group + g;
                 for (int64_t r = 0; r < rows; r += ROWS) {
@@ -231,7 +243,7 @@ int prefill_attention_bf16(uint16_t *out, int64_t out_stride, const uint16_t *q,
         free(b.values);
     }
     free(item);
-    return 0;
+    return failed ? -2 : 0;
 }
 
 int prefill_attention_bf16_available(void) { return 1; }

@@ -1,0 +1,109 @@
+"""EAGLE drafts: an EAGLE-1 head (``kiln.models.eagle``) proposing from the target's hidden states.
+
+The head runs as a draft model does (``kiln.worker.draft_model``: a second ``ModelRunner`` on the
+first rank, its own KV cache addressed through the target's block tables) but its row at
+position i reads the token at i + 1 and the target's hidden state at i. The target's runner
+returns the hidden states of every token it computes (``ModelRunner.keep_features``), which
+``observe`` keeps per request, later rows replacing earlier ones from their first position on
+(the rows of rejected drafts are recomputed by the next step). Before a step, for a request whose
+tokens are x_0 .. x_{N-1}, the head catches up on positions ``held`` .. N-2 (hidden states the
+target has computed, each with its next token), in passes of at most the step's token budget;
+its output at N-2 gives the first draft, and each further draft is a row at the next position
+reading the previous draft and the head's own output before it. Positions the target never
+computed (prefix-cache hits) are not caught up on: the head's cache there may be stale, which
+costs accepted drafts, never exactness (verification is unchanged).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.engine.request import Request
+from kiln.engine.scheduler import SchedulerOutput
+from kiln.worker.draft_model import DraftModel
+from kiln.worker.model_runner import ModelRunner, StepBatch
+
+
+class EagleDraft(DraftModel):
+    def __init__(self, runner: ModelRunner, max_tokens_per_pass: int) -> None:
+        super().__init__(runner, max_tokens_per_pass)
+        self.features: dict[str, tuple[int, torch.Tensor]] = {}  # request id -> (first position, rows)
+
+    def observe(self, features: dict[Request, tuple[int, torch.Tensor]]) -> None:
+        """Keep the target's hidden states of a step, (first position, rows) per request."""
+        for req, (first, rows) in features.items():
+            old = self.features.get(req.request_id)
+            if old is not None and old[0] <= first <= old[0] + len(old[1]):
+                first, rows = old[0], torch.cat([old[1][: first - old[0]], rows])
+            self.features[req.request_id] = (first, rows)
+
+    @torch.inference_mode()
+    def fill(self, scheduled: SchedulerOutput) -> None:
+        reqs = [req for req, _ in scheduled.scheduled if req.spec_token_ids]
+        if not reqs:
+            return
+        tokens, hidden = self._catch_up(reqs)
+        drafts = [[token] for token in tokens]
+        for i in range(1, max(len(req.spec_token_ids) for req in reqs)):
+            more = [j for j, req in enumerate(reqs) if len(req.spec_token_ids) > i]
+            step = StepBatch([], [], [], [], [])
+            for j in more:
+                step.add([drafts[j][-1]], reqs[j].num_tokens + i - 2, [b.block_id for b in reqs[j].blocks])
+            new_tokens, new_hidden = self._propose(step, hidden[more])
+            for row, (j, token) in enumerate(zip(more, new_tokens)):
+                drafts[j].append(token)
+                hidden[j] = new_hidden[row]
+        for req, proposed in zip(reqs, drafts):
+            req.spec_token_ids = proposed
+            self.seen[req.request_id] = (req.num_preemptions, req.num_tokens - 1)
+
+    def _catch_up(self, reqs: list[Request]) -> tuple[list[int], torch.Tensor]:
+        """Run the head over each request's unseen positions up to N - 2; its greedy token and
+        output hidden state at N - 2 of each."""
+        spans = {}  # req -> (next position to run, hidden-state rows from it to N - 2)
+        for req in reqs:
+            first, rows = self.features[req.request_id]
+            end = req.num_tokens - 1  # positions start .. end - 1
+            if not first <= end - 1 < first + len(rows):
+                raise RuntimeError(f"EAGLE: no hidden state of position {end - 1} for request {req.request_id}")
+            start = min(max(self._held(req), first), end - 1)
+            spans[req] = (start, rows[start - first : end - first])
+            self.features[req.request_id] = (end, rows[end - first :])  # consumed
+        tokens: dict[Request, int] = {}
+        last: dict[Request, torch.Tensor] = {}
+        while len(tokens) < len(reqs):
+            batch, room = [], self.max_tokens_per_pass
+            for req in reqs:
+                start, rows = spans[req]
+                n = min(len(rows), room)
+                if req not in tokens and n > 0:
+                    batch.append((req, n))
+                    room -= n
+            batch.sort(key=lambda row: row[1] != 1)  # one-token rows first, as the backends batch decodes
+            step = StepBatch([], [], [], [], [])
+            for req, n in batch:
+                start, _ = spans[req]
+                step.add(req.all_token_ids[start + 1 : start + 1 + n], start, [b.block_id for b in req.blocks])
+            features = torch.cat([spans[req][1][:n] for req, n in batch])
+            new_tokens, new_hidden = self._propose(step, features, last_only=True)
+            for row, ((req, n), token) in enumerate(zip(batch, new_tokens)):
+                start, rows = spans[req]
+                spans[req] = (start + n, rows[n:])
+                if not len(rows) - n:
+                    tokens[req], last[req] = token, new_hidden[row]
+        return [tokens[req] for req in reqs], torch.stack([last[req] for req in reqs])
+
+    def _propose(self, step: StepBatch, features: torch.Tensor, last_only: bool = False):
+        """The head over ``step`` reading ``features``: the greedy token after each row (each
+        request's last row with ``last_only``) and the head's output there."""
+        self.runner.model.features = features
+        hidden = self.runner.run_batch(step)
+        if last_only:
+            hidden = hidden[torch.tensor(step.query_lens, device=hidden.device).cumsum(0) - 1]
+        return self.runner.model.compute_logits(hidden).argmax(-1).tolist(), hidden
+
+    def free(self, request_ids) -> None:
+        request_ids = list(request_ids)
+        super().free(request_ids)
+        for rid in request_ids:
+            self.features.pop(rid, None)
