@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-from kiln import LLM, SamplingParams
+from kiln import LLM, BeamSearchParams, SamplingParams
 from kiln.testing.spec_decode import build_eagle_head
 from kiln.worker.eagle import EagleDraft
 
@@ -80,11 +80,27 @@ def test_eagle_keeps_greedy_and_seeded_outputs(tiny_model_dir, tmp_path):
     plain, spec = LLM(target, **ENGINE), LLM(target, speculative_config=eagle_config(path, 4), **ENGINE)
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     seeded = SamplingParams(temperature=0.8, top_k=20, seed=3, max_tokens=24, ignore_eos=True, logprobs=2)
+    wanted = []
     for params in (greedy, seeded):
         want = plain.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
         got = spec.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
         assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+        wanted.append(want)
     assert spec.engine.core.scheduler.spec_stats.num_draft_tokens > 0
+    draft = spec.engine.executor.draft
+    assert draft.features == {} and draft.seen == {}  # freed with their requests
+    spec.beam_search([{"prompt_token_ids": PROMPTS[1]}], BeamSearchParams(beam_width=3, max_tokens=6))
+    assert draft.features == {}  # beams never draft: their hidden states are not kept
+    # Hidden states lost (never expected): the request drafts its last token, outputs stay the same.
+    fill = draft.fill
+
+    def forgetful(scheduled):
+        draft.features.clear()
+        fill(scheduled)
+
+    draft.fill = forgetful
+    got = spec.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in wanted[0]]
     tight = dict(ENGINE, num_gpu_blocks_override=12, max_num_batched_tokens=16)
     prompts = [{"prompt_token_ids": list(range(100 + 10 * i, 130 + 10 * i))} for i in range(4)]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)

@@ -16,6 +16,8 @@ costs accepted drafts, never exactness (verification is unchanged).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from kiln.engine.request import Request
@@ -23,23 +25,38 @@ from kiln.engine.scheduler import SchedulerOutput
 from kiln.worker.draft_model import DraftModel
 from kiln.worker.model_runner import ModelRunner, StepBatch
 
+logger = logging.getLogger("kiln.spec_decode")
+
 
 class EagleDraft(DraftModel):
     def __init__(self, runner: ModelRunner, max_tokens_per_pass: int) -> None:
         super().__init__(runner, max_tokens_per_pass)
-        self.features: dict[str, tuple[int, torch.Tensor]] = {}  # request id -> (first position, rows)
+        # request id -> the target's hidden states not yet read, as (first position, rows) chunks in order
+        self.features: dict[str, list[tuple[int, torch.Tensor]]] = {}
 
     def observe(self, features: dict[Request, tuple[int, torch.Tensor]]) -> None:
-        """Keep the target's hidden states of a step, (first position, rows) per request."""
+        """Keep the target's hidden states of a step, (first position, rows) per request; they
+        replace any kept from their first position on (rejected drafts' rows, a recomputation)."""
         for req, (first, rows) in features.items():
-            old = self.features.get(req.request_id)
-            if old is not None and old[0] <= first <= old[0] + len(old[1]):
-                first, rows = old[0], torch.cat([old[1][: first - old[0]], rows])
-            self.features[req.request_id] = (first, rows)
+            chunks = self.features.setdefault(req.request_id, [])
+            if chunks and chunks[-1][0] + len(chunks[-1][1]) < first:  # positions never seen in between
+                chunks.clear()
+            while chunks and chunks[-1][0] >= first:
+                chunks.pop()
+            if chunks and chunks[-1][0] + len(chunks[-1][1]) > first:
+                start, old = chunks[-1]
+                chunks[-1] = (start, old[: first - start])
+            chunks.append((first, rows))
 
     @torch.inference_mode()
     def fill(self, scheduled: SchedulerOutput) -> None:
         reqs = [req for req, _ in scheduled.scheduled if req.spec_token_ids]
+        for req in [r for r in reqs if not self._covered(r)]:  # never seen so far; drafts are only guesses
+            logger.warning(
+                "EAGLE: no hidden state before request %s's last token; it drafts that token", req.request_id
+            )
+            req.spec_token_ids = [req.all_token_ids[-1]] * len(req.spec_token_ids)
+            reqs.remove(req)
         if not reqs:
             return
         tokens, hidden = self._catch_up(reqs)
@@ -57,18 +74,22 @@ class EagleDraft(DraftModel):
             req.spec_token_ids = proposed
             self.seen[req.request_id] = (req.num_preemptions, req.num_tokens - 1)
 
+    def _covered(self, req: Request) -> bool:
+        """Whether the kept hidden states reach position N - 2, the first draft's input."""
+        chunks = self.features.get(req.request_id)
+        return bool(chunks) and chunks[0][0] <= req.num_tokens - 2 < chunks[-1][0] + len(chunks[-1][1])
+
     def _catch_up(self, reqs: list[Request]) -> tuple[list[int], torch.Tensor]:
         """Run the head over each request's unseen positions up to N - 2; its greedy token and
         output hidden state at N - 2 of each."""
         spans = {}  # req -> (next position to run, hidden-state rows from it to N - 2)
         for req in reqs:
-            first, rows = self.features[req.request_id]
+            chunks = self.features.pop(req.request_id)
+            first, rows = chunks[0][0], torch.cat([c for _, c in chunks])  # contiguous: see observe
             end = req.num_tokens - 1  # positions start .. end - 1
-            if not first <= end - 1 < first + len(rows):
-                raise RuntimeError(f"EAGLE: no hidden state of position {end - 1} for request {req.request_id}")
             start = min(max(self._held(req), first), end - 1)
             spans[req] = (start, rows[start - first : end - first])
-            self.features[req.request_id] = (end, rows[end - first :])  # consumed
+            self.features[req.request_id] = [(end, rows[end - first :])]  # rows of this step's drafts
         tokens: dict[Request, int] = {}
         last: dict[Request, torch.Tensor] = {}
         while len(tokens) < len(reqs):

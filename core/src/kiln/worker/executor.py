@@ -22,6 +22,7 @@ from kiln.interfaces.platform import Platform
 from kiln.models.loader import is_gguf_file, load_hf_config, resolve_model
 from kiln.quantization import config as quant_config
 from kiln.registry import Registry
+from kiln.spec_decode.config import MODEL_METHODS
 from kiln.worker.builder import build_runner
 from kiln.worker.draft_model import DraftModel
 from kiln.worker.eagle import EagleDraft
@@ -60,7 +61,7 @@ class Executor:
         tp = TensorParallel(0, config.tensor_parallel_size, config.enable_expert_parallel)
         # The draft model first: once started, the other ranks wait in rank 0's collectives.
         spec = config.speculative_config
-        self.draft = self._build_draft(registry, dtype) if spec and spec.method in ("draft_model", "eagle") else None
+        self.draft = self._build_draft(registry, dtype) if spec and spec.method in MODEL_METHODS else None
         self.workers = self._start_workers(model_path, dtype, tp) if tp.size > 1 else None
         try:
             self.runner = build_runner(config, registry, platform, hf_config, dtype, model_path, tp)
@@ -105,15 +106,16 @@ class Executor:
         files = resolve_model(spec.model, load_format, None, self.config.download_dir)
         quantization = quant_config.for_model_file(None, is_gguf_file(spec.model, load_format))
         has_graphs = type(self.platform).graph_runner is not Platform.graph_runner
+        eagle = spec.method == "eagle"
         config = self.config.model_copy(
             update={
                 "model": files.path, "load_format": load_format, "quantization": quantization,
                 "tensor_parallel_size": 1, "enforce_eager": self.config.enforce_eager or has_graphs,
                 "enable_lora": False, "hf_overrides": None, "rope_scaling": None, "rope_theta": None,
+                **({"model_impl": "kiln"} if eagle else {}),  # a head is Kiln's own class
             }
         )  # fmt: skip
         hf_config = load_hf_config(files.path, config)
-        eagle = spec.method == "eagle"
         if eagle:  # published EAGLE-1 heads say LlamaForCausalLM
             hf_config.architectures = ["EagleLlamaForCausalLM"]
             if self.hf_config.hidden_size != hf_config.hidden_size:

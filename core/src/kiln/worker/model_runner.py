@@ -291,11 +291,11 @@ class ModelRunner:
             logits = hidden.new_zeros((0, 0), dtype=torch.float32)
         pooled = pool(self.model, hidden, pool_spans, self.dense) if pool_spans else {}
         features = {}
-        if self.keep_features:
-            kept, offset = hidden[:offset].clone(), 0  # a graph's output buffer is reused next step
+        if self.keep_features:  # copies: a graph's output buffer is reused, and a view would pin the step's
+            offset = 0
             for req, n in batch:
-                if req.pooling_params is None:
-                    features[req] = (req.num_computed_tokens, kept[offset : offset + n])
+                if req.pooling_params is None and req.beam is None:  # beams never draft
+                    features[req] = (req.num_computed_tokens, hidden[offset : offset + n].clone())
                 offset += n
         self.platform.synchronize()
         forward_time = time.perf_counter() - t0
