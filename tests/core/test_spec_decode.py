@@ -51,7 +51,7 @@ def test_the_older_separate_flags_fold_into_the_config():
     [
         ({"speculative_config": '{"method": "ngram"}'}, "num_speculative_tokens is required"),
         ({"speculative_config": "{not json"}, "not valid JSON"),
-        ({"speculative_config": {"method": "eagle3", "model": "x", "num_speculative_tokens": 2}}, "not implemented"),
+        ({"speculative_config": {"method": "medusa", "model": "x", "num_speculative_tokens": 2}}, "not implemented"),
         ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "typo": 1}}, "typo"),
         ({"speculative_config": {**NGRAM, "prompt_lookup_min": 4}}, "exceeds prompt_lookup_max"),
         ({"num_speculative_tokens": 3}, "need --speculative-model"),

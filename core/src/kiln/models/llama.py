@@ -256,14 +256,21 @@ class LlamaForCausalLM(nn.Module):
         if not hasattr(self, "rope_cache"):
             self.register_buffer("rope_cache", cos_sin_cache(head_dim, max_positions, cfg, rotating), persistent=False)
         self.ops = ops
+        # Layers whose inputs the forward returns too, after its output (an EAGLE-3 head reads them).
+        self.aux_layers: tuple[int, ...] = ()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
-        for layer, rope in zip(self.layers, self.rope_names):
+        inputs = {}
+        for i, (layer, rope) in enumerate(zip(self.layers, self.rope_names)):
+            if i in self.aux_layers:  # copies: layers update the residual stream in place
+                inputs[i] = x.clone() if residual is None else x + residual
             x, residual = layer(positions, x, residual, getattr(self, rope), ctx)
         x, _ = self.ops.fused_add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
+        if self.aux_layers:
+            return torch.cat([x, *(inputs[i] for i in self.aux_layers)], dim=-1)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -17,9 +17,9 @@ _NOT_YET = (
     "speculative method {!r} is not implemented yet: Kiln speculates by n-gram prompt lookup "
     '(\'{{"method": "ngram", "num_speculative_tokens": 4}}\'), with a draft model '
     '(\'{{"method": "draft_model", "model": "PATH", "num_speculative_tokens": 4}}\') or an EAGLE head '
-    '(\'{{"method": "eagle", "model": "PATH", "num_speculative_tokens": 4}}\')'
+    '(\'{{"method": "eagle", "model": "PATH", "num_speculative_tokens": 4}}\', or "eagle3")'
 )
-MODEL_METHODS = ("draft_model", "eagle")  # the methods that load a second model
+MODEL_METHODS = ("draft_model", "eagle", "eagle3")  # the methods that load a second model
 
 
 class SpeculativeConfig(BaseModel):
@@ -29,15 +29,15 @@ class SpeculativeConfig(BaseModel):
     most recent earlier occurrence of its last ``prompt_lookup_max`` .. ``prompt_lookup_min``
     tokens (in the prompt or its output). ``draft_model`` proposes the greedy continuation of
     a smaller ``model`` sharing the target's vocabulary (``kiln.worker.draft_model``);
-    ``eagle`` that of an EAGLE-1 head ``model`` fed the target's hidden states
-    (``kiln.worker.eagle``).
+    ``eagle`` and ``eagle3`` that of an EAGLE-1 or EAGLE-3 head ``model`` fed the target's
+    hidden states (``kiln.worker.eagle``).
     Verification is exact (``rejection_sampler``): outputs are distributed as without
     speculation, token for token identical when greedy.
     """
 
     model_config = ConfigDict(extra="forbid")
 
-    method: str | None = Field(None, description="ngram, draft_model or eagle (eagle3...: not yet)")
+    method: str | None = Field(None, description="ngram, draft_model, eagle or eagle3")
     model: str | None = Field(None, description="a draft model, or '[ngram]' / 'ngram' (the older spelling)")
     num_speculative_tokens: int | None = Field(None, ge=1, le=64)
     prompt_lookup_max: int | None = Field(None, ge=1)

@@ -4,7 +4,8 @@ Tiny random-weight models seldom repeat themselves, so n-gram lookup would rarel
 a token they accept. ``ReplayProposer`` stands in for the proposer: it offers what a
 run without speculation produced, with every ``wrong_every``-th draft changed, so steps
 accept all, some or none of their drafts and the verification path is driven through each
-case on the model under test. ``build_eagle_head`` writes a random EAGLE-1 head for a model.
+case on the model under test. ``build_eagle_head`` and ``build_eagle3_head`` write random
+EAGLE-1 and EAGLE-3 heads for a model.
 """
 
 from __future__ import annotations
@@ -78,4 +79,58 @@ def build_eagle_head(target: str, folder: str | os.PathLike, seed: int = 0) -> t
     embeddings = AutoModelForCausalLM.from_pretrained(target).get_input_embeddings().weight
     weights["embed_tokens.weight"] = embeddings.detach().clone()
     torch.save(weights, folder / "pytorch_model.bin")
+    return str(folder), weights
+
+
+def build_eagle3_head(
+    target: str,
+    folder: str | os.PathLike,
+    seed: int = 0,
+    draft_vocab_size: int | None = None,
+    layer_ids: list[int] | None = None,
+    embeddings: bool = False,
+) -> tuple[str, dict]:
+    """A random EAGLE-3 head for the model in ``target``, written as its authors publish heads
+    (a one-layer ``LlamaForCausalLMEagle3`` config with ``draft_vocab_size``; ``midlayer.*``
+    whose q/k/v read twice the hidden size, ``hidden_norm``, ``fc`` over three layers' states,
+    ``norm``, an LM head over the draft vocabulary and its maps ``d2t`` / ``t2d``) into
+    ``folder``, as safetensors. The draft vocabulary is a random subset of the target's (all of
+    it when ``draft_vocab_size`` is None); ``layer_ids`` go into the config as
+    ``eagle_aux_hidden_state_layer_ids``; ``embeddings`` adds a copy of the target's. Returns the
+    folder and the weights."""
+    import torch
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    config = json.loads((Path(target) / "config.json").read_text())
+    vocab, hidden = config["vocab_size"], config["hidden_size"]
+    draft_vocab = draft_vocab_size or vocab
+    config.update(num_hidden_layers=1, architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=draft_vocab)
+    if layer_ids is not None:
+        config["eagle_aux_hidden_state_layer_ids"] = layer_ids
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    gen = torch.Generator().manual_seed(seed)
+    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
+    head_dim = config.get("head_dim") or hidden // heads
+    shapes = {
+        "self_attn.q_proj.weight": (heads * head_dim, 2 * hidden),
+        "self_attn.k_proj.weight": (kv_heads * head_dim, 2 * hidden),
+        "self_attn.v_proj.weight": (kv_heads * head_dim, 2 * hidden),
+        "self_attn.o_proj.weight": (hidden, heads * head_dim),
+        "mlp.gate_proj.weight": (config["intermediate_size"], hidden),
+        "mlp.up_proj.weight": (config["intermediate_size"], hidden),
+        "mlp.down_proj.weight": (hidden, config["intermediate_size"]),
+    }
+    weights = {f"midlayer.{name}": torch.randn(shape, generator=gen) * 0.2 for name, shape in shapes.items()}
+    for norm in ("midlayer.input_layernorm", "midlayer.hidden_norm", "midlayer.post_attention_layernorm", "norm"):
+        weights[f"{norm}.weight"] = 1.0 + 0.1 * torch.randn(hidden, generator=gen)
+    weights["fc.weight"] = torch.randn(hidden, 3 * hidden, generator=gen) * 0.1
+    weights["lm_head.weight"] = torch.randn(draft_vocab, hidden, generator=gen) * 0.5
+    kept = torch.randperm(vocab, generator=gen)[:draft_vocab].sort().values
+    weights["d2t"] = kept - torch.arange(draft_vocab)
+    weights["t2d"] = torch.zeros(vocab, dtype=torch.bool).index_fill(0, kept, True)
+    if embeddings:
+        weights["embed_tokens.weight"] = torch.randn(vocab, hidden, generator=gen)
+    save_file(weights, folder / "model.safetensors")
     return str(folder), weights

@@ -1,9 +1,11 @@
-"""EAGLE drafts: an EAGLE-1 head (``kiln.models.eagle``) proposing from the target's hidden states.
+"""EAGLE drafts: an EAGLE-1 or EAGLE-3 head (``kiln.models.eagle``) proposing from the target's
+hidden states.
 
 The head runs as a draft model does (``kiln.worker.draft_model``: a second ``ModelRunner`` on the
 first rank, its own KV cache addressed through the target's block tables) but its row at
 position i reads the token at i + 1 and the target's hidden state at i. The target's runner
-returns the hidden states of every token it computes (``ModelRunner.keep_features``), which
+returns the hidden states of every token it computes (``ModelRunner.keep_features``; for
+EAGLE-3 the inputs of three layers, which the head's ``combine`` projects once), which
 ``observe`` keeps per request, later rows replacing earlier ones from their first position on
 (the rows of rejected drafts are recomputed by the next step). Before a step, for a request whose
 tokens are x_0 .. x_{N-1}, the head catches up on positions ``held`` .. N-2 (hidden states the
@@ -34,10 +36,12 @@ class EagleDraft(DraftModel):
         # request id -> the target's hidden states not yet read, as (first position, rows) chunks in order
         self.features: dict[str, list[tuple[int, torch.Tensor]]] = {}
 
+    @torch.inference_mode()
     def observe(self, features: dict[Request, tuple[int, torch.Tensor]]) -> None:
         """Keep the target's hidden states of a step, (first position, rows) per request; they
         replace any kept from their first position on (rejected drafts' rows, a recomputation)."""
         for req, (first, rows) in features.items():
+            rows = self.runner.model.combine(rows)
             chunks = self.features.setdefault(req.request_id, [])
             if chunks and chunks[-1][0] + len(chunks[-1][1]) < first:  # positions never seen in between
                 chunks.clear()

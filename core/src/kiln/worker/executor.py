@@ -19,6 +19,7 @@ from kiln.distributed import TensorParallel
 from kiln.engine.request import Request, TopLogprobs
 from kiln.engine.scheduler import SampledToken, SchedulerOutput
 from kiln.interfaces.platform import Platform
+from kiln.models.eagle import aux_layer_ids
 from kiln.models.loader import is_gguf_file, load_hf_config, resolve_model
 from kiln.quantization import config as quant_config
 from kiln.registry import Registry
@@ -31,6 +32,7 @@ from kiln.worker.spec_verify import sample_with_drafts
 from kiln.worker.tp_workers import TensorParallelWorkers
 
 logger = logging.getLogger("kiln.engine")
+EAGLE_ARCHS = {"eagle": "EagleLlamaForCausalLM", "eagle3": "Eagle3LlamaForCausalLM"}  # method -> head class
 
 
 @dataclass(slots=True)
@@ -66,8 +68,7 @@ class Executor:
         try:
             self.runner = build_runner(config, registry, platform, hf_config, dtype, model_path, tp)
             if isinstance(self.draft, EagleDraft):  # the head reads the target's embeddings, LM head and states
-                self.draft.runner.model.attach(self.runner.model)
-                self.runner.keep_features = True
+                self._attach_head(self.draft.runner.model, self.runner.model)
             self.num_blocks = self._num_kv_blocks()  # the workers profile alongside, then report "built"
             if self.workers is not None:
                 self.workers.expect("built")
@@ -106,7 +107,7 @@ class Executor:
         files = resolve_model(spec.model, load_format, None, self.config.download_dir)
         quantization = quant_config.for_model_file(None, is_gguf_file(spec.model, load_format))
         has_graphs = type(self.platform).graph_runner is not Platform.graph_runner
-        eagle = spec.method == "eagle"
+        eagle = spec.method in EAGLE_ARCHS
         config = self.config.model_copy(
             update={
                 "model": files.path, "load_format": load_format, "quantization": quantization,
@@ -116,12 +117,13 @@ class Executor:
             }
         )  # fmt: skip
         hf_config = load_hf_config(files.path, config)
-        if eagle:  # published EAGLE-1 heads say LlamaForCausalLM
-            hf_config.architectures = ["EagleLlamaForCausalLM"]
-            if self.hf_config.hidden_size != hf_config.hidden_size:
+        if eagle:  # published EAGLE-1 heads say LlamaForCausalLM, EAGLE-3 ones LlamaForCausalLMEagle3
+            hf_config.architectures = [EAGLE_ARCHS[spec.method]]
+            reads = getattr(hf_config, "target_hidden_size", None) or hf_config.hidden_size
+            if self.hf_config.hidden_size != reads:
                 raise ValueError(
-                    f"--speculative-config: the EAGLE head's hidden size ({hf_config.hidden_size}) differs from "
-                    f"the target's ({self.hf_config.hidden_size}); it must be trained for this target"
+                    f"--speculative-config: the EAGLE head reads hidden states of size {reads}, the target's "
+                    f"are {self.hf_config.hidden_size}; it must be trained for this target"
                 )
         if hf_config.vocab_size != self.hf_config.vocab_size:
             raise ValueError(
@@ -133,6 +135,19 @@ class Executor:
         if getattr(runner.model, "is_encoder", False) or not hasattr(runner.model, "compute_logits") or headless:
             raise ValueError(f"--speculative-config: the draft model {spec.model!r} is not a causal language model")
         return (EagleDraft if eagle else DraftModel)(runner, self.config.max_num_batched_tokens)
+
+    def _attach_head(self, head: torch.nn.Module, target: torch.nn.Module) -> None:
+        """Give an EAGLE head the target's parts it reads; have the target return its hidden
+        states (EAGLE-3: the inputs of the layers the head reads)."""
+        if self.config.speculative_config.method == "eagle3":
+            if not hasattr(target, "aux_layers"):
+                raise ValueError(
+                    "--speculative-config: eagle3 reads the target's layers, which --model-impl transformers "
+                    "does not expose; use --model-impl kiln"
+                )
+            target.aux_layers = aux_layer_ids(head.config, len(target.layers))
+        head.attach(target)
+        self.runner.keep_features = True
 
     def _num_kv_blocks(self) -> int:
         cfg = self.config

@@ -200,7 +200,7 @@ class ModelRunner:
         batch = StepBatch([0] * n, list(range(n)), [list(range(1, blocks + 1))], [0], [n])
         try:
             with torch.inference_mode():
-                hidden = self.run_batch(batch)
+                hidden, _ = self.split_features(self.run_batch(batch))
                 if self.config.task == "generate":  # pooling models compute no logits (drafts: a row each)
                     self.model.compute_logits(hidden[: min(n, self.config.max_decode_rows)])
         finally:
@@ -225,6 +225,15 @@ class ModelRunner:
         if layout.max_seq_len > self.config.max_seq_len_to_capture:
             return None
         return pick_graph_size(layout.num_reqs, self.graph_sizes)
+
+    def split_features(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden states, what an EAGLE head reads) of a forward's output: its two parts when
+        the model returns layer inputs after its output (``aux_layers``), else the output twice."""
+        aux = len(getattr(self.model, "aux_layers", ()))
+        if not aux:
+            return out, out
+        width = out.shape[-1] // (aux + 1)
+        return out[:, :width].contiguous(), out[:, width:]
 
     def run_batch(self, batch: StepBatch) -> torch.Tensor:
         """The model's hidden states for every token of ``batch`` (eagerly or through a graph)."""
@@ -284,7 +293,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         if self.peers is not None:
             self.peers.send(step)  # the other tensor-parallel ranks run the same step alongside
-        hidden = self.run_batch(step)
+        hidden, kept = self.split_features(self.run_batch(step))
         if rows:
             logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.int64, device=self.device)])
         else:  # only pooling requests (pooling models may have no LM head)
@@ -295,7 +304,7 @@ class ModelRunner:
             offset = 0
             for req, n in batch:
                 if req.pooling_params is None and req.beam is None:  # beams never draft
-                    features[req] = (req.num_computed_tokens, hidden[offset : offset + n].clone())
+                    features[req] = (req.num_computed_tokens, kept[offset : offset + n].clone())
                 offset += n
         self.platform.synchronize()
         forward_time = time.perf_counter() - t0
