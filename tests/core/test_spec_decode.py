@@ -476,3 +476,25 @@ def test_draft_model_settings_are_checked(tiny_model_dir):
     assert (older.method, older.model) == ("draft_model", path)  # seed 001's --speculative-model PATH
     with pytest.raises(ValueError, match="must share the target's tokenizer"):
         LLM(path, dtype="float32", speculative_config=draft_config(tiny_model_dir("bert")))
+
+
+def test_seed_001_environment_switches(tiny_model_dir, monkeypatch):
+    """``EAGLE_USE_SAFE_AI_LAB_STYLE``: on (the default) is how Kiln runs EAGLE heads, 0 is
+    refused for EAGLE only; ``ENABLE_SPEC_METRIC=0`` leaves the counts out of the stats."""
+    eagle = {"method": "eagle", "model": "x", "num_speculative_tokens": 2}
+    monkeypatch.setenv("EAGLE_USE_SAFE_AI_LAB_STYLE", "0")
+    with pytest.raises(ValueError, match="EAGLE_USE_SAFE_AI_LAB_STYLE: Kiln runs EAGLE heads only as their authors"):
+        EngineConfig.create(speculative_config=eagle)
+    draft = EngineConfig.create(speculative_config={**eagle, "method": "draft_model"})
+    assert draft.speculative_config.method == "draft_model"
+    monkeypatch.setenv("EAGLE_USE_SAFE_AI_LAB_STYLE", "perhaps")
+    with pytest.raises(ValueError, match="EAGLE_USE_SAFE_AI_LAB_STYLE: expected true or false, got 'perhaps'"):
+        EngineConfig.create(speculative_config=eagle)
+    monkeypatch.setenv("EAGLE_USE_SAFE_AI_LAB_STYLE", "1")
+    assert EngineConfig.create(speculative_config=eagle).speculative_config.method == "eagle"
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    for value, reported in (("1", True), ("0", False)):
+        monkeypatch.setenv("ENABLE_SPEC_METRIC", value)
+        llm = LLM(tiny_model_dir("llama"), dtype="float32", speculative_config=NGRAM)
+        llm.generate([{"prompt_token_ids": [5, 6, 7, 5, 6, 7, 5, 6]}], params)
+        assert isinstance(llm.engine.get_stats()["spec_decode"], SpecDecodeStats) is reported

@@ -68,6 +68,12 @@ def cmd_quantize(ns: argparse.Namespace) -> int:
     return run(ns)
 
 
+def cmd_convert_eagle(ns: argparse.Namespace) -> int:
+    from kiln.spec_decode.convert_eagle import cmd_convert_eagle as run
+
+    return run(ns)
+
+
 def cmd_bench_serve(ns: argparse.Namespace) -> int:
     from kiln.benchmarks.serve import cmd_bench_serve as run
 
@@ -86,6 +92,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     from kiln.plugins import get_plugin_manager
     from kiln.quantization.cli_args import HELP as QUANTIZE_HELP
     from kiln.quantization.cli_args import add_quantize_args
+    from kiln.spec_decode.convert_eagle import HELP as EAGLE_HELP
+    from kiln.spec_decode.convert_eagle import add_convert_eagle_args
 
     parser = argparse.ArgumentParser(prog="kiln", description="Kiln LLM serving engine")
     parser.add_argument("--version", action="version", version=f"kiln {kiln.__version__}")
@@ -116,6 +124,10 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     q = sub.add_parser("quantize", help="make a quantized copy of a model", description=QUANTIZE_HELP)
     add_quantize_args(q)
     q.set_defaults(func=cmd_quantize)
+
+    c = sub.add_parser("convert-eagle", help="make an EAGLE-1 head whole, as vLLM 0.6 reads it", description=EAGLE_HELP)
+    add_convert_eagle_args(c)
+    c.set_defaults(func=cmd_convert_eagle)
 
     p = sub.add_parser("plugins", help="list installed plugins, their versions and what each registered")
     p.add_argument("--json", action="store_true", help="print JSON")

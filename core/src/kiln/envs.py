@@ -1,4 +1,4 @@
-"""Reading Kiln's numeric environment settings (``KILN_*``) the same way everywhere."""
+"""Reading environment settings (``KILN_*`` and the switches of seed documents) the same way everywhere."""
 
 from __future__ import annotations
 
@@ -17,3 +17,15 @@ def env_number(name: str, default: float, kind: type = float) -> float:
     if not 0 <= parsed < float("inf"):
         raise ValueError(f"{name}: expected a finite number >= 0, got {value!r}")
     return parsed
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """The environment variable ``name`` as a switch (``default`` when unset or empty); a value
+    neither true (1/true/yes/on) nor false (0/false/no/off) is a ``ValueError`` naming it."""
+    value = os.environ.get(name, "").strip().lower()
+    if value not in _TRUE + _FALSE + ("",):
+        raise ValueError(f"{name}: expected true or false, got {os.environ[name]!r}")
+    return default if not value else value in _TRUE

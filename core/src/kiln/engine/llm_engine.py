@@ -40,6 +40,7 @@ from kiln.plugins import PluginManager, get_plugin_manager
 from kiln.pooling_params import PoolingParams, check_task
 from kiln.quantization import config as quant_config
 from kiln.sampling_params import SamplingParams
+from kiln.spec_decode.config import spec_metrics_enabled
 from kiln.worker.builder import resolve_dtype
 from kiln.worker.executor import Executor
 
@@ -69,6 +70,7 @@ class LLMEngine:
             raise ValueError(
                 f"--speculative-config: drafts speed up generation; --task {config.task} generates nothing"
             )
+        self.spec_metrics = config.speculative_config is not None and spec_metrics_enabled()
         _resolve_lengths(config, hf_config)
         self.plugins.update_engine_config(config)
         self.dtype = resolve_dtype(config, self.platform, hf_config)
@@ -220,7 +222,7 @@ class LLMEngine:
             "generation_tokens": self.core.num_generation_tokens,
             "num_preemptions": scheduler.num_preemptions,
             # a copy of the drafted/accepted counts, with speculative decoding (else None)
-            "spec_decode": scheduler.spec_stats.since(None) if self.config.speculative_config else None,
+            "spec_decode": scheduler.spec_stats.since(None) if self.spec_metrics else None,
         }
 
 

@@ -294,7 +294,12 @@ def iter_weights(path: str, load_format: str = "auto", progress: bool = False) -
 
     fmt, files = weight_files(path, load_format)
     for file in tqdm(files, desc=f"Loading {fmt} shards", unit="shard", disable=not progress or len(files) < 2):
-        yield from _read_safetensors(file) if fmt == "safetensors" else _read_pt(file)
+        yield from read_weight_file(file)
+
+
+def read_weight_file(file: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of one ``*.safetensors`` or PyTorch ``*.bin`` file, one tensor at a time."""
+    return _read_safetensors(file) if file.endswith(".safetensors") else _read_pt(file)
 
 
 def _read_pt(file: str) -> Iterator[tuple[str, torch.Tensor]]:

@@ -10,6 +10,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from kiln.envs import env_flag
+
 # vLLM's defaults when neither lookup bound is given.
 DEFAULT_LOOKUP = 5
 NGRAM_MODEL = ("[ngram]", "ngram")  # the older way to ask for n-gram lookup: --speculative-model "[ngram]"
@@ -32,7 +34,9 @@ class SpeculativeConfig(BaseModel):
     ``eagle`` and ``eagle3`` that of an EAGLE-1 or EAGLE-3 head ``model`` fed the target's
     hidden states (``kiln.worker.eagle``).
     Verification is exact (``rejection_sampler``): outputs are distributed as without
-    speculation, token for token identical when greedy.
+    speculation, token for token identical when greedy. Seed 001's environment switches:
+    ``EAGLE_USE_SAFE_AI_LAB_STYLE`` (on: the only way Kiln runs EAGLE heads; 0 is refused) and
+    ``ENABLE_SPEC_METRIC`` (0: no acceptance metrics or log line; see ``spec_metrics_enabled``).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -86,7 +90,13 @@ class SpeculativeConfig(BaseModel):
         return self
 
     def _check_draft_model(self) -> SpeculativeConfig:
+        lab_style = env_flag("EAGLE_USE_SAFE_AI_LAB_STYLE", True)  # seed 001's switch, on there by default
         refused = {
+            "EAGLE_USE_SAFE_AI_LAB_STYLE": (
+                self.method != "draft_model" and not lab_style,
+                "Kiln runs EAGLE heads only as their authors' code does (SafeAILab's, which the switch selects); "
+                "unset it or set it to 1",
+            ),
             "model": (self.model in (None, *NGRAM_MODEL), f"{self.method}: the draft's folder (or Hub id) is required"),
             "prompt_lookup_max": (self.prompt_lookup_max is not None, "n-gram lookup only"),
             "prompt_lookup_min": (self.prompt_lookup_min is not None, "n-gram lookup only"),
@@ -206,3 +216,9 @@ LEGACY_FLAGS = {
     "typical_acceptance_sampler_posterior_alpha": "posterior_alpha",
     "disable_logprobs_during_spec_decoding": "disable_logprobs",
 }
+
+
+def spec_metrics_enabled() -> bool:
+    """``ENABLE_SPEC_METRIC`` (seed 001): 0 leaves the drafted and accepted counts out of
+    ``/metrics`` and the stats log line; unset, they are reported, as vLLM reports them."""
+    return env_flag("ENABLE_SPEC_METRIC", True)

@@ -24,6 +24,7 @@ from kiln.models.loader import is_gguf_file, load_hf_config, resolve_model
 from kiln.quantization import config as quant_config
 from kiln.registry import Registry
 from kiln.spec_decode.config import MODEL_METHODS
+from kiln.spec_decode.convert_eagle import read_eagle_config
 from kiln.worker.builder import build_runner
 from kiln.worker.draft_model import DraftModel
 from kiln.worker.eagle import EagleDraft
@@ -116,7 +117,11 @@ class Executor:
                 **({"model_impl": "kiln"} if eagle else {}),  # a head is Kiln's own class
             }
         )  # fmt: skip
-        hf_config = load_hf_config(files.path, config)
+        hf_config = read_eagle_config(files.path)  # the layout ``kiln convert-eagle`` writes
+        if hf_config is None:
+            hf_config = load_hf_config(files.path, config)
+        elif spec.method != "eagle":
+            raise ValueError(f"--speculative-config: {spec.model!r} is an EAGLE-1 head (EAGLEModel); use method eagle")
         if eagle:  # published EAGLE-1 heads say LlamaForCausalLM, EAGLE-3 ones LlamaForCausalLMEagle3
             hf_config.architectures = [EAGLE_ARCHS[spec.method]]
             reads = getattr(hf_config, "target_hidden_size", None) or hf_config.hidden_size

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
 import time
 from typing import TYPE_CHECKING
 
@@ -23,6 +22,7 @@ from fastapi.responses import PlainTextResponse
 
 from kiln.entrypoints.openai.cli_args import LoRAModulePath
 from kiln.entrypoints.openai.protocol import APIError, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+from kiln.envs import env_flag
 from kiln.lora.request import LoRARequest
 
 if TYPE_CHECKING:
@@ -30,19 +30,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kiln.server")
 RUNTIME_UPDATES_ENV = ("KILN_ALLOW_RUNTIME_LORA_UPDATING", "VLLM_ALLOW_RUNTIME_LORA_UPDATING")
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
 
 def runtime_updates_enabled(flag: bool) -> bool:
     """``--enable-lora-runtime-updates``, or ``KILN_ALLOW_RUNTIME_LORA_UPDATING`` (vLLM's
     ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``) set to true; a value neither true nor false is refused."""
-    enabled = flag
-    for name in RUNTIME_UPDATES_ENV:
-        value = os.environ.get(name, "").strip().lower()
-        if value not in _TRUE + _FALSE:
-            raise ValueError(f"{name}: expected true or false, got {os.environ[name]!r}")
-        enabled = enabled or value in _TRUE
-    return enabled
+    return any([flag] + [env_flag(name, False) for name in RUNTIME_UPDATES_ENV])
 
 
 class ServingModels:
