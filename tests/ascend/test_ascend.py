@@ -417,7 +417,7 @@ def test_a_draft_model_on_the_ascend_path(tiny_model_dir, npu_plugins, tmp_path)
     """A draft model, an EAGLE and an EAGLE-3 head (eager, their own caches over the same blocks) proposing for
     a target in graph mode: the CPU plugin's greedy tokens, with drafts accepted and rejected."""
     from kiln.testing.engine import greedy_tokens, make_engine, run_greedy
-    from kiln.testing.spec_decode import build_eagle3_head, build_eagle_head
+    from kiln.testing.spec_decode import build_eagle3_head, build_eagle_head, greedy_with_proposals, record_proposals
 
     prompts = [[1000, 7, 9], list(range(100, 119))]
     draft = {"method": "draft_model", "model": tiny_model_dir("llama", rope_theta=300.0), "num_speculative_tokens": 3}
@@ -433,9 +433,13 @@ def test_a_draft_model_on_the_ascend_path(tiny_model_dir, npu_plugins, tmp_path)
     engine = make_engine(npu_plugins, device="npu_emulated", speculative_config=eagle, **common)
     assert run_greedy(engine, prompts, 12) == want
     assert engine.core.scheduler.spec_stats.num_draft_tokens > 0 and engine.executor.runner.graph_steps > 0
-    # An EAGLE-3 head reading three layers' inputs, returned by the graph steps beside their output.
-    head, _ = build_eagle3_head(common["model"], tmp_path / "eagle3", draft_vocab_size=500, layer_ids=[1, 0, 1])
+    # An EAGLE-3 head reading three layers' inputs, returned by the graph steps beside their output:
+    # the CPU plugin's drafts too.
+    deeper = dict(common, model=tiny_model_dir("llama", num_hidden_layers=3))
+    head, _ = build_eagle3_head(deeper["model"], tmp_path / "eagle3", draft_vocab_size=500, layer_ids=[0, 1, 2])
     eagle3 = {"method": "eagle3", "model": head, "num_speculative_tokens": 3}
-    engine = make_engine(npu_plugins, device="npu_emulated", speculative_config=eagle3, **common)
-    assert run_greedy(engine, prompts, 12) == want
-    assert engine.core.scheduler.spec_stats.num_draft_tokens > 0 and engine.executor.runner.graph_steps > 0
+    engine = make_engine(npu_plugins, device="npu_emulated", speculative_config=eagle3, **deeper)
+    proposed = record_proposals(engine.executor.draft)
+    on_npu = (run_greedy(engine, prompts, 12), proposed)
+    assert on_npu == greedy_with_proposals(npu_plugins, prompts, 12, device="cpu", speculative_config=eagle3, **deeper)
+    assert len(proposed) > len(prompts) and engine.executor.runner.graph_steps > 0

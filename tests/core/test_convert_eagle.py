@@ -14,23 +14,16 @@ from transformers import AutoModelForCausalLM
 
 from kiln import LLM, SamplingParams
 from kiln.cli import main
-from kiln.testing.spec_decode import build_eagle_head
+from kiln.testing.spec_decode import build_eagle_head, record_proposals
 
 ENGINE = dict(dtype="float32", max_model_len=128, block_size=16)
 PROMPTS = [[1000, 7, 9], list(range(100, 119))]
 
 
-def proposals(target: str, head: str) -> tuple[list[list[int]], list[list[int]]]:
+def proposals(target: str, head: str) -> tuple[list, list[list[int]]]:
     """Every step's drafts and the greedy outputs of PROMPTS with ``head`` as the EAGLE head."""
     llm = LLM(target, speculative_config={"method": "eagle", "model": head, "num_speculative_tokens": 3}, **ENGINE)
-    draft, proposed = llm.engine.executor.draft, []
-    fill = draft.fill
-
-    def record(scheduled):
-        fill(scheduled)
-        proposed.extend(list(req.spec_token_ids) for req, _ in scheduled.scheduled if req.spec_token_ids)
-
-    draft.fill = record
+    proposed = record_proposals(llm.engine.executor.draft)
     outputs = llm.generate(
         [{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     )

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 from kiln import LLM, BeamSearchParams, SamplingParams
-from kiln.testing.spec_decode import build_eagle_head
+from kiln.testing.spec_decode import build_eagle_head, record_proposals
 from kiln.worker.eagle import EagleDraft
 
 ENGINE = dict(dtype="float32", max_model_len=128, block_size=16)
@@ -59,17 +59,12 @@ def test_eagle_proposes_what_the_head_computes(tiny_model_dir, tmp_path):
     llm = LLM(target, speculative_config=eagle_config(path), **ENGINE)
     draft = llm.engine.executor.draft
     assert isinstance(draft, EagleDraft) and llm.engine.executor.runner.keep_features
-    proposed, fill = [], draft.fill
-
-    def record(scheduled):
-        fill(scheduled)
-        proposed.extend(list(req.spec_token_ids) for req, _ in scheduled.scheduled if req.spec_token_ids)
-
-    draft.fill = record
-    for prompt in PROMPTS:
-        proposed.clear()
-        llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-        assert proposed[0] == reference_drafts(target, head, prompt, 3)
+    proposed = record_proposals(draft)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": prompt} for prompt in PROMPTS], params)
+    assert len(proposed) >= 2 * len(PROMPTS)
+    for tokens, drafts in proposed:  # every step's drafts, given the tokens so far
+        assert drafts == reference_drafts(target, head, tokens[:-1], 3)[: len(drafts)]
 
 
 def test_eagle_keeps_greedy_and_seeded_outputs(tiny_model_dir, tmp_path):

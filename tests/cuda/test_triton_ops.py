@@ -144,7 +144,7 @@ def test_drafts_verify_through_triton_kernels_as_on_the_cpu_plugin(tiny_model_di
     import kiln_cpu.plugin
     import kiln_cuda.plugin
     from kiln.testing.engine import greedy_tokens
-    from kiln.testing.spec_decode import build_eagle3_head, build_eagle_head, replayed_greedy
+    from kiln.testing.spec_decode import build_eagle3_head, build_eagle_head, greedy_with_proposals, replayed_greedy
 
     for module, name in ((kiln_cpu.plugin, "cpu"), (kiln_cuda.plugin, "cuda"), (sys.modules[__name__], "test")):
         kiln_plugins.register(module, name=name)
@@ -161,10 +161,14 @@ def test_drafts_verify_through_triton_kernels_as_on_the_cpu_plugin(tiny_model_di
     head, _ = build_eagle_head(common["model"], tmp_path / "eagle")
     eagle = {"method": "eagle", "model": head, "num_speculative_tokens": 3}
     assert greedy_tokens(kiln_plugins, prompts, 8, device="cpu_triton", speculative_config=eagle, **common) == got
-    # An EAGLE-3 head (reading three layers' inputs) on the same kernels.
-    head, _ = build_eagle3_head(common["model"], tmp_path / "eagle3", draft_vocab_size=500, layer_ids=[1, 0, 1])
+    # An EAGLE-3 head (reading three layers' inputs) on the same kernels: the CPU plugin's drafts too.
+    deeper = dict(common, model=tiny_model_dir("llama", num_hidden_layers=3))
+    head, _ = build_eagle3_head(deeper["model"], tmp_path / "eagle3", draft_vocab_size=500, layer_ids=[0, 1, 2])
     eagle3 = {"method": "eagle3", "model": head, "num_speculative_tokens": 3}
-    assert greedy_tokens(kiln_plugins, prompts, 8, device="cpu_triton", speculative_config=eagle3, **common) == got
+    on_cpu = greedy_with_proposals(kiln_plugins, prompts, 8, device="cpu", speculative_config=eagle3, **deeper)
+    on_triton = greedy_with_proposals(kiln_plugins, prompts, 8, device="cpu_triton", speculative_config=eagle3, **deeper)
+    assert on_triton == on_cpu and on_cpu[0] == greedy_tokens(kiln_plugins, prompts, 8, device="cpu", **deeper)
+    assert len(on_cpu[1]) > len(prompts)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the interpreter path on CPU")

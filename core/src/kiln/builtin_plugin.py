@@ -43,8 +43,7 @@ def register_models(register):
         register(f"{family}ForCausalLM", LLAMA)
         register(f"{family}Model", "kiln.models.llama:LlamaModel")
     register("EagleLlamaForCausalLM", "kiln.models.eagle:EagleLlamaForCausalLM")  # --speculative-config eagle
-    for arch in ("Eagle3LlamaForCausalLM", "LlamaForCausalLMEagle3"):  # eagle3 (the second: the authors' name)
-        register(arch, "kiln.models.eagle:Eagle3LlamaForCausalLM")
+    register("Eagle3LlamaForCausalLM", "kiln.models.eagle:Eagle3LlamaForCausalLM")  # eagle3
     for arch, module in DECODERS.items():
         register(arch, f"kiln.models.{module}:{arch}")
     for arch, cls in ENCODERS.items():

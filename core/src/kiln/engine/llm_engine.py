@@ -42,6 +42,7 @@ from kiln.quantization import config as quant_config
 from kiln.sampling_params import SamplingParams
 from kiln.spec_decode.config import spec_metrics_enabled
 from kiln.worker.builder import resolve_dtype
+from kiln.worker.eagle import refuse_head
 from kiln.worker.executor import Executor
 
 __all__ = ["LLMEngine", "PromptInput"]
@@ -65,6 +66,7 @@ class LLMEngine:
         files = resolve_model(model_id, config.load_format, config.revision, config.download_dir)
         config.model = files.path  # later readers (tensor-parallel ranks, platforms) get the local folder
         hf_config = load_hf_config(files.path, config)
+        refuse_head(hf_config, "model")
         pooling = setup_pooling(config, hf_config, registry, files.path)  # resolves --task
         if config.speculative_config is not None and config.task != "generate":
             raise ValueError(

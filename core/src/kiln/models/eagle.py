@@ -55,6 +55,10 @@ class EagleLlamaForCausalLM(LlamaForCausalLM):
         self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=bool(getattr(cfg, "bias", True)))
         self.features: torch.Tensor | None = None  # (tokens, hidden): the target's, set before each pass
 
+    def release_shared(self) -> None:
+        """Free the embeddings built for loading: the target lends its own (``attach``)."""
+        self.embed_tokens = None
+
     def attach(self, target: nn.Module) -> None:
         """Use ``target``'s embeddings and LM head (the head's own are dropped)."""
         self.embed_tokens, self.lm_head = target.embed_tokens, target.lm_head
@@ -74,18 +78,19 @@ class EagleLlamaForCausalLM(LlamaForCausalLM):
 
 
 def aux_layer_ids(head_cfg, target_layers: int) -> tuple[int, ...]:
-    """The target layers whose inputs an EAGLE-3 head reads: the head config's
+    """The target layers whose inputs an EAGLE-3 head reads, in layer order (the order of the
+    concatenation ``fc`` reads, as the authors' code and vLLM gather them): the head config's
     ``eagle_aux_hidden_state_layer_ids`` (top level or in ``eagle_config``), else the authors'
     choice, layers 2, L // 2 and L - 3 of L."""
     nested = getattr(head_cfg, "eagle_config", None) or {}
     ids = getattr(head_cfg, "eagle_aux_hidden_state_layer_ids", None) or nested.get("eagle_aux_hidden_state_layer_ids")
-    ids = tuple(ids) if ids else (2, target_layers // 2, target_layers - 3)
-    if len(ids) != 3 or not all(0 <= i < target_layers for i in ids):
+    ids = list(ids) if ids else [2, target_layers // 2, target_layers - 3]
+    if len(set(ids)) != 3 or not all(0 <= i < target_layers for i in ids):
         raise ValueError(
-            f"--speculative-config: the EAGLE-3 head reads target layers {list(ids)}; it needs three of "
-            f"the target's {target_layers} layers (set eagle_aux_hidden_state_layer_ids in its config.json)"
+            f"--speculative-config: the EAGLE-3 head reads target layers {ids}; it needs three different ones "
+            f"of the target's {target_layers} layers (set eagle_aux_hidden_state_layer_ids in its config.json)"
         )
-    return ids
+    return tuple(sorted(ids))
 
 
 class Eagle3Attention(LlamaAttention):
@@ -100,7 +105,6 @@ class Eagle3Attention(LlamaAttention):
 class Eagle3DecoderLayer(LlamaDecoderLayer):
     def __init__(self, cfg, layer_idx, ops, *args, **kwargs) -> None:
         super().__init__(cfg, layer_idx, ops, *args, **kwargs)
-        self.decoder_layout = None  # two inputs: not the layout fused decode layers assume
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.norm_before_residual = bool(getattr(cfg, "norm_before_residual", False))
 
@@ -133,6 +137,7 @@ class Eagle3LlamaForCausalLM(LlamaForCausalLM):
         self.lm_head = nn.Linear(cfg.hidden_size, draft_vocab, bias=False)
         self.register_buffer("draft_to_target", torch.arange(draft_vocab), persistent=False)
         self.has_embeddings = False  # whether the checkpoint brought its own
+        self.has_vocab_map = False  # whether it brought d2t
         self.features: torch.Tensor | None = None  # (tokens, hidden): combined target's or own, set before each pass
 
     def checkpoint_tensors(self, weights):
@@ -141,9 +146,23 @@ class Eagle3LlamaForCausalLM(LlamaForCausalLM):
             if name == "d2t":
                 offsets = tensor.to(self.draft_to_target.device, torch.int64)
                 self.draft_to_target.copy_(torch.arange(len(offsets), device=offsets.device) + offsets)
+                self.has_vocab_map = True
             elif name != "t2d":  # the inverse map, a mask over the target's vocabulary: not needed
                 self.has_embeddings |= name == "embed_tokens.weight"
                 yield name, tensor
+
+    def load_weights(self, weights) -> None:
+        super().load_weights(weights)
+        if len(self.draft_to_target) != self.config.vocab_size and not self.has_vocab_map:
+            raise ValueError(
+                f"the EAGLE-3 head drafts over {len(self.draft_to_target)} of {self.config.vocab_size} tokens "
+                "but its checkpoint has no d2t to say which"
+            )
+
+    def release_shared(self) -> None:
+        """Free the embeddings built for loading when the target lends its own (``attach``)."""
+        if not self.has_embeddings:
+            self.embed_tokens = None
 
     def attach(self, target: nn.Module) -> None:
         """Use ``target``'s embeddings when the checkpoint has none."""

@@ -13,14 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from kiln.models.loader import read_weight_file
-
-logger = logging.getLogger("kiln.spec_decode")
+if TYPE_CHECKING:  # the command line parses without importing torch
+    import torch
 
 HELP = (
     "Make an EAGLE-1 head in its authors' layout whole, in the layout vLLM 0.6 reads: an EAGLEModel config and "
@@ -57,6 +54,8 @@ def cmd_convert_eagle(ns: argparse.Namespace) -> int:
 
 def convert(base: str, draft: str, base_file: str | None, draft_file: str | None, output: str | None) -> str:
     """Write the converted head (see the module docstring); returns its folder."""
+    from kiln.models.loader import read_weight_file
+
     base_dir, draft_dir = Path(base), Path(draft)
     config = json.loads((draft_dir / "config.json").read_text())
     if config.get("model_type") == "eagle":
@@ -108,6 +107,8 @@ def _only_weight_file(folder: Path) -> str:
 
 def _base_lm_head(folder: Path, name: str | None) -> torch.Tensor:
     """The base model's ``lm_head.weight`` (its embeddings when they are tied)."""
+    from kiln.models.loader import read_weight_file
+
     config = json.loads((folder / "config.json").read_text())
     wanted = "model.embed_tokens.weight" if config.get("tie_word_embeddings") else "lm_head.weight"
     if name is None:

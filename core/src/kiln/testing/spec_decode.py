@@ -54,6 +54,31 @@ def replayed_greedy(plugins, prompts: list[list[int]], max_tokens: int = 8, **en
     return reference, run_greedy(engine, prompts, max_tokens), engine
 
 
+def record_proposals(draft) -> list[tuple[list[int], list[int]]]:
+    """Have a draft model (an engine's ``executor.draft``) record, at every fill, each drafting
+    request's tokens so far and the drafts it proposed after them, in the returned list."""
+    proposed, fill = [], draft.fill
+
+    def record(scheduled):
+        fill(scheduled)
+        proposed.extend(
+            (list(req.all_token_ids), list(req.spec_token_ids)) for req, _ in scheduled.scheduled if req.spec_token_ids
+        )
+
+    draft.fill = record
+    return proposed
+
+
+def greedy_with_proposals(plugins, prompts: list[list[int]], max_tokens: int = 8, **engine_args: Any):
+    """Greedy outputs of ``prompts`` on an engine with a draft model or head, and every step's
+    proposals (``record_proposals``)."""
+    from kiln.testing.engine import make_engine, run_greedy
+
+    engine = make_engine(plugins, **engine_args)
+    proposed = record_proposals(engine.executor.draft)
+    return run_greedy(engine, prompts, max_tokens), proposed
+
+
 def build_eagle_head(target: str, folder: str | os.PathLike, seed: int = 0) -> tuple[str, dict]:
     """A random EAGLE-1 head for the model in ``target``, written as its authors publish heads
     (a one-layer ``LlamaForCausalLM`` config; ``pytorch_model.bin`` with ``fc.*``, ``layers.0.*``

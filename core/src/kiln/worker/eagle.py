@@ -13,7 +13,9 @@ target has computed, each with its next token), in passes of at most the step's 
 its output at N-2 gives the first draft, and each further draft is a row at the next position
 reading the previous draft and the head's own output before it. Positions the target never
 computed (prefix-cache hits) are not caught up on: the head's cache there may be stale, which
-costs accepted drafts, never exactness (verification is unchanged).
+costs accepted drafts, never exactness (verification is unchanged). A request decoding without
+drafts (drafts off under load, or past the speculative length) catches up every
+``CATCH_UP_ROWS`` tokens, so the states kept for it stay few.
 """
 
 from __future__ import annotations
@@ -24,24 +26,76 @@ import torch
 
 from kiln.engine.request import Request
 from kiln.engine.scheduler import SchedulerOutput
+from kiln.models.eagle import aux_layer_ids
+from kiln.models.llama import LlamaForCausalLM
 from kiln.worker.draft_model import DraftModel
 from kiln.worker.model_runner import ModelRunner, StepBatch
 
 logger = logging.getLogger("kiln.spec_decode")
+EAGLE_ARCHS = {"eagle": "EagleLlamaForCausalLM", "eagle3": "Eagle3LlamaForCausalLM"}  # method -> Kiln's head class
+# What heads are published or run as: none of them runs alone.
+HEAD_ARCHS = {*EAGLE_ARCHS.values(), "LlamaForCausalLMEagle3", "EAGLEModel"}
+CATCH_UP_ROWS = 32
+
+
+def prepare_head_config(method: str, head_cfg, target_cfg, model_impl: str) -> tuple[int, ...]:
+    """Point an EAGLE head's config at Kiln's class for ``method`` (published EAGLE-1 heads say
+    ``LlamaForCausalLM``) and check that it reads what the target has; returns the target layers
+    whose inputs it reads (EAGLE-3), else ()."""
+    head_cfg.architectures = [EAGLE_ARCHS[method]]
+    reads = getattr(head_cfg, "target_hidden_size", None) or head_cfg.hidden_size
+    if target_cfg.hidden_size != reads:
+        raise ValueError(
+            f"--speculative-config: the EAGLE head reads hidden states of size {reads}, the target's "
+            f"are {target_cfg.hidden_size}; it must be trained for this target"
+        )
+    if method != "eagle3":
+        return ()
+    if model_impl == "transformers":
+        raise ValueError(
+            "--speculative-config: eagle3 reads the target's layers, which --model-impl transformers does not "
+            "expose; use --model-impl kiln"
+        )
+    return aux_layer_ids(head_cfg, target_cfg.num_hidden_layers)
+
+
+def refuse_head(hf_config, flag: str) -> None:
+    """A ``ValueError`` when ``hf_config`` is an EAGLE head's (it drafts for a target only)."""
+    archs = set(getattr(hf_config, "architectures", None) or []) & HEAD_ARCHS
+    if archs:
+        raise ValueError(
+            f"{flag}: {archs.pop()} is an EAGLE head, which only drafts for its target: serve the target with "
+            '--speculative-config \'{"method": "eagle3", "model": HEAD, "num_speculative_tokens": 3}\' '
+            '("eagle" for an EAGLE-1 head)'
+        )
 
 
 class EagleDraft(DraftModel):
-    def __init__(self, runner: ModelRunner, max_tokens_per_pass: int) -> None:
+    def __init__(self, runner: ModelRunner, max_tokens_per_pass: int, aux_layers: tuple[int, ...] = ()) -> None:
         super().__init__(runner, max_tokens_per_pass)
-        # request id -> the target's hidden states not yet read, as (first position, rows) chunks in order
+        self.aux_layers = aux_layers  # the target layers whose inputs the head reads (EAGLE-3)
+        # request id -> the head's inputs not yet read, as (first position, rows) chunks in order
         self.features: dict[str, list[tuple[int, torch.Tensor]]] = {}
 
+    def attach(self, target: torch.nn.Module) -> None:
+        """Lend the head the target's parts it shares, and have the target return what it reads."""
+        if self.aux_layers:
+            if type(target).forward is not LlamaForCausalLM.forward:
+                raise ValueError(
+                    f"--speculative-config: eagle3 reads the inputs of the target's layers, which "
+                    f"{type(target).__name__} does not return"
+                )
+            target.aux_layers = self.aux_layers
+        self.runner.model.attach(target)
+
     @torch.inference_mode()
-    def observe(self, features: dict[Request, tuple[int, torch.Tensor]]) -> None:
-        """Keep the target's hidden states of a step, (first position, rows) per request; they
-        replace any kept from their first position on (rejected drafts' rows, a recomputation)."""
-        for req, (first, rows) in features.items():
-            rows = self.runner.model.combine(rows)
+    def observe(self, features: torch.Tensor, spans: dict[Request, tuple[int, int, int]]) -> None:
+        """Keep what the head reads of a step's tokens (``features``, projected once by the
+        head's ``combine``), (first position, first row, rows) per request; they replace any
+        kept from their first position on (rejected drafts' rows, a recomputation)."""
+        combined = self.runner.model.combine(features)
+        for req, (first, offset, n) in spans.items():
+            rows = combined[offset : offset + n].clone()  # a view would pin the step's tensor (or graph buffer)
             chunks = self.features.setdefault(req.request_id, [])
             if chunks and chunks[-1][0] + len(chunks[-1][1]) < first:  # positions never seen in between
                 chunks.clear()
@@ -61,10 +115,18 @@ class EagleDraft(DraftModel):
             )
             req.spec_token_ids = [req.all_token_ids[-1]] * len(req.spec_token_ids)
             reqs.remove(req)
+        lagging = [
+            req for req, _ in scheduled.scheduled
+            if not req.spec_token_ids and self._covered(req) and self._kept(req) >= CATCH_UP_ROWS
+        ]  # fmt: skip
+        if not reqs and not lagging:
+            return
+        tokens, hidden = self._catch_up(reqs + lagging)
+        for req in lagging:
+            self.seen[req.request_id] = (req.num_preemptions, req.num_tokens - 1)
         if not reqs:
             return
-        tokens, hidden = self._catch_up(reqs)
-        drafts = [[token] for token in tokens]
+        drafts = [[token] for token in tokens[: len(reqs)]]
         for i in range(1, max(len(req.spec_token_ids) for req in reqs)):
             more = [j for j, req in enumerate(reqs) if len(req.spec_token_ids) > i]
             step = StepBatch([], [], [], [], [])
@@ -77,6 +139,9 @@ class EagleDraft(DraftModel):
         for req, proposed in zip(reqs, drafts):
             req.spec_token_ids = proposed
             self.seen[req.request_id] = (req.num_preemptions, req.num_tokens - 1)
+
+    def _kept(self, req: Request) -> int:
+        return sum(len(rows) for _, rows in self.features.get(req.request_id, ()))
 
     def _covered(self, req: Request) -> bool:
         """Whether the kept hidden states reach position N - 2, the first draft's input."""

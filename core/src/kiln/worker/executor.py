@@ -19,7 +19,6 @@ from kiln.distributed import TensorParallel
 from kiln.engine.request import Request, TopLogprobs
 from kiln.engine.scheduler import SampledToken, SchedulerOutput
 from kiln.interfaces.platform import Platform
-from kiln.models.eagle import aux_layer_ids
 from kiln.models.loader import is_gguf_file, load_hf_config, resolve_model
 from kiln.quantization import config as quant_config
 from kiln.registry import Registry
@@ -27,13 +26,12 @@ from kiln.spec_decode.config import MODEL_METHODS
 from kiln.spec_decode.convert_eagle import read_eagle_config
 from kiln.worker.builder import build_runner
 from kiln.worker.draft_model import DraftModel
-from kiln.worker.eagle import EagleDraft
+from kiln.worker.eagle import EAGLE_ARCHS, EagleDraft, prepare_head_config, refuse_head
 from kiln.worker.sampler import BitmaskKernel, Sampler, prompt_top_logprobs
 from kiln.worker.spec_verify import sample_with_drafts
 from kiln.worker.tp_workers import TensorParallelWorkers
 
 logger = logging.getLogger("kiln.engine")
-EAGLE_ARCHS = {"eagle": "EagleLlamaForCausalLM", "eagle3": "Eagle3LlamaForCausalLM"}  # method -> head class
 
 
 @dataclass(slots=True)
@@ -69,7 +67,8 @@ class Executor:
         try:
             self.runner = build_runner(config, registry, platform, hf_config, dtype, model_path, tp)
             if isinstance(self.draft, EagleDraft):  # the head reads the target's embeddings, LM head and states
-                self._attach_head(self.draft.runner.model, self.runner.model)
+                self.draft.attach(self.runner.model)
+                self.runner.keep_features = True
             self.num_blocks = self._num_kv_blocks()  # the workers profile alongside, then report "built"
             if self.workers is not None:
                 self.workers.expect("built")
@@ -122,14 +121,11 @@ class Executor:
             hf_config = load_hf_config(files.path, config)
         elif spec.method != "eagle":
             raise ValueError(f"--speculative-config: {spec.model!r} is an EAGLE-1 head (EAGLEModel); use method eagle")
-        if eagle:  # published EAGLE-1 heads say LlamaForCausalLM, EAGLE-3 ones LlamaForCausalLMEagle3
-            hf_config.architectures = [EAGLE_ARCHS[spec.method]]
-            reads = getattr(hf_config, "target_hidden_size", None) or hf_config.hidden_size
-            if self.hf_config.hidden_size != reads:
-                raise ValueError(
-                    f"--speculative-config: the EAGLE head reads hidden states of size {reads}, the target's "
-                    f"are {self.hf_config.hidden_size}; it must be trained for this target"
-                )
+        aux_layers = ()
+        if eagle:
+            aux_layers = prepare_head_config(spec.method, hf_config, self.hf_config, self.config.model_impl)
+        else:
+            refuse_head(hf_config, "--speculative-config")
         if hf_config.vocab_size != self.hf_config.vocab_size:
             raise ValueError(
                 f"--speculative-config: the draft model's vocabulary ({hf_config.vocab_size} tokens) differs from "
@@ -139,20 +135,10 @@ class Executor:
         headless = getattr(runner.model, "pooling_only", False) and not eagle  # an EAGLE head gets the target's
         if getattr(runner.model, "is_encoder", False) or not hasattr(runner.model, "compute_logits") or headless:
             raise ValueError(f"--speculative-config: the draft model {spec.model!r} is not a causal language model")
-        return (EagleDraft if eagle else DraftModel)(runner, self.config.max_num_batched_tokens)
-
-    def _attach_head(self, head: torch.nn.Module, target: torch.nn.Module) -> None:
-        """Give an EAGLE head the target's parts it reads; have the target return its hidden
-        states (EAGLE-3: the inputs of the layers the head reads)."""
-        if self.config.speculative_config.method == "eagle3":
-            if not hasattr(target, "aux_layers"):
-                raise ValueError(
-                    "--speculative-config: eagle3 reads the target's layers, which --model-impl transformers "
-                    "does not expose; use --model-impl kiln"
-                )
-            target.aux_layers = aux_layer_ids(head.config, len(target.layers))
-        head.attach(target)
-        self.runner.keep_features = True
+        if eagle:
+            runner.model.release_shared()  # before the target loads: the target lends them (``attach``)
+            return EagleDraft(runner, self.config.max_num_batched_tokens, aux_layers)
+        return DraftModel(runner, self.config.max_num_batched_tokens)
 
     def _num_kv_blocks(self) -> int:
         cfg = self.config
@@ -187,8 +173,8 @@ class Executor:
         """Run the model over the scheduled tokens (all ranks); prompt logprobs of positions
         computed for the first time."""
         result = self.runner.execute(scheduled)
-        if result.features:
-            self.draft.observe(result.features)
+        if result.feature_spans:
+            self.draft.observe(result.features, result.feature_spans)
         prompt_logprobs = {}
         for req, (first, logits) in result.prompt_logits.items():
             if req.num_prompt_logprobs != first:

@@ -42,8 +42,10 @@ class StepResult:
     prompt_logits: dict[Request, tuple[int, torch.Tensor]]  # req -> (first position, logits rows)
     forward_time: float
     pooled: dict[Request, torch.Tensor] = field(default_factory=dict)  # pooling requests' outputs, on the host
-    # With ``keep_features``: each request's hidden states, (first position, rows), for an EAGLE head.
-    features: dict[Request, tuple[int, torch.Tensor]] = field(default_factory=dict)
+    # With ``keep_features``: what an EAGLE head reads of every token (``split_features``; a view,
+    # valid until the next step) and each request's (first position, first row, rows) in it.
+    features: torch.Tensor | None = None
+    feature_spans: dict[Request, tuple[int, int, int]] = field(default_factory=dict)
 
 
 class DecodeStep(torch.nn.Module):
@@ -232,11 +234,14 @@ class ModelRunner:
         aux = len(getattr(self.model, "aux_layers", ()))
         if not aux:
             return out, out
-        width = out.shape[-1] // (aux + 1)
+        width = self.model.config.hidden_size
+        if out.shape[-1] != (aux + 1) * width:
+            raise RuntimeError(f"{type(self.model).__name__} returned {out.shape[-1]} columns, not {aux + 1} x {width}")
         return out[:, :width].contiguous(), out[:, width:]
 
     def run_batch(self, batch: StepBatch) -> torch.Tensor:
-        """The model's hidden states for every token of ``batch`` (eagerly or through a graph)."""
+        """The model's output for every token of ``batch`` (eagerly or through a graph): its
+        hidden states, and after them the layer inputs an EAGLE-3 head reads (``split_features``)."""
         if batch.block_copies:
             src, dst = (torch.tensor(ids, dtype=torch.int64, device=self.device) for ids in zip(*batch.block_copies))
             for kv_cache in self.kv_caches:
@@ -293,21 +298,22 @@ class ModelRunner:
         t0 = time.perf_counter()
         if self.peers is not None:
             self.peers.send(step)  # the other tensor-parallel ranks run the same step alongside
-        hidden, kept = self.split_features(self.run_batch(step))
+        hidden, head_input = self.split_features(self.run_batch(step))
         if rows:
             logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.int64, device=self.device)])
         else:  # only pooling requests (pooling models may have no LM head)
             logits = hidden.new_zeros((0, 0), dtype=torch.float32)
         pooled = pool(self.model, hidden, pool_spans, self.dense) if pool_spans else {}
-        features = {}
-        if self.keep_features:  # copies: a graph's output buffer is reused, and a view would pin the step's
+        spans = {}
+        if self.keep_features:
             offset = 0
             for req, n in batch:
                 if req.pooling_params is None and req.beam is None:  # beams never draft
-                    features[req] = (req.num_computed_tokens, kept[offset : offset + n].clone())
+                    spans[req] = (req.num_computed_tokens, offset, n)
                 offset += n
         self.platform.synchronize()
         forward_time = time.perf_counter() - t0
         # Sampling stays on the device; prompt log-probs are read row by row, on the host.
         prompt_logits = {req: (first, logits[o : o + c].cpu()) for req, first, o, c in prompt_spans}
-        return StepResult(sampling_reqs, logits[sample_from:], prompt_logits, forward_time, pooled, features)
+        features = head_input if spans else None
+        return StepResult(sampling_reqs, logits[sample_from:], prompt_logits, forward_time, pooled, features, spans)

@@ -68,10 +68,12 @@ def _package_version(name: str) -> str:
         return "none"
 
 
-def _model_fingerprint(config: EngineConfig) -> list:
-    """What identifies the weights: the model's path (resolved by the engine before the
-    platform builds graphs) and its files' sizes and times."""
-    path = Path(config.model)
+def _model_fingerprint(model: str) -> list:
+    """What identifies a model's weights: its path (the target's is resolved by the engine
+    before the platform builds graphs) and its files' sizes and times."""
+    path = Path(model)
+    if not path.exists():  # a draft's Hub id: its name is all there is here
+        return [model]
     files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
     return [str(path.resolve())] + [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]
 
@@ -82,7 +84,8 @@ def graph_cache_dir(config: EngineConfig, gear: int) -> Path:
 
 
 def graph_cache_root(config: EngineConfig) -> Path:
-    """``.torchair_cache/<key>``: the key changes with any engine parameter, the weights, the
+    """``.torchair_cache/<key>``: the key changes with any engine parameter, the weights (a
+    speculative draft's too: an EAGLE-3 head's config picks the layers the graphs return), the
     precision switches or a library version."""
     import torch_npu
 
@@ -90,7 +93,8 @@ def graph_cache_root(config: EngineConfig) -> Path:
 
     identity = {
         "config": config.model_dump(mode="json"),
-        "model": _model_fingerprint(config),
+        "model": _model_fingerprint(config.model),
+        "draft": _model_fingerprint(spec.model) if (spec := config.speculative_config) and spec.model else None,
         "precision": PrecisionModes.from_env().__dict__,
         "versions": [torch.__version__, torch_npu.__version__, _package_version("kiln-plugin-ascend")],
     }
