@@ -119,6 +119,11 @@ def test_stats_count_drafts_by_position():
     assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (2, 5, 2)
     assert stats.accepted_per_pos == [1, 1, 0]
     assert stats.acceptance_rate == pytest.approx(0.4) and stats.mean_acceptance_length == pytest.approx(2.0)
+    later = SpecDecodeStats()
+    later.observe(4, 4)
+    total = stats.plus(later)  # several runs' counts together (the benchmark's rounds)
+    assert (total.num_drafts, total.num_draft_tokens, total.num_accepted_tokens) == (3, 9, 6)
+    assert total.accepted_per_pos == [2, 2, 1, 1] and stats.accepted_per_pos == [1, 1, 0]
 
 
 # ---------------------------------------------------------------- exactness on a tiny model

@@ -46,6 +46,17 @@ class SpecDecodeStats:
             per_pos,
         )
 
+    def plus(self, other: SpecDecodeStats) -> SpecDecodeStats:
+        """The counts of both (e.g. of several runs)."""
+        n = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
+        per_pos = [sum(s.accepted_per_pos[i] for s in (self, other) if i < len(s.accepted_per_pos)) for i in range(n)]
+        return SpecDecodeStats(
+            self.num_drafts + other.num_drafts,
+            self.num_draft_tokens + other.num_draft_tokens,
+            self.num_accepted_tokens + other.num_accepted_tokens,
+            per_pos,
+        )
+
     def summary(self) -> str:
         """One log line, as vLLM's periodic speculative-decoding line."""
         per_pos = ", ".join(f"{n / self.num_drafts:.2f}" for n in self.accepted_per_pos) if self.num_drafts else "-"
