@@ -45,6 +45,21 @@ def test_drafts_verify_across_two_ranks(tiny_model_dir, cpu_plugins, varied_prom
         engine.shutdown()
 
 
+def test_an_eagle3_head_drafts_the_same_across_two_ranks(tiny_model_dir, cpu_plugins, tmp_path):
+    """The target split over two ranks returns its layers' inputs whole on rank 0: the head
+    (whole on rank 0) proposes what it proposes over one rank."""
+    from kiln.testing.spec_decode import build_eagle3_head, greedy_with_proposals
+
+    model = tiny_model_dir("llama", num_hidden_layers=3)
+    head, _ = build_eagle3_head(model, tmp_path / "eagle3", draft_vocab_size=500, layer_ids=[0, 1, 2])
+    eagle3 = {"method": "eagle3", "model": head, "num_speculative_tokens": 3}
+    common = dict(model=model, device="cpu", dtype="float32", speculative_config=eagle3)
+    prompts = [[1000, 7, 9], list(range(100, 119))]
+    split = greedy_with_proposals(cpu_plugins, prompts, 8, tensor_parallel_size=2, **common)
+    assert split == greedy_with_proposals(cpu_plugins, prompts, 8, **common) and len(split[1]) > len(prompts)
+    assert multiprocessing.active_children() == []
+
+
 def test_a_size_that_does_not_divide_the_heads_fails_cleanly(tiny_model_dir, cpu_plugins):
     from kiln.testing.engine import make_engine
 

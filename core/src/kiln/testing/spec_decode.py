@@ -71,12 +71,15 @@ def record_proposals(draft) -> list[tuple[list[int], list[int]]]:
 
 def greedy_with_proposals(plugins, prompts: list[list[int]], max_tokens: int = 8, **engine_args: Any):
     """Greedy outputs of ``prompts`` on an engine with a draft model or head, and every step's
-    proposals (``record_proposals``)."""
+    proposals (``record_proposals``); the engine is shut down afterwards."""
     from kiln.testing.engine import make_engine, run_greedy
 
     engine = make_engine(plugins, **engine_args)
-    proposed = record_proposals(engine.executor.draft)
-    return run_greedy(engine, prompts, max_tokens), proposed
+    try:
+        proposed = record_proposals(engine.executor.draft)
+        return run_greedy(engine, prompts, max_tokens), proposed
+    finally:
+        engine.shutdown()
 
 
 def build_eagle_head(target: str, folder: str | os.PathLike, seed: int = 0) -> tuple[str, dict]:
