@@ -61,6 +61,8 @@ def one_run(workload: str, spec: dict | None) -> dict:
     concurrency = WORKLOADS[workload]
     llm = LLM(max_num_seqs=concurrency, speculative_config=spec)
     llm.generate("Hello", SamplingParams(max_tokens=8))  # warm up
+    stats = llm.engine.core.scheduler.spec_stats
+    before = stats.since(None)
     if concurrency == 1:
         elapsed, tokens = timed(lambda: llm.chat(grounded_requests(), SamplingParams(temperature=0, max_tokens=256)))
     else:
@@ -68,8 +70,7 @@ def one_run(workload: str, spec: dict | None) -> dict:
         prompts = [{"prompt_token_ids": p} for p in make_prompts(64, 256, len(tok), set(tok.all_special_ids))]
         fixed = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
         elapsed, tokens = timed(lambda: llm.generate(prompts, fixed))
-    stats = llm.engine.core.scheduler.spec_stats
-    return {"tok_s": sum(map(len, tokens)) / elapsed, "tokens": tokens, "stats": stats.since(None)}
+    return {"tok_s": sum(map(len, tokens)) / elapsed, "tokens": tokens, "stats": stats.since(before)}
 
 
 def in_fresh_process(fn, *args):

@@ -121,7 +121,7 @@ def test_eagle3_proposes_what_the_head_computes(
 def test_eagle3_keeps_greedy_and_seeded_outputs(tiny_model_dir, tmp_path):
     """Exact whatever the head proposes, with catch-up in passes of 16 tokens and preemption."""
     target = tiny_model_dir("llama", num_hidden_layers=3)
-    path, _ = build_eagle3_head(target, tmp_path / "eagle3", seed=1, draft_vocab_size=500, layer_ids=[2, 0, 1])
+    path, weights = build_eagle3_head(target, tmp_path / "eagle3", seed=1, draft_vocab_size=500, layer_ids=[2, 0, 1])
     plain, spec = LLM(target, **ENGINE), LLM(target, speculative_config=eagle3_config(path, 4), **ENGINE)
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     seeded = SamplingParams(temperature=0.8, top_k=20, seed=3, max_tokens=24, ignore_eos=True, logprobs=2)
@@ -140,9 +140,11 @@ def test_eagle3_keeps_greedy_and_seeded_outputs(tiny_model_dir, tmp_path):
     assert got == [o.outputs[0].token_ids for o in LLM(target, **tight).generate(prompts, params)]
     assert spec_tight.engine.core.scheduler.num_preemptions > 0
     # Drafts off while more than 2 requests run: the states kept for them are caught up on every
-    # CATCH_UP_ROWS tokens instead of piling up.
+    # CATCH_UP_ROWS tokens instead of piling up, and once two have finished the others' drafts
+    # are the head's over everything it caught up on.
     busy = LLM(target, speculative_config={**eagle3_config(path), "disable_by_batch_size": 2}, **ENGINE)
     draft, kept = busy.engine.executor.draft, []
+    proposed = record_proposals(draft)
     fill = draft.fill
 
     def check(scheduled):
@@ -151,10 +153,13 @@ def test_eagle3_keeps_greedy_and_seeded_outputs(tiny_model_dir, tmp_path):
 
     draft.fill = check
     prompts = [{"prompt_token_ids": list(range(100 + 10 * i, 110 + 10 * i))} for i in range(4)]
-    params = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (40, 45, 100, 100)]
     got = [o.outputs[0].token_ids for o in busy.generate(prompts, params)]
     assert got == [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
     assert len(kept) > 2 * CATCH_UP_ROWS and max(kept) < CATCH_UP_ROWS
+    assert len(proposed) > 10 and all(len(tokens) > 50 for tokens, _ in proposed)  # only after the first two ended
+    for tokens, drafts in proposed:
+        assert drafts == reference_drafts(target, weights, tokens[:-1], 3, [0, 1, 2], False, False)[: len(drafts)]
 
 
 def test_eagle3_settings_are_checked(tiny_model_dir, tmp_path):
@@ -178,6 +183,8 @@ def test_eagle3_settings_are_checked(tiny_model_dir, tmp_path):
         draft = {"method": "draft_model", "model": path, "num_speculative_tokens": 2}
         with pytest.raises(ValueError, match=f"--speculative-config: {arch} is an EAGLE head"):
             LLM(deeper, speculative_config=draft, **ENGINE)
+    with pytest.raises(ValueError, match="Eagle3LlamaForCausalLM is an EAGLE-3 head; use method eagle3"):
+        LLM(deeper, speculative_config={**eagle3_config(path), "method": "eagle"}, **ENGINE)
     # A draft vocabulary smaller than the target's, without the map saying which tokens.
     path, weights = build_eagle3_head(deeper, tmp_path / "no-map", draft_vocab_size=300, layer_ids=[0, 1, 2])
     del weights["d2t"]

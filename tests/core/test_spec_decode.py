@@ -495,6 +495,7 @@ def test_seed_001_environment_switches(tiny_model_dir, monkeypatch):
     monkeypatch.setenv("EAGLE_USE_SAFE_AI_LAB_STYLE", "perhaps")
     with pytest.raises(ValueError, match="EAGLE_USE_SAFE_AI_LAB_STYLE: expected true or false, got 'perhaps'"):
         EngineConfig.create(speculative_config=eagle)
+    assert EngineConfig.create(speculative_config={**eagle, "method": "draft_model"}).speculative_config  # not read
     monkeypatch.setenv("EAGLE_USE_SAFE_AI_LAB_STYLE", "1")
     assert EngineConfig.create(speculative_config=eagle).speculative_config.method == "eagle"
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

@@ -25,6 +25,7 @@ from kiln.engine.request import RequestStatus
 from kiln.engine.scheduler import Scheduler
 from kiln.lora.request import LoRARequest
 from kiln.models.bert import position_offset
+from kiln.models.eagle import read_eagle_config
 from kiln.models.loader import (
     is_gguf_file,
     load_generation_defaults,
@@ -42,7 +43,7 @@ from kiln.quantization import config as quant_config
 from kiln.sampling_params import SamplingParams
 from kiln.spec_decode.config import spec_metrics_enabled
 from kiln.worker.builder import resolve_dtype
-from kiln.worker.eagle import refuse_head
+from kiln.worker.eagle import head_refusal, refuse_head
 from kiln.worker.executor import Executor
 
 __all__ = ["LLMEngine", "PromptInput"]
@@ -65,6 +66,8 @@ class LLMEngine:
         self.platform.update_config(config)  # sees the resolved quantization; fails before any download
         files = resolve_model(model_id, config.load_format, config.revision, config.download_dir)
         config.model = files.path  # later readers (tensor-parallel ranks, platforms) get the local folder
+        if read_eagle_config(files.path) is not None:  # vLLM 0.6's layout, which transformers cannot read
+            raise head_refusal("EAGLEModel", "model")
         hf_config = load_hf_config(files.path, config)
         refuse_head(hf_config, "model")
         pooling = setup_pooling(config, hf_config, registry, files.path)  # resolves --task

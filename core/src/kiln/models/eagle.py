@@ -22,6 +22,9 @@ the embeddings only sometimes (the target's are used when they are absent).
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -75,6 +78,30 @@ class EagleLlamaForCausalLM(LlamaForCausalLM):
         for layer, rope in zip(self.layers, self.rope_names):
             x, residual = layer(positions, x, residual, getattr(self, rope), ctx)
         return x + residual
+
+
+def read_eagle_config(path: str):
+    """The head's config of a folder in vLLM 0.6's EAGLE layout (``kiln convert-eagle`` writes
+    it): the inner ``model`` config with the top level's settings over it, as vLLM reads it, and
+    ``eagle_fc_bias`` as whether ``fc`` has a bias. None for any other folder."""
+    file = Path(path) / "config.json"
+    raw = json.loads(file.read_text()) if file.is_file() else {}
+    if raw.get("model_type") != "eagle":
+        return None
+    from transformers import AutoConfig
+
+    inner = dict(raw.get("model") or {})
+    outer = {k: v for k, v in raw.items() if k not in ("architectures", "model_type", "model")}
+    truncated = outer.pop("truncated_vocab_size", None)
+    if truncated is not None and truncated != inner.get("vocab_size"):
+        raise ValueError(
+            f"--speculative-config: {path} truncates the head's vocabulary to {truncated} tokens, "
+            "which Kiln does not run (its drafts use the target's whole LM head)"
+        )
+    if "eagle_fc_bias" in outer:
+        inner["bias"] = bool(outer.pop("eagle_fc_bias"))
+    inner.update({k: v for k, v in outer.items() if k in inner})
+    return AutoConfig.for_model(**inner)
 
 
 def aux_layer_ids(head_cfg, target_layers: int) -> tuple[int, ...]:

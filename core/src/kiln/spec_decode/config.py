@@ -90,10 +90,10 @@ class SpeculativeConfig(BaseModel):
         return self
 
     def _check_draft_model(self) -> SpeculativeConfig:
-        lab_style = env_flag("EAGLE_USE_SAFE_AI_LAB_STYLE", True)  # seed 001's switch, on there by default
+        eagle = self.method != "draft_model"
         refused = {
-            "EAGLE_USE_SAFE_AI_LAB_STYLE": (
-                self.method != "draft_model" and not lab_style,
+            "EAGLE_USE_SAFE_AI_LAB_STYLE": (  # seed 001's switch, on there by default
+                eagle and not env_flag("EAGLE_USE_SAFE_AI_LAB_STYLE", True),
                 "Kiln runs EAGLE heads only as their authors' code does (SafeAILab's, which the switch selects); "
                 "unset it or set it to 1",
             ),

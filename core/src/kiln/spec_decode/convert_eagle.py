@@ -6,13 +6,14 @@ file of ``fc.*`` and ``layers.0.*``, often with the embeddings, never with the L
 engine takes that from the target. The converted folder holds an ``EAGLEModel`` config (the
 head's own config as ``model``, ``model_type`` ``eagle``) and one safetensors file of ``fc.*``,
 ``model.*`` and the base model's ``lm_head.weight``. Kiln serves both layouts
-(``read_eagle_config`` reads the second).
+(``kiln.models.eagle.read_eagle_config`` reads the second).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -46,78 +47,74 @@ def cmd_convert_eagle(ns: argparse.Namespace) -> int:
     try:
         out = convert(ns.base_path, ns.draft_path, ns.base_weight_name, ns.draft_weight_name, ns.output_path)
     except (OSError, ValueError) as exc:
-        print(f"kiln convert-eagle: {exc}")
+        print(f"kiln convert-eagle: error: {exc}", file=sys.stderr)
         return 2
     print(f"converted EAGLE head written to {out}")
     return 0
 
 
 def convert(base: str, draft: str, base_file: str | None, draft_file: str | None, output: str | None) -> str:
-    """Write the converted head (see the module docstring); returns its folder."""
-    from kiln.models.loader import read_weight_file
+    """Write the converted head (see the module docstring) into a new or empty folder; returns it."""
+    from safetensors.torch import save_file
 
-    base_dir, draft_dir = Path(base), Path(draft)
+    from kiln.models.loader import read_weight_file, weight_files
+
+    base_dir, draft_dir = _local_folder(base, "--base-path"), _local_folder(draft, "--draft-path")
     config = json.loads((draft_dir / "config.json").read_text())
     if config.get("model_type") == "eagle":
         raise ValueError(f"{draft} is converted already (model_type eagle)")
+    out = Path(output) if output else draft_dir.parent / f"{draft_dir.name}-vllm"
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"{out} exists and is not empty; give a new folder (--output-path)")
+    files = [str(draft_dir / draft_file)] if draft_file else weight_files(str(draft_dir))[1]
     tensors = {}
-    for name, tensor in read_weight_file(str(draft_dir / (draft_file or _only_weight_file(draft_dir)))):
-        name = name.removeprefix("model.")
-        if name.startswith("lm_head."):
-            continue  # replaced by the base model's
-        tensors[name if name.startswith("fc.") else f"model.{name}"] = tensor.contiguous()
-    if not any(name.startswith("fc.") for name in tensors):
-        raise ValueError(f"{draft} holds no fc.* tensors: not an EAGLE-1 head")
+    for file in files:
+        for name, tensor in read_weight_file(file):
+            name = name.removeprefix("model.")
+            if not name.startswith("lm_head."):  # replaced by the base model's
+                tensors[name if name.startswith("fc.") else f"model.{name}"] = tensor.contiguous()
+    if "fc.weight" not in tensors:
+        raise ValueError(f"{draft} holds no fc.weight: not an EAGLE-1 head")
     tensors["lm_head.weight"] = _base_lm_head(base_dir, base_file).contiguous()
-    out = Path(output or f"{str(draft_dir).rstrip('/')}-vllm")
     out.mkdir(parents=True, exist_ok=True)
-    from safetensors.torch import save_file
-
     save_file(tensors, out / "model.safetensors")
-    (out / "config.json").write_text(
-        json.dumps({"architectures": ["EAGLEModel"], "model_type": "eagle", "model": config}, indent=2)
-    )
+    converted = {"architectures": ["EAGLEModel"], "model_type": "eagle", "model": config}
+    converted["eagle_fc_bias"] = "fc.bias" in tensors  # vLLM builds fc with a bias only when told
+    (out / "config.json").write_text(json.dumps(converted, indent=2))
     return str(out)
 
 
-def read_eagle_config(path: str):
-    """The head's own config of a folder in the converted layout (None for any other folder)."""
-    file = Path(path) / "config.json"
-    raw = json.loads(file.read_text()) if file.is_file() else {}
-    if raw.get("model_type") != "eagle":
-        return None
-    from transformers import AutoConfig
-
-    inner = dict(raw.get("model") or {})
-    truncated = raw.get("truncated_vocab_size")
-    if truncated is not None and truncated != inner.get("vocab_size"):
-        raise ValueError(
-            f"--speculative-config: {path} truncates the head's vocabulary to {truncated} tokens, "
-            "which Kiln does not run (its drafts use the target's whole LM head)"
-        )
-    return AutoConfig.for_model(**inner)
-
-
-def _only_weight_file(folder: Path) -> str:
-    files = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".safetensors"))
-    if len(files) != 1:
-        raise ValueError(f"{folder} holds {len(files)} weight files ({', '.join(files)}); name one")
-    return files[0]
+def _local_folder(path: str, flag: str) -> Path:
+    folder = Path(path).resolve()
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"{flag} {path}: not a local model folder (no config.json there)")
+    return folder
 
 
 def _base_lm_head(folder: Path, name: str | None) -> torch.Tensor:
-    """The base model's ``lm_head.weight`` (its embeddings when they are tied)."""
-    from kiln.models.loader import read_weight_file
+    """The base model's ``lm_head.weight``, or its embeddings when it has no LM head of its own
+    (tied); read from ``name``, else from the file the index names, else from each weight file."""
+    from kiln.models.loader import read_weight_file, weight_files
 
-    config = json.loads((folder / "config.json").read_text())
-    wanted = "model.embed_tokens.weight" if config.get("tie_word_embeddings") else "lm_head.weight"
-    if name is None:
+    wanted = ("lm_head.weight", "model.embed_tokens.weight")
+    if name is not None:
+        files = [str(folder / name)]
+    else:
+        files = weight_files(str(folder))[1]
         for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
             if (folder / index).is_file():
-                name = json.loads((folder / index).read_text())["weight_map"].get(wanted)
+                weight_map = json.loads((folder / index).read_text()).get("weight_map", {})
+                named = [weight_map[key] for key in wanted if key in weight_map]
+                files = [str(folder / named[0])] if named else files
                 break
-        name = name or _only_weight_file(folder)
-    for key, tensor in read_weight_file(str(folder / name)):
-        if key == wanted:
-            return tensor
-    raise ValueError(f"{folder / name} has no {wanted}; give the file that does (--base-weight-name)")
+    found = {}
+    for file in files:
+        for key, tensor in read_weight_file(file):
+            if key in wanted:
+                found[key] = tensor
+        if wanted[0] in found:
+            return found[wanted[0]]
+    if wanted[1] in found:
+        return found[wanted[1]]
+    where = name or "its weight files"
+    raise ValueError(f"{folder}: {where} hold neither lm_head.weight nor model.embed_tokens.weight")

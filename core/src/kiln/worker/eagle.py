@@ -42,6 +42,8 @@ def prepare_head_config(method: str, head_cfg, target_cfg, model_impl: str) -> t
     """Point an EAGLE head's config at Kiln's class for ``method`` (published EAGLE-1 heads say
     ``LlamaForCausalLM``) and check that it reads what the target has; returns the target layers
     whose inputs it reads (EAGLE-3), else ()."""
+    if method == "eagle" and set(head_cfg.architectures or []) & {EAGLE_ARCHS["eagle3"], "LlamaForCausalLMEagle3"}:
+        raise ValueError(f"--speculative-config: {head_cfg.architectures[0]} is an EAGLE-3 head; use method eagle3")
     head_cfg.architectures = [EAGLE_ARCHS[method]]
     reads = getattr(head_cfg, "target_hidden_size", None) or head_cfg.hidden_size
     if target_cfg.hidden_size != reads:
@@ -63,11 +65,16 @@ def refuse_head(hf_config, flag: str) -> None:
     """A ``ValueError`` when ``hf_config`` is an EAGLE head's (it drafts for a target only)."""
     archs = set(getattr(hf_config, "architectures", None) or []) & HEAD_ARCHS
     if archs:
-        raise ValueError(
-            f"{flag}: {archs.pop()} is an EAGLE head, which only drafts for its target: serve the target with "
-            '--speculative-config \'{"method": "eagle3", "model": HEAD, "num_speculative_tokens": 3}\' '
-            '("eagle" for an EAGLE-1 head)'
-        )
+        raise head_refusal(archs.pop(), flag)
+
+
+def head_refusal(arch: str, flag: str) -> ValueError:
+    """The error for an EAGLE head (``arch``) given where a model goes."""
+    return ValueError(
+        f"{flag}: {arch} is an EAGLE head, which only drafts for its target: serve the target with "
+        '--speculative-config \'{"method": "eagle3", "model": HEAD, "num_speculative_tokens": 3}\' '
+        '("eagle" for an EAGLE-1 head)'
+    )
 
 
 class EagleDraft(DraftModel):
@@ -154,11 +161,14 @@ class EagleDraft(DraftModel):
         spans = {}  # req -> (next position to run, hidden-state rows from it to N - 2)
         for req in reqs:
             chunks = self.features.pop(req.request_id)
-            first, rows = chunks[0][0], torch.cat([c for _, c in chunks])  # contiguous: see observe
+            first = chunks[0][0]
+            rows = chunks[0][1] if len(chunks) == 1 else torch.cat([c for _, c in chunks])  # contiguous: see observe
             end = req.num_tokens - 1  # positions start .. end - 1
             start = min(max(self._held(req), first), end - 1)
             spans[req] = (start, rows[start - first : end - first])
-            self.features[req.request_id] = [(end, rows[end - first :])]  # rows of this step's drafts
+            self.features[req.request_id] = [
+                (end, rows[end - first :].clone())
+            ]  # this step's drafts' (a copy: not all)
         tokens: dict[Request, int] = {}
         last: dict[Request, torch.Tensor] = {}
         while len(tokens) < len(reqs):

@@ -19,11 +19,11 @@ from kiln.distributed import TensorParallel
 from kiln.engine.request import Request, TopLogprobs
 from kiln.engine.scheduler import SampledToken, SchedulerOutput
 from kiln.interfaces.platform import Platform
+from kiln.models.eagle import read_eagle_config
 from kiln.models.loader import is_gguf_file, load_hf_config, resolve_model
 from kiln.quantization import config as quant_config
 from kiln.registry import Registry
 from kiln.spec_decode.config import MODEL_METHODS
-from kiln.spec_decode.convert_eagle import read_eagle_config
 from kiln.worker.builder import build_runner
 from kiln.worker.draft_model import DraftModel
 from kiln.worker.eagle import EAGLE_ARCHS, EagleDraft, prepare_head_config, refuse_head
