@@ -387,3 +387,17 @@ def test_add_lora_equals_dense_updates():
             offset += size
     torch.testing.assert_close(got, want)
     assert LoRAMapping.of([-1, -1], [2, 1], torch.device("cpu")) is None
+
+
+@pytest.mark.parametrize("model_type", ["gemma", "gemma2", "gemma3_text"])
+def test_gemma_adapters_match_peft(tiny_model_dir, tmp_path, varied_prompts, model_type):
+    """Gemma's projections carry the Llama names: PEFT's adapters apply as on Llama (Gemma 2/3
+    with their norms after each sublayer, soft caps and windows, Gemma 3 with q/k norms)."""
+    base = tiny_model_dir(model_type)
+    path = build_lora_adapter(base, tmp_path / "adapter", rank=8, seed=5)
+    expected = hf_lora_greedy(base, path, varied_prompts, NEW_TOKENS)
+    assert expected != hf_lora_greedy(base, None, varied_prompts, NEW_TOKENS)
+    llm = LLM(base, dtype="float32", enable_lora=True, max_model_len=256)
+    lora = LoRARequest("a", 1, path)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in varied_prompts], GREEDY, lora_request=lora)
+    assert [o.outputs[0].token_ids for o in outputs] == expected

@@ -15,7 +15,6 @@ from kiln.models.llama import LlamaForCausalLM, SandwichDecoderLayer
 
 
 class GemmaForCausalLM(LlamaForCausalLM):
-    lora_modules = {}  # not checked against PEFT on this family yet
     scaled_embeddings = True
     supports_quantization = False
 
