@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 from kiln import LLM, BeamSearchParams, SamplingParams
-from kiln.testing.spec_decode import build_eagle_head, record_proposals
+from kiln.testing.spec_decode import build_eagle_head, check_exact_under_preemption, record_proposals
 from kiln.worker.eagle import EagleDraft
 
 ENGINE = dict(dtype="float32", max_model_len=128, block_size=16)
@@ -96,13 +96,7 @@ def test_eagle_keeps_greedy_and_seeded_outputs(tiny_model_dir, tmp_path):
     draft.fill = forgetful
     got = spec.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in wanted[0]]
-    tight = dict(ENGINE, num_gpu_blocks_override=12, max_num_batched_tokens=16)
-    prompts = [{"prompt_token_ids": list(range(100 + 10 * i, 130 + 10 * i))} for i in range(4)]
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    spec_tight = LLM(target, speculative_config=eagle_config(path), **tight)
-    got = [o.outputs[0].token_ids for o in spec_tight.generate(prompts, params)]
-    assert got == [o.outputs[0].token_ids for o in LLM(target, **tight).generate(prompts, params)]
-    assert spec_tight.engine.core.scheduler.num_preemptions > 0
+    check_exact_under_preemption(target, eagle_config(path), **ENGINE)
 
 
 def test_eagle_settings_are_checked(tiny_model_dir, tmp_path):

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from kiln import LLM, SamplingParams
-from kiln.testing.spec_decode import build_eagle3_head, record_proposals
+from kiln.testing.spec_decode import build_eagle3_head, check_exact_under_preemption, record_proposals
 from kiln.worker.eagle import CATCH_UP_ROWS, EagleDraft
 
 ENGINE = dict(dtype="float32", max_model_len=128, block_size=16)
@@ -132,13 +132,7 @@ def test_eagle3_keeps_greedy_and_seeded_outputs(tiny_model_dir, tmp_path):
     assert spec.engine.core.scheduler.spec_stats.num_draft_tokens > 0
     draft = spec.engine.executor.draft
     assert draft.features == {} and draft.seen == {}
-    tight = dict(ENGINE, num_gpu_blocks_override=12, max_num_batched_tokens=16)
-    prompts = [{"prompt_token_ids": list(range(100 + 10 * i, 130 + 10 * i))} for i in range(4)]
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    spec_tight = LLM(target, speculative_config=eagle3_config(path), **tight)
-    got = [o.outputs[0].token_ids for o in spec_tight.generate(prompts, params)]
-    assert got == [o.outputs[0].token_ids for o in LLM(target, **tight).generate(prompts, params)]
-    assert spec_tight.engine.core.scheduler.num_preemptions > 0
+    check_exact_under_preemption(target, eagle3_config(path), **ENGINE)
     # Drafts off while more than 2 requests run: the states kept for them are caught up on every
     # CATCH_UP_ROWS tokens instead of piling up, and once two have finished the others' drafts
     # are the head's over everything it caught up on.

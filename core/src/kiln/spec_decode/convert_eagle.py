@@ -33,10 +33,10 @@ def add_convert_eagle_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--base-weight-name",
         default=None,
-        help="the base model's weight file holding lm_head.weight (default: found through the index, or the only file)",
+        help="the base model's weight file holding lm_head.weight (default: found through the index, else searched)",
     )
     parser.add_argument(
-        "--draft-weight-name", default=None, help="the head's weight file (default: the only one in --draft-path)"
+        "--draft-weight-name", default=None, help="the head's weight file (default: all of --draft-path's)"
     )
     parser.add_argument(
         "--output-path", "-o", default=None, help="where to write the converted head (default: DRAFT-vllm)"

@@ -82,6 +82,20 @@ def greedy_with_proposals(plugins, prompts: list[list[int]], max_tokens: int = 8
         engine.shutdown()
 
 
+def check_exact_under_preemption(target: str, speculative_config: dict, **engine_args: Any) -> None:
+    """Four 30-token prompts, 40 greedy tokens each, on a cache of 12 blocks and a 16-token budget:
+    requests are preempted (asserted) and the outputs equal decoding without drafts."""
+    from kiln import LLM, SamplingParams
+
+    tight = dict(engine_args, num_gpu_blocks_override=12, max_num_batched_tokens=16)
+    prompts = [{"prompt_token_ids": list(range(100 + 10 * i, 130 + 10 * i))} for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    spec = LLM(target, speculative_config=speculative_config, **tight)
+    got = [o.outputs[0].token_ids for o in spec.generate(prompts, params)]
+    assert got == [o.outputs[0].token_ids for o in LLM(target, **tight).generate(prompts, params)]
+    assert spec.engine.core.scheduler.num_preemptions > 0
+
+
 def build_eagle_head(target: str, folder: str | os.PathLike, seed: int = 0) -> tuple[str, dict]:
     """A random EAGLE-1 head for the model in ``target``, written as its authors publish heads
     (a one-layer ``LlamaForCausalLM`` config; ``pytorch_model.bin`` with ``fc.*``, ``layers.0.*``

@@ -33,8 +33,8 @@ from kiln.worker.model_runner import ModelRunner, StepBatch
 
 logger = logging.getLogger("kiln.spec_decode")
 EAGLE_ARCHS = {"eagle": "EagleLlamaForCausalLM", "eagle3": "Eagle3LlamaForCausalLM"}  # method -> Kiln's head class
-# What heads are published or run as: none of them runs alone.
-HEAD_ARCHS = {*EAGLE_ARCHS.values(), "LlamaForCausalLMEagle3", "EAGLEModel"}
+# What heads are published or run as: none of them runs alone (vLLM's EAGLEModel folders: read_eagle_config).
+HEAD_ARCHS = {*EAGLE_ARCHS.values(), "LlamaForCausalLMEagle3"}
 CATCH_UP_ROWS = 32
 
 

@@ -170,7 +170,7 @@ class ModelRunner:
         _note_unused_graph_flags(config, platform, built=self.graphs is not None)
         self.max_blocks_per_req = -(-config.max_model_len // config.block_size)
         self.graph_steps = 0  # decode steps run as graphs, for logs and tests
-        self.keep_features = False  # return the hidden states of every computed token (EAGLE drafts)
+        self.keep_features = False  # return what an EAGLE head reads of every computed token
         self.peers = None  # tensor-parallel ranks 1..N-1 (rank 0 only): has send(StepBatch)
         # sentence-transformers projections after pooling (embedding models; a few KB, on the host)
         self.dense = load_dense_layers(config.model) if config.task == "embed" and config.model else []
@@ -277,6 +277,7 @@ class ModelRunner:
         prompt_spans: list[tuple[Request, int, int, int]] = []  # req, first pos, row offset, count
         sample_rows: list[int] = []
         pool_spans: list[tuple[Request, int, int]] = []  # pooling requests: req, first row, rows
+        spans: dict[Request, tuple[int, int, int]] = {}  # with keep_features: first position, first row, rows
         offset = 0
         for req, n in batch:
             start = req.num_computed_tokens
@@ -291,6 +292,8 @@ class ModelRunner:
             if start + n == req.num_tokens + len(req.spec_token_ids):  # the last token, then each draft
                 sampling_reqs.append(req)
                 sample_rows.extend(range(offset + n - 1 - len(req.spec_token_ids), offset + n))
+            if self.keep_features and req.beam is None:  # beams never draft
+                spans[req] = (start, offset, n)
             offset += n
         sample_from = len(rows)
         rows.extend(sample_rows)
@@ -304,13 +307,6 @@ class ModelRunner:
         else:  # only pooling requests (pooling models may have no LM head)
             logits = hidden.new_zeros((0, 0), dtype=torch.float32)
         pooled = pool(self.model, hidden, pool_spans, self.dense) if pool_spans else {}
-        spans = {}
-        if self.keep_features:
-            offset = 0
-            for req, n in batch:
-                if req.pooling_params is None and req.beam is None:  # beams never draft
-                    spans[req] = (req.num_computed_tokens, offset, n)
-                offset += n
         self.platform.synchronize()
         forward_time = time.perf_counter() - t0
         # Sampling stays on the device; prompt log-probs are read row by row, on the host.
