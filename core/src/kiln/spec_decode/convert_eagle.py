@@ -94,19 +94,18 @@ def _local_folder(path: str, flag: str) -> Path:
 def _base_lm_head(folder: Path, name: str | None) -> torch.Tensor:
     """The base model's ``lm_head.weight``, or its embeddings when it has no LM head of its own
     (tied); read from ``name``, else from the file the index names, else from each weight file."""
-    from kiln.models.loader import read_weight_file, weight_files
+    from kiln.models.loader import WEIGHT_FORMATS, read_weight_file, weight_files
 
     wanted = ("lm_head.weight", "model.embed_tokens.weight")
     if name is not None:
         files = [str(folder / name)]
     else:
-        files = weight_files(str(folder))[1]
-        for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
-            if (folder / index).is_file():
-                weight_map = json.loads((folder / index).read_text()).get("weight_map", {})
-                named = [weight_map[key] for key in wanted if key in weight_map]
-                files = [str(folder / named[0])] if named else files
-                break
+        fmt, files = weight_files(str(folder))
+        index = folder / WEIGHT_FORMATS[fmt][0]
+        if index.is_file():  # read only the shard that holds it
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+            named = [weight_map[key] for key in wanted if key in weight_map]
+            files = [str(folder / named[0])] if named else files
     found = {}
     for file in files:
         for key, tensor in read_weight_file(file):
