@@ -32,10 +32,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_fused_steps_match_the_python_forward(case, tiny_model_dir, varied_prompts, monkeypatch):
-    model_type, overrides, engine_args = CASES[case]
-    model = tiny_model_dir(model_type, **overrides)
+def check_fused_equals_python(model: str, prompts, monkeypatch, **engine_args) -> None:
     python_calls = []
     forward = LlamaDecoderLayer.forward
 
@@ -43,13 +40,41 @@ def test_fused_steps_match_the_python_forward(case, tiny_model_dir, varied_promp
         python_calls.append(args[-1].attn_metadata.prefills != [])  # args: positions, x, residual, rope, ctx
         return forward(self, *args)
 
-    monkeypatch.setattr(LlamaDecoderLayer, "forward", counted)
-    assert layer_types(model, **engine_args) == {FusedDecodeLayer}
-    fused = run(model, varied_prompts, **engine_args)
-    assert python_calls and all(python_calls)  # the Python forward ran the steps with prefills only
-    monkeypatch.setenv("KILN_CPU_FUSED_DECODE", "0")
-    assert layer_types(model, **engine_args) == {LlamaDecoderLayer}
-    assert run(model, varied_prompts, **engine_args) == fused
+    with monkeypatch.context() as patch:
+        patch.setattr(LlamaDecoderLayer, "forward", counted)
+        assert layer_types(model, **engine_args) == {FusedDecodeLayer}
+        fused = run(model, prompts, **engine_args)
+        assert python_calls and all(python_calls)  # the Python forward ran the steps with prefills only
+        patch.setenv("KILN_CPU_FUSED_DECODE", "0")
+        assert layer_types(model, **engine_args) == {LlamaDecoderLayer}
+        assert run(model, prompts, **engine_args) == fused
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_fused_steps_match_the_python_forward(case, tiny_model_dir, varied_prompts, monkeypatch):
+    model_type, overrides, engine_args = CASES[case]
+    check_fused_equals_python(tiny_model_dir(model_type, **overrides), varied_prompts, monkeypatch, **engine_args)
+
+
+QUANTIZED = {  # kiln quantize arguments, environment
+    "awq": (("awq",), {}),
+    "gptq, act-order": (("gptq", "--act-order", "--no-sym"), {}),
+    "smooth_quant": (("smooth_quant", "-sq", "0.5"), {}),
+    "weight_only_int8, fp32 activations": (("weight_only_int8",), {"KILN_CPU_INT8_ACTIVATIONS": "0"}),
+}
+
+
+@pytest.mark.parametrize("case", QUANTIZED)
+def test_quantized_layers_fuse_too(case, tiny_model_dir, tmp_path, varied_prompts, monkeypatch):
+    """Checkpoints of ``kiln quantize`` run their tiled layers in the C layer too (act-order
+    reads its inputs permuted)."""
+    from tests.quantization.test_quantize_tool import quantize
+
+    args, env = QUANTIZED[case]
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    model = quantize(tiny_model_dir("llama"), str(tmp_path / "q"), *args)
+    check_fused_equals_python(model, varied_prompts, monkeypatch)
 
 
 def test_default_model_int8_path(varied_prompts, monkeypatch):

@@ -73,8 +73,9 @@ from kiln_cpu.tiled_weights import tiled_form, tiled_matmul
 out = {{}}
 for kind in ("q4_1", "q8_0"):
     for rows in (1, 3, 4, 9):
-        y = tiled_matmul(tiled_form(gguf_weight(48, 192, KINDS[kind], rows)), activations(rows, 192, rows), None, True)
-        out[f"{{kind}}-{{rows}}"] = y.tolist()
+        for mode in (1, 2):  # int8 per block, per row
+            form = tiled_form(gguf_weight(48, 192, KINDS[kind], rows))
+            out[f"{{kind}}-{{rows}}-{{mode}}"] = tiled_matmul(form, activations(rows, 192, rows), None, mode).tolist()
 print(json.dumps(out))
 """
 
@@ -82,6 +83,7 @@ print(json.dumps(out))
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction-set levels")
 @pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])  # AVX2 without VNNI (vpmaddubsw); portable C
 def test_every_instruction_set_path_gives_the_same_products(march, tmp_path):
+    """Against this machine's build (on an AVX-512 VNNI machine, the zmm path), activations int8 per block and per row."""
     env = {**os.environ, "KILN_CPU_MARCH": march, "KILN_CACHE_DIR": str(tmp_path)}
     code = _PRODUCTS.format(here=os.path.dirname(__file__))
     other = json.loads(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,

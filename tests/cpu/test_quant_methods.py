@@ -18,35 +18,60 @@ def random_layer(scheme: QuantScheme, in_features: int, out_features: int, seed:
     )
 
 
+def quantized_per_block(x: torch.Tensor) -> torch.Tensor:
+    """``x`` rounded to int8 per 32 inputs as ``csrc/int8_linear.c`` rounds it (x * 127 / absmax,
+    llama.cpp's scheme), widened back."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127) / amax, 0)  # a true division, as the C (127 / t is not)
+    return (torch.round(blocks * inv) * (amax / 127)).reshape(x.shape)
+
+
+def processed(layer: QuantLinear) -> QuantLinear:
+    layer.method = linear_method(layer.scheme)
+    layer.method.process(layer)
+    return layer
+
+
 @pytest.mark.parametrize("rows", [1, 16, 64, 1000])
 @pytest.mark.parametrize("name", list(SCHEMES))
 def test_cpu_method_matches_reference(name, rows):
+    """W8A8: the reference's per-token integers. Weight-only: the dequantized weight times the
+    activations rounded to int8 per 32 inputs (in act-order, blocks of the sorted inputs)."""
     scheme = SCHEMES[name]
     layer = random_layer(scheme, 256, 96, seed=rows, bias=name == "w4a16-awq")
     x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(1))
     expected = ReferenceLinearMethod().apply(layer, x)
     widened = dequantize(layer)
     bias = 0 if layer.bias is None else layer.bias.clone()
-    method = linear_method(scheme)
-    layer.method = method
-    method.process(layer)
-    got = layer(x)
+    got = processed(layer)(x)
     assert got.shape == (rows, 96) and got.dtype == torch.float32
     if scheme.activation_bits == 8:  # the same integers, summed exactly: equal up to the scales' rounding
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    else:
-        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
-        # and it is the layer's weight: not a matmul with something else
-        assert (got - x @ widened.T - bias).abs().max() < 1e-3
+        return
+    order = slice(None) if layer.tiled.perm is None else layer.tiled.perm
+    assert (layer.tiled.perm is None) == (name != "w4a16-actorder")
+    torch.testing.assert_close(got, quantized_per_block(x[:, order]) @ widened[:, order].T + bias, rtol=1e-4, atol=1e-4)
+    assert 0 < (got - expected).abs().max() < 0.05 * expected.abs().max()  # quantized, but close
+
+
+@pytest.mark.parametrize("rows", [1, 16])
+@pytest.mark.parametrize("name", [n for n, s in SCHEMES.items() if s.activation_bits is None])
+def test_fp32_activations_on_request(name, rows, monkeypatch):
+    """KILN_CPU_INT8_ACTIVATIONS=0: the products of the dequantized weight itself."""
+    monkeypatch.setenv("KILN_CPU_INT8_ACTIVATIONS", "0")
+    layer = random_layer(SCHEMES[name], 256, 96, seed=rows, bias=True)
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(1))
+    expected, widened, bias = ReferenceLinearMethod().apply(layer, x), dequantize(layer), layer.bias.clone()
+    got = processed(layer)(x)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    assert (got - x @ widened.T - bias).abs().max() < 1e-3  # and it is the layer's weight
 
 
 def test_w8a8_quantizes_activations_per_token():
     """A token's int8 rounding depends only on its own row: a huge row elsewhere changes nothing."""
     scheme = SCHEMES["w8a8"]
-    layer = random_layer(scheme, 64, 32, seed=0, bias=False)
-    method = linear_method(scheme)
-    layer.method = method
-    method.process(layer)
+    layer = processed(random_layer(scheme, 64, 32, seed=0, bias=False))
     x = torch.randn(2, 64)
     alone = layer(x[:1])
     with_outlier = layer(torch.cat([x[:1], x[1:] * 1000]))
@@ -58,7 +83,4 @@ def test_w8a8_quantizes_activations_per_token():
 def test_bf16_activations_fall_back_to_the_reference():
     layer = random_quant_layer(SCHEMES["w4a16-awq"], 128, 32, seed=0, dtype=torch.bfloat16)
     expected = ReferenceLinearMethod().apply(layer, torch.ones(3, 128, dtype=torch.bfloat16))
-    method = linear_method(layer.scheme)
-    layer.method = method
-    method.process(layer)
-    assert torch.equal(layer(torch.ones(3, 128, dtype=torch.bfloat16)), expected)
+    assert torch.equal(processed(layer)(torch.ones(3, 128, dtype=torch.bfloat16)), expected)

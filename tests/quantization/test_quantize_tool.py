@@ -65,8 +65,11 @@ def kiln_greedy(path: str, **kwargs) -> list[list[int]]:
     ],
 )
 def test_weight_only_checkpoint_matches_its_dequantized_weights(
-    tiny_model_dir, tmp_path, model_type, quant_type, extra
+    tiny_model_dir, tmp_path, monkeypatch, model_type, quant_type, extra
 ):
+    """On the CPU plugin's exact path (fp32 activations; its default rounds them to int8, which
+    tests/cpu/test_quant_methods.py and the accuracy tests check)."""
+    monkeypatch.setenv("KILN_CPU_INT8_ACTIVATIONS", "0")
     src = tiny_model_dir(model_type)
     out = quantize(src, str(tmp_path / "q"), quant_type, *extra)
     config = json.loads(open(os.path.join(out, "config.json")).read())

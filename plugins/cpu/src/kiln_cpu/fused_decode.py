@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from kiln.interfaces.model import PRE_NORM_LAYER
+from kiln.interfaces.quantization import QuantLinear
 from kiln_cpu import native
 from kiln_cpu.attention import CpuAttentionBackend, CpuMetadata
 from kiln_cpu.fused_ops import LORA_KERNELS, prepared_lora_b
@@ -33,7 +34,7 @@ class _Linear(ctypes.Structure):
     _fields_ = [("fmt", _i64), ("int8", _i64), ("scale", _ptr), ("min", _ptr), ("q", _ptr), ("bias", _ptr),
                 ("inp", _i64), ("out", _i64), ("lora_a", _ptr), ("lora_b", _ptr), ("lora_bias", _ptr),
                 ("lora_rank", _i64), ("lora_slices", _i64), ("lora_sizes", _ptr), ("lora_bf16", _i64),
-                ("lora_ranks", _ptr)]  # fmt: skip
+                ("lora_ranks", _ptr), ("perm", _ptr)]  # fmt: skip
 
 
 class _Layer(ctypes.Structure):
@@ -48,11 +49,17 @@ class _Step(ctypes.Structure):
                 ("block_table", _ptr), ("seq_lens", _ptr), ("cos_sin", _ptr), ("lora_slots", _ptr)]  # fmt: skip
 
 
-def _linear(m: TiledLinear) -> _Linear:
-    w = m.weight
-    fmt, scale, low, q = w.kernel_args
-    bias = None if m.bias is None else m.bias.data_ptr()
-    return _Linear(fmt, int(m.int8_activations), scale, low, q, bias, m.in_features, m.out_features)
+def _tiled(m: nn.Module) -> TiledLinear | None:
+    """The ``TiledLinear`` a projection runs: itself, or a quantized layer's (``quant_methods``)."""
+    return m if type(m) is TiledLinear else getattr(m, "tiled", None) if isinstance(m, QuantLinear) else None
+
+
+def _linear(m: nn.Module) -> _Linear:
+    t = _tiled(m)
+    fmt, scale, low, q = t.weight.kernel_args
+    bias = None if t.bias is None else t.bias.data_ptr()
+    perm = None if t.perm is None else t.perm.data_ptr()
+    return _Linear(fmt, int(t.int8_activations), scale, low, q, bias, t.in_features, t.out_features, perm=perm)
 
 
 def _fusable(layer: nn.Module) -> bool:
@@ -63,7 +70,7 @@ def _fusable(layer: nn.Module) -> bool:
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
     return (
-        all(type(m) is TiledLinear for m in linears)
+        all(_tiled(m) is not None for m in linears)
         and all(n.dtype == torch.float32 and n.is_contiguous() for n in norms)
         and layer.input_layernorm.eps == layer.post_attention_layernorm.eps  # the C layer takes one
         and isinstance(attn.backend, CpuAttentionBackend)

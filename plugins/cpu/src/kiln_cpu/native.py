@@ -98,8 +98,9 @@ def load_kernels() -> ctypes.CDLL | None:
         for op in ("rms_norm", "add_rms_norm", "rotary", "silu_and_mul", "write_kv"):
             getattr(lib, f"{op}_{dt}").restype = None
     fmt = ctypes.c_int
+    lib.tiled_linear.argtypes = [ptr, ptr, i64, i64, fmt, ptr, ptr, ptr, ptr, i64, i64]
+    lib.int8_linear.argtypes = [*lib.tiled_linear.argtypes, ctypes.c_int]
     for fn in (lib.tiled_linear, lib.int8_linear):
-        fn.argtypes = [ptr, ptr, i64, i64, fmt, ptr, ptr, ptr, ptr, i64, i64]
         fn.restype = ctypes.c_int
     for fn in (lib.lora_add_f32, lib.lora_add_bf16w):
         fn.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ptr, ptr]

@@ -1,18 +1,28 @@
 """Quantized linear layers on the CPU (``Platform.linear_method``).
 
-- W8A8 (SmoothQuant / compressed-tensors int8): activations quantized to int8 per
-  token, then ``torch._int_mm``, oneDNN's int8 GEMM, which picks its AVX2
-  (``vpmaddubsw``), AVX-512 VNNI or AMX kernel at run time. Measured on this project's
-  2-core EPYC (AVX-512 VNNI): 16x576x1536 in 36 us vs 244 us for the fp32 matmul.
-- W4A16 / W8A16 (AWQ, GPTQ, weight-only int8) with fp32 activations: the weights go
-  into ``csrc/tiled_linear.c``'s 4/8-bit tiles (the GGUF Q4_1/Q8_0 kernel), which widen
-  a tile at a time in L1: a scale (and for 4-bit an offset) per 32 inputs, so groups of
-  any multiple of 32 fit exactly. Other shapes and dtypes use the reference method.
+Every scheme goes into the 4/8-bit tiles of the GGUF Q4_1/Q8_0 path (``tiled_weights``): a
+scale, and for 4 bits an offset, per 32 inputs, so groups of any multiple of 32 fit exactly;
+act-order (GPTQ ``g_idx``) sorts the inputs by group and the activations are read in that
+order. They are multiplied in integers by ``csrc/int8_linear.c`` (vpdpbusd with VNNI,
+vpmaddubsw on AVX2), one kernel family with the GGUF path, and decode steps run them inside
+the fused decoder layer (``fused_decode``).
+
+- W8A8 (SmoothQuant / compressed-tensors int8): activations quantized per token, as the scheme
+  says: the integers of the reference method, summed exactly.
+- W4A16 / W8A16 (AWQ, GPTQ, weight-only int8): activations quantized to int8 per 32 inputs,
+  as vLLM's CPU backend does through IPEX (``WoqLowpMode.INT8``, per input-channel block) and
+  llama.cpp for its blocks: 4-bit decoding at batch 1 runs ~2x as fast as widening the weights
+  (bench/quantization.py). ``KILN_CPU_INT8_ACTIVATIONS=0`` keeps fp32 activations: the tiles
+  are widened and the products are exactly those of the dequantized weights.
+
+Layers the tiles do not fit (bf16 activations, widths not multiples of 16 and 32): W8A8 through
+``torch._int_mm`` (oneDNN's int8 GEMM), the others through the reference method.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -25,7 +35,17 @@ from kiln.interfaces.quantization import (
     quantize_per_token,
 )
 from kiln_cpu import native
-from kiln_cpu.tiled_weights import BLOCK, TILE, TiledWeight, pack_q4, pack_q8, pack_tiles, tiled_matmul
+from kiln_cpu.tiled_weights import (
+    BLOCK,
+    INT8_PER_BLOCK,
+    INT8_PER_ROW,
+    TILE,
+    TiledLinear,
+    TiledWeight,
+    pack_q4,
+    pack_q8,
+    pack_tiles,
+)
 
 logger = logging.getLogger("kiln.cpu")
 
@@ -47,7 +67,7 @@ class Int8GemmMethod(LinearMethod):
 
 
 class TiledIntMethod(LinearMethod):
-    """W4A16 / W8A16 on fp32 activations through the tiled C kernel."""
+    """Every scheme through the tiled C kernels (see the module doc)."""
 
     def process(self, layer: QuantLinear) -> None:
         weight, index = layer.weight.data, group_index(layer)
@@ -64,21 +84,26 @@ class TiledIntMethod(LinearMethod):
             codes = weight.to(torch.int16) + (8 if zero is None else 0)  # unsigned 0..15
             offset = -(8.0 if zero is None else zero) * scale  # w = code * scale + offset
             tiled = TiledWeight(4, pack_tiles(scale), pack_tiles(offset), pack_q4(codes))
-        layer.tiled, layer.perm = tiled, perm
+        if layer.scheme.activation_bits == 8:
+            activations = INT8_PER_ROW
+        else:
+            activations = INT8_PER_BLOCK if os.environ.get("KILN_CPU_INT8_ACTIVATIONS", "1") != "0" else 0
+        bias = None if layer.bias is None else layer.bias.data
+        layer.tiled = TiledLinear(tiled, bias, activations, perm)  # what the fused decoder layer runs
         del layer.weight, layer.weight_scale, layer.weight_zero, layer.g_idx
 
     def apply(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
-        if layer.perm is not None:
-            x = x.reshape(-1, layer.in_features)[:, layer.perm]
-        return tiled_matmul(layer.tiled, x, layer.bias).view(*x.shape[:-1], layer.out_features)
+        return layer.tiled(x)
 
 
 class CpuLinearMethod(LinearMethod):
-    """Chooses per layer: the tiled kernel where its shape and dtype fit, else the reference."""
+    """Chooses per layer: the tiled kernels where the shape and dtype fit, else W8A8 through
+    oneDNN or the reference."""
 
     def __init__(self, scheme: QuantScheme) -> None:
         self.scheme = scheme
-        self.tiled, self.reference = TiledIntMethod(), ReferenceLinearMethod()
+        self.tiled = TiledIntMethod()
+        self.fallback = Int8GemmMethod() if scheme.activation_bits == 8 else ReferenceLinearMethod()
 
     def _fits_tiles(self, layer: QuantLinear) -> bool:
         group = self.scheme.group_size or BLOCK
@@ -91,8 +116,8 @@ class CpuLinearMethod(LinearMethod):
         )
 
     def process(self, layer: QuantLinear) -> None:
-        layer.cpu_method = self.tiled if self._fits_tiles(layer) else self.reference
-        if layer.cpu_method is self.reference:
+        layer.cpu_method = self.tiled if self._fits_tiles(layer) else self.fallback
+        if type(layer.cpu_method) is ReferenceLinearMethod:
             logger.warning("%s: no CPU kernel for this shape or dtype; using the (slow) reference", layer)
         layer.cpu_method.process(layer)
 
@@ -101,6 +126,4 @@ class CpuLinearMethod(LinearMethod):
 
 
 def linear_method(scheme: QuantScheme) -> LinearMethod:
-    if scheme.activation_bits == 8:
-        return Int8GemmMethod()
     return CpuLinearMethod(scheme)

@@ -147,23 +147,26 @@ def tiled_form(weight: torch.Tensor) -> TiledWeight | None:
     return blocks or TiledWeight(32, None, None, pack_tiles(weight.detach()))
 
 
-def tiled_matmul(
-    weight: TiledWeight, x: torch.Tensor, bias: torch.Tensor | None, int8_activations: bool = False
-) -> torch.Tensor:
-    """``x @ W.T + bias`` for fp32 rows ``x`` (..., in) through the C kernel; with
-    ``int8_activations`` and a block-format W, ``x`` is quantized to int8 per 32 inputs and
-    multiplied in integers (``csrc/int8_linear.c``), else W is widened to fp32."""
+INT8_PER_BLOCK, INT8_PER_ROW = 1, 2  # int8 activations: a scale per 32 inputs (llama.cpp's), or per row
+
+
+def tiled_matmul(weight: TiledWeight, x: torch.Tensor, bias: torch.Tensor | None, int8_activations: int = 0) -> torch.Tensor:
+    """``x @ W.T + bias`` for fp32 rows ``x`` (..., in) through the C kernel. With
+    ``int8_activations`` (``INT8_PER_BLOCK`` or ``INT8_PER_ROW``) and a block-format W, ``x`` is
+    quantized to int8 per 32 inputs or per row and multiplied in integers
+    (``csrc/int8_linear.c``), else W is widened to fp32."""
     out_features, in_features = weight.shape
     rows = x.reshape(-1, in_features)
     if rows.stride(1) != 1:
         rows = rows.contiguous()
     out = torch.empty(rows.shape[0], out_features)
     lib = native.load_kernels()
-    kernel = lib.int8_linear if int8_activations else lib.tiled_linear  # it leaves fp32 tiles to tiled_linear
-    failed = kernel(
+    args = (
         out.data_ptr(), rows.data_ptr(), rows.shape[0], rows.stride(0), *weight.kernel_args,
         None if bias is None else bias.data_ptr(), in_features, out_features,
     )  # fmt: skip
+    # int8_linear leaves fp32 tiles to tiled_linear
+    failed = lib.int8_linear(*args, int8_activations == INT8_PER_ROW) if int8_activations else lib.tiled_linear(*args)
     if failed:
         raise MemoryError("tiled matmul: no memory for its buffers")
     return out.view(*x.shape[:-1], out_features)
@@ -171,15 +174,18 @@ def tiled_matmul(
 
 class TiledLinear(nn.Module):
     """``nn.Linear`` over a ``TiledWeight`` (fp32 in, fp32 out); ``int8_activations``: see
-    ``tiled_matmul``."""
+    ``tiled_matmul``; ``perm``: the order the weight reads its inputs in (GPTQ's act-order), or None."""
 
-    def __init__(self, weight: TiledWeight, bias: torch.Tensor | None, int8_activations: bool = False) -> None:
+    def __init__(
+        self, weight: TiledWeight, bias: torch.Tensor | None, int8_activations: int = 0,
+        perm: torch.Tensor | None = None,
+    ) -> None:  # fmt: skip
         super().__init__()
-        self.weight, self.bias, self.int8_activations = weight, bias, int8_activations
+        self.weight, self.bias, self.int8_activations, self.perm = weight, bias, int8_activations, perm
         self.out_features, self.in_features = weight.shape
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return tiled_matmul(self.weight, x, self.bias, self.int8_activations)
+        return tiled_matmul(self.weight, x if self.perm is None else x[..., self.perm], self.bias, self.int8_activations)
 
 
 class TiledEmbedding(nn.Module):
@@ -215,7 +221,7 @@ def use_tiled_weights(model: nn.Module, int8_activations: bool = False) -> tuple
             setattr(parent, name, TiledEmbedding(form))
         else:
             bias = None if child.bias is None else child.bias.detach()
-            setattr(parent, name, TiledLinear(form, bias, int8_activations))
+            setattr(parent, name, TiledLinear(form, bias, INT8_PER_BLOCK if int8_activations else 0))
         swapped += 1
         gguf += form.fmt != 32
     return swapped, gguf

@@ -18,7 +18,7 @@
 
 /* The other kernels of this library. */
 int int8_linear(float *, const float *, int64_t, int64_t, int, const float *, const float *, const void *,
-                const float *, int64_t, int64_t);
+                const float *, int64_t, int64_t, int);
 int tiled_linear(float *, const float *, int64_t, int64_t, int, const float *, const float *, const void *,
                  const float *, int64_t, int64_t);
 void rms_norm_f32(float *, const float *, const float *, int64_t, int64_t, int64_t, float);
@@ -43,9 +43,10 @@ int lora_add_bf16w(float *, int64_t, const float *, int64_t, int64_t, const int6
                    const uint16_t *, const uint16_t *, int64_t, int64_t, int64_t, int64_t, const int64_t *,
                    const int64_t *);
 
-/* A TiledLinear: its weight's kernel arguments, bias, and whether activations go int8; and,
- * under --enable-lora, its adapter slots (kiln.interfaces.lora, B transposed as lora.c reads
- * it; lora_a NULL: none). */
+/* A TiledLinear: its weight's kernel arguments, bias, and its activations (0: fp32, 1: int8 per
+ * 32-input block, 2: int8 per row); under --enable-lora, its adapter slots (kiln.interfaces.lora,
+ * B transposed as lora.c reads it; lora_a NULL: none); perm: the order its inputs are read in
+ * (GPTQ act-order), or NULL. */
 struct linear {
     int64_t fmt, int8;
     const float *scale, *min;
@@ -57,6 +58,7 @@ struct linear {
     const int64_t *lora_sizes;
     int64_t lora_bf16; /* the slots' dtype: bf16, else fp32 */
     const int64_t *lora_ranks; /* each slot's rank here */
+    const int64_t *perm;
 };
 
 struct layer {
@@ -78,8 +80,18 @@ struct step {
 
 static int linear(const struct linear *l, const struct step *S, float *out, const float *x) {
     const int64_t rows = S->rows;
-    int failed = l->int8 ? int8_linear(out, x, rows, l->in, (int)l->fmt, l->scale, l->min, l->q, l->bias, l->in, l->out)
-                         : tiled_linear(out, x, rows, l->in, (int)l->fmt, l->scale, l->min, l->q, l->bias, l->in, l->out);
+    const float *in = x;
+    float *gathered = NULL;
+    if (l->perm) { /* the weight's inputs are in act-order: read x in that order */
+        if ((gathered = malloc(rows * l->in * sizeof(float))) == NULL) return 1;
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t i = 0; i < l->in; i++) gathered[r * l->in + i] = x[r * l->in + l->perm[i]];
+        in = gathered;
+    }
+    int failed = l->int8 ? int8_linear(out, in, rows, l->in, (int)l->fmt, l->scale, l->min, l->q, l->bias, l->in,
+                                       l->out, l->int8 == 2)
+                         : tiled_linear(out, in, rows, l->in, (int)l->fmt, l->scale, l->min, l->q, l->bias, l->in, l->out);
+    free(gathered);
     if (!failed && S->lora_slots && l->lora_a && l->lora_bf16)
         failed = lora_add_bf16w(out, l->out, x, l->in, rows, S->lora_slots, l->lora_a, l->lora_b, l->lora_bias, l->in,
                                 l->out, l->lora_rank, l->lora_slices, l->lora_sizes, l->lora_ranks);
