@@ -17,7 +17,7 @@ from kiln_cpu.tiled_weights import TiledEmbedding, TiledLinear, find_gguf_form, 
 
 pytestmark = pytest.mark.skipif(native.load_kernels() is None, reason="no C compiler for the CPU kernels")
 
-FORMATS = {GGMLQuantizationType.Q4_1: 4, GGMLQuantizationType.Q8_0: 8, None: 32}
+FORMATS = {GGMLQuantizationType.Q4_1: 4, GGMLQuantizationType.Q8_0: 8, "bf16": 16, None: 32}
 
 
 def gguf_weight(rows: int, cols: int, kind: GGMLQuantizationType, seed: int = 0) -> torch.Tensor:
@@ -26,6 +26,8 @@ def gguf_weight(rows: int, cols: int, kind: GGMLQuantizationType, seed: int = 0)
     x[0, :32] = 0.5  # a constant block: scale 0
     if kind is None:  # a plain fp32 weight
         return torch.from_numpy(x)
+    if kind == "bf16":  # a bf16 checkpoint's weight, served in fp32
+        return torch.from_numpy(x).bfloat16().float()
     return torch.from_numpy(dequantize(quantize(x, kind), kind).astype(np.float32))
 
 
@@ -37,7 +39,9 @@ def test_tiles_hold_every_value(kind):
     assert torch.equal(form.unpack(), w)
     rows = torch.tensor([1103, 0, 7, 7, 8, 15, 16])
     assert torch.equal(form.unpack(rows), w[rows])
-    if kind is not None:
+    if kind == "bf16":
+        assert form.q.nbytes == w.nbytes / 2 and form.scale is None
+    elif kind is not None:
         assert form.q.nbytes + form.scale.nbytes < w.nbytes / 3
 
 
@@ -52,6 +56,18 @@ def test_weights_that_are_not_gguf_blocks():
     w = gguf_weight(2048, 64, GGMLQuantizationType.Q4_1)
     w[1500, 3] += 1e-3  # one value off, in the second chunk: the whole weight stays fp32
     assert find_gguf_form(w) is None
+    w = gguf_weight(2048, 64, "bf16")
+    w[1500, 3] += 1e-6  # one value bf16 does not hold: fp32 tiles
+    assert tiled_form(w).fmt == 32
+
+
+def test_bf16_tiles_compute_what_fp32_tiles_compute(monkeypatch):
+    w, x = gguf_weight(64, 96, "bf16"), torch.randn(5, 96)
+    narrow = TiledLinear(tiled_form(w), None)
+    monkeypatch.setenv("KILN_CPU_GGUF_BLOCKS", "0")  # every weight in fp32 tiles
+    wide = TiledLinear(tiled_form(w), None)
+    assert (narrow.weight.fmt, wide.weight.fmt) == (16, 32)
+    assert torch.equal(narrow(x), wide(x))  # the same values, summed in the same order
 
 
 @pytest.mark.parametrize("kind", FORMATS)

@@ -14,7 +14,9 @@ and keeps them only when widening them back gives every value bit for bit, so a
 model computes exactly what it did in fp32 while its fp32 copy is freed. No name
 mapping or file format is involved: a weight that did not come from such blocks
 (a random one) fails the check on its first rows and is tiled as fp32. The kernel
-widens blocks a tile at a time in L1.
+widens blocks a tile at a time in L1. Likewise a weight whose every value bf16 holds
+(a bf16 checkpoint served in fp32, or the 16-bit parts of a quantized one) is kept in
+bf16 tiles: the same products from half the bytes.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ _CHUNK_ROWS = 1024  # rows recovered and checked at a time: bounds the temporary
 @dataclass(slots=True, eq=False)
 class TiledWeight:
     """An (N, K) weight in tiles of 16 output features. ``fmt`` 32: ``q`` (N/16, K, 16) fp32,
-    a tile's values for one input position together. ``fmt`` 4: value = nibble * scale + min
+    a tile's values for one input position together; ``fmt`` 16: the same in bf16. ``fmt`` 4: value = nibble * scale + min
     (GGUF's Q4_1), ``q`` (N/16, K/32, 4, 16, 4) uint8; ``fmt`` 8: value = int8 * scale (Q8_0),
     ``q`` (N/16, K/32, 8, 16, 4) int8. In both, a tile's block of 32 inputs lies as (group of
     4 inputs, feature, input): the layout of integer dot products (``csrc/int8_linear.c``);
@@ -52,7 +54,7 @@ class TiledWeight:
     kernel_args: tuple = field(init=False)  # fmt and pointers, as the C kernels take them: built once
 
     def __post_init__(self) -> None:
-        self.shape = self.q.shape[0] * TILE, self.q.shape[1] * (1 if self.fmt == 32 else BLOCK)
+        self.shape = self.q.shape[0] * TILE, self.q.shape[1] * (1 if self.fmt in (16, 32) else BLOCK)
         self.kernel_args = (self.fmt, *(None if t is None else t.data_ptr() for t in (self.scale, self.min, self.q)))
 
     def unpack(self, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -137,20 +139,37 @@ def find_gguf_form(weight: torch.Tensor) -> TiledWeight | None:
     return None
 
 
+def _bf16_form(weight: torch.Tensor) -> TiledWeight | None:
+    """``weight`` as bf16 tiles if bf16 holds every value exactly (a bf16 checkpoint served in
+    fp32), else None."""
+    weight = weight.detach()
+    for start in range(0, weight.shape[0], _CHUNK_ROWS):  # checked in chunks: bounds the temporary copies
+        chunk = weight[start : start + _CHUNK_ROWS]
+        if not torch.equal(chunk.to(torch.bfloat16).float(), chunk):
+            return None
+    return TiledWeight(16, None, None, pack_tiles(weight.to(torch.bfloat16)))
+
+
 def tiled_form(weight: torch.Tensor) -> TiledWeight | None:
-    """``weight`` (fp32, 2-D) as GGUF blocks if it came from them, else as fp32 tiles; None
-    when its shape or the missing kernels rule both out."""
+    """``weight`` (fp32, 2-D) as GGUF blocks if it came from them, as bf16 tiles if bf16 holds
+    it exactly (the same products, half the bytes to read), else as fp32 tiles; None when its
+    shape or the missing kernels rule all out."""
     if not _tileable(weight):
         return None
-    # KILN_CPU_GGUF_BLOCKS=0 keeps such weights dense (fp32 tiles): a true fp32 baseline.
-    blocks = find_gguf_form(weight) if os.environ.get("KILN_CPU_GGUF_BLOCKS", "1") != "0" else None
-    return blocks or TiledWeight(32, None, None, pack_tiles(weight.detach()))
+    # KILN_CPU_GGUF_BLOCKS=0 keeps every weight in fp32 tiles: a true fp32 baseline.
+    if os.environ.get("KILN_CPU_GGUF_BLOCKS", "1") != "0":
+        narrow = find_gguf_form(weight) or _bf16_form(weight)
+        if narrow is not None:
+            return narrow
+    return TiledWeight(32, None, None, pack_tiles(weight.detach()))
 
 
 INT8_PER_BLOCK, INT8_PER_ROW = 1, 2  # int8 activations: a scale per 32 inputs (llama.cpp's), or per row
 
 
-def tiled_matmul(weight: TiledWeight, x: torch.Tensor, bias: torch.Tensor | None, int8_activations: int = 0) -> torch.Tensor:
+def tiled_matmul(
+    weight: TiledWeight, x: torch.Tensor, bias: torch.Tensor | None, int8_activations: int = 0
+) -> torch.Tensor:
     """``x @ W.T + bias`` for fp32 rows ``x`` (..., in) through the C kernel. With
     ``int8_activations`` (``INT8_PER_BLOCK`` or ``INT8_PER_ROW``) and a block-format W, ``x`` is
     quantized to int8 per 32 inputs or per row and multiplied in integers
@@ -185,7 +204,9 @@ class TiledLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return tiled_matmul(self.weight, x if self.perm is None else x[..., self.perm], self.bias, self.int8_activations)
+        return tiled_matmul(
+            self.weight, x if self.perm is None else x[..., self.perm], self.bias, self.int8_activations
+        )
 
 
 class TiledEmbedding(nn.Module):
@@ -223,5 +244,5 @@ def use_tiled_weights(model: nn.Module, int8_activations: bool = False) -> tuple
             bias = None if child.bias is None else child.bias.detach()
             setattr(parent, name, TiledLinear(form, bias, INT8_PER_BLOCK if int8_activations else 0))
         swapped += 1
-        gguf += form.fmt != 32
+        gguf += form.fmt in (4, 8)
     return swapped, gguf

@@ -8,7 +8,8 @@
  * 12 accumulators (16 features x 6 rows) to hide the FMA latency. Each output is
  * summed over K in order. Block formats are first widened to fp32, a tile at a
  * time (K x 16 floats, in L1/L2), and every 6 rows of x pass over it.
- *   fmt 32: q (N/16, K, 16) fp32.
+ *   fmt 32: q (N/16, K, 16) fp32; fmt 16: the same in bf16 (fp32 values that bf16 holds
+ *           exactly, e.g. a bf16 checkpoint's weights served in fp32: half the bytes).
  *   fmt 4:  value = nibble * scale + min (GGUF's Q4_1); fmt 8: value = int8 * scale
  *           (Q8_0); their bytes lie as int8_linear.c describes.
  *   scale, min: (N/16, K/32, 16) fp32, one per 32 input positions per feature.
@@ -16,6 +17,7 @@
  */
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "vec.h"
 
@@ -50,11 +52,23 @@ static void widen_tile(float *tile, int fmt, const float *scale, const float *mi
     }
 }
 
+static inline float bf16_to_f32(uint16_t v) {
+    const uint32_t bits = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
 /* Tile t as fp32 (K, 16): in place for fmt 32, else widened into buf. */
 static const float *tile_of(float *buf, int fmt, const float *scale, const float *min, const void *q, int64_t t,
                             int64_t K) {
     if (fmt == 32) return (const float *)q + t * K * TILE;
-    widen_tile(buf, fmt, scale, min, q, t, K);
+    if (fmt == 16) {
+        const uint16_t *v = (const uint16_t *)q + t * K * TILE;
+        for (int64_t i = 0; i < K * TILE; i++) buf[i] = bf16_to_f32(v[i]);
+    } else {
+        widen_tile(buf, fmt, scale, min, q, t, K);
+    }
     return buf;
 }
 
@@ -143,6 +157,11 @@ void tiled_gather_rows(float *out, const int64_t *row_ids, int64_t n, int fmt, c
         if (fmt == 32) {
             const float *v = (const float *)q + t * K * TILE + j;
             for (int64_t c = 0; c < K; c++) row[c] = v[c * TILE];
+            continue;
+        }
+        if (fmt == 16) {
+            const uint16_t *v = (const uint16_t *)q + t * K * TILE + j;
+            for (int64_t c = 0; c < K; c++) row[c] = bf16_to_f32(v[c * TILE]);
             continue;
         }
         for (int64_t c = 0; c < K; c++) {
