@@ -230,8 +230,8 @@ def test_dynamic_quant():
 # the CPU plugin, both in fp32. The torch_npu kernels take and return fp16/bf16 activations, so an
 # fp32 model runs them in fp16 (kiln_ascend.quant) while the CPU plugin computes in fp32: exact
 # equality of the computation is impossible. For the weight-only schemes the fp16 rounding moves
-# logprobs by ~0.01 and the tiny models' peaked logits keep every greedy choice: the tokens must be
-# the CPU plugin's. W8A8 amplifies it: an fp16-rounded output moves the next layer's int8
+# logprobs by ~0.01: the tokens must be the CPU plugin's (its exact path) up to a choice whose top
+# two candidates were within 0.02 there (gptq act-order meets one, 0.005 apart). W8A8 amplifies it: an fp16-rounded output moves the next layer's int8
 # activation roundings, and logprobs move by up to ~0.1, enough to flip a near-tie. There the
 # closest meaningful property is checked: the NPU's tokens are exactly those of the CPU plugin
 # computing the reference W8A8 product with its output rounded to fp16 as npu_quant_matmul returns
@@ -292,12 +292,12 @@ def test_quantized_checkpoint_on_the_npu_matches_the_cpu_plugin(
     if quant_type != "smooth_quant":  # the CPU plugin's exact path: its default rounds activations to int8
         monkeypatch.setenv("KILN_CPU_INT8_ACTIVATIONS", "0")
     cpu, gaps = greedy_with_gaps(npu_plugins, PROMPTS, device="cpu", **common)
-    if quant_type != "smooth_quant":
-        assert npu == cpu
-        return
+    tie = 0.1 if quant_type == "smooth_quant" else 0.02  # twice the logprob moves fp16 rounding makes
     for mine, theirs, gap in zip(npu, cpu, gaps):
         first = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), None)
-        assert first is None or gap[first] < 0.1, f"left the CPU plugin's tokens at {first}, not a near-tie"
+        assert first is None or gap[first] < tie, f"left the CPU plugin's tokens at {first}, not a near-tie"
+    if quant_type != "smooth_quant":
+        return
     monkeypatch.setattr(CpuPlatform, "linear_method", lambda self, scheme: Fp16OutputW8A8Reference())
     assert npu == greedy_tokens(npu_plugins, PROMPTS, 12, device="cpu", **common)
 
