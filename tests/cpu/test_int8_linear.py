@@ -19,7 +19,10 @@ from kiln_cpu.tiled_weights import TiledLinear, tiled_form, tiled_matmul
 
 pytestmark = pytest.mark.skipif(native.load_kernels() is None, reason="no C compiler for the CPU kernels")
 
-KINDS = {"q4_1": GGMLQuantizationType.Q4_1, "q8_0": GGMLQuantizationType.Q8_0}
+KINDS = {
+    "q4_1": GGMLQuantizationType.Q4_1, "q8_0": GGMLQuantizationType.Q8_0,
+    "q4_0": GGMLQuantizationType.Q4_0, "q5_0": GGMLQuantizationType.Q5_0,  # in the Q4_1 / Q8_0 tiles
+}  # fmt: skip
 
 
 def activations(rows: int, cols: int, seed: int) -> torch.Tensor:
@@ -71,7 +74,7 @@ sys.path.insert(0, {here!r})
 from test_int8_linear import KINDS, activations, gguf_weight
 from kiln_cpu.tiled_weights import tiled_form, tiled_matmul
 out = {{}}
-for kind in ("q4_1", "q8_0"):
+for kind in KINDS:
     for rows in (1, 3, 4, 9):
         for mode in (1, 2):  # int8 per block, per row
             form = tiled_form(gguf_weight(48, 192, KINDS[kind], rows))
@@ -121,3 +124,32 @@ def test_gguf_models_multiply_in_int8_unless_told_not_to(default_model_dir):
     assert ids[0] == ids[1]
     with pytest.raises(ValueError, match="--quantization gguf: the model is not a .gguf file"):
         LLM(default_model_dir, max_model_len=256, quantization="gguf")
+
+
+@pytest.mark.parametrize(("quant_type", "fmt"), [("Q4_0", 4), ("Q5_0", 8)])
+def test_other_gguf_types_stay_in_blocks(tmp_path, quant_type, fmt):
+    """The default model's file re-quantized to another GGUF type: served from its blocks
+    (Q4_0 as Q4_1-style tiles, Q5_0 as 8-bit ones) with int8 activations, close in perplexity
+    to the exact products of the same weights and to the original file."""
+    import shutil
+    from pathlib import Path
+
+    from kiln import LLM
+    from kiln.models.loader import convert_gguf, default_model_path
+    from kiln.quantization.evaluate import perplexity
+    from kiln.testing.models import requantized_gguf
+
+    text = (Path(__file__).parent.parent / "data" / "heldout.txt").read_text()[:3000]
+    path = requantized_gguf(default_model_path(), str(tmp_path / f"model.{quant_type}.gguf"), quant_type)
+    try:
+        llm = LLM(path, max_model_len=512)
+        layer = llm.engine.executor.runner.model.layers[0]
+        projections = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        assert all(p.weight.fmt == fmt and p.int8_activations for p in projections)
+        ppl = perplexity(llm, text)
+        exact = perplexity(LLM(path, max_model_len=512, quantization="none"), text)
+    finally:
+        shutil.rmtree(convert_gguf(path))  # the converted fp32 folder this test made in the cache
+    assert ppl != exact and abs(ppl / exact - 1) <= 0.02  # int8 activations: another rounding, as close
+    # the same model, rounded twice (Q4_1's blocks re-quantized to Q4_0 cost ~30 % here)
+    assert ppl < 1.5 * perplexity(LLM(default_model_path(), max_model_len=512), text)

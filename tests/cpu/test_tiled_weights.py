@@ -17,7 +17,10 @@ from kiln_cpu.tiled_weights import TiledEmbedding, TiledLinear, find_gguf_form, 
 
 pytestmark = pytest.mark.skipif(native.load_kernels() is None, reason="no C compiler for the CPU kernels")
 
-FORMATS = {GGMLQuantizationType.Q4_1: 4, GGMLQuantizationType.Q8_0: 8, "bf16": 16, None: 32}
+FORMATS = {
+    GGMLQuantizationType.Q4_1: 4, GGMLQuantizationType.Q4_0: 4, GGMLQuantizationType.Q8_0: 8,
+    GGMLQuantizationType.Q5_0: 8, "bf16": 16, None: 32,
+}  # fmt: skip
 
 
 def gguf_weight(rows: int, cols: int, kind: GGMLQuantizationType, seed: int = 0) -> torch.Tensor:

@@ -199,3 +199,31 @@ def hf_beam_search(
         end = next((i + 1 for i, t in enumerate(seq) if t in eos_token_ids), len(seq))
         hypotheses.append((seq[:end], score))
     return hypotheses
+
+
+def requantized_gguf(src: str, dst: str, quant_type: str) -> str:
+    """A copy of the GGUF file ``src`` whose Q4_1 / Q8_0 tensors are re-quantized to
+    ``quant_type`` (a ``gguf.GGMLQuantizationType`` name that gguf-py can quantize: Q4_0,
+    Q5_0, Q5_1...), the metadata and every other tensor as they were; returns ``dst``."""
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, dequantize, quantize
+
+    target = GGMLQuantizationType[quant_type]
+    reader = GGUFReader(src)
+    writer = GGUFWriter(dst, reader.fields["general.architecture"].contents())
+    for field in reader.fields.values():
+        if field.name == "general.architecture" or field.name.startswith("GGUF."):
+            continue  # written by GGUFWriter itself
+        kind = field.types[0]
+        writer.add_key_value(
+            field.name, field.contents(), kind, sub_type=field.types[-1] if kind == GGUFValueType.ARRAY else None
+        )
+    for tensor in reader.tensors:
+        data, kind = tensor.data, tensor.tensor_type
+        if kind in (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0):
+            data, kind = quantize(dequantize(data, kind), target), target
+        writer.add_tensor(tensor.name, data, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst

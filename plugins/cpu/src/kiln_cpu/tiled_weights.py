@@ -106,6 +106,24 @@ def _blocks_q8(w: torch.Tensor) -> TiledWeight:
     return TiledWeight(8, pack_tiles(scale), None, pack_q8(q.round().clamp(-127, 127).view(w.shape)))
 
 
+def _signed_blocks(w: torch.Tensor, half: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scales and codes of GGUF's Q4_0 (``half`` 8) or Q5_0 (16): value = (n - half) * d. ggml
+    sets d = -(the block's value of largest magnitude) / half, so that value is n = 0."""
+    blocks = w.view(w.shape[0], -1, BLOCK)
+    d = -blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True)).squeeze(-1) / half
+    return d, torch.where(d[..., None] != 0, blocks / d[..., None], 0.0).round()  # n - half
+
+
+def _blocks_q4_0(w: torch.Tensor) -> TiledWeight:
+    d, codes = _signed_blocks(w, 8)  # as Q4_1: nibble n times d, plus -8 d
+    return TiledWeight(4, pack_tiles(d), pack_tiles(-8 * d), pack_q4((codes + 8).clamp(0, 15).view(w.shape)))
+
+
+def _blocks_q5_0(w: torch.Tensor) -> TiledWeight:
+    d, codes = _signed_blocks(w, 16)  # as Q8_0: int8 codes -16..15 times d
+    return TiledWeight(8, pack_tiles(d), None, pack_q8(codes.clamp(-16, 15).view(w.shape)))
+
+
 def _concat(parts: list[TiledWeight]) -> TiledWeight:
     first = parts[0]
     low = None if first.min is None else torch.cat([p.min for p in parts])
@@ -122,11 +140,12 @@ def _tileable(weight: torch.Tensor) -> bool:
 
 
 def find_gguf_form(weight: torch.Tensor) -> TiledWeight | None:
-    """The blocks ``weight`` (fp32, 2-D) was widened from, or None if it holds other values."""
+    """The blocks ``weight`` (fp32, 2-D) was widened from, or None if it holds other values:
+    Q4_1 and Q8_0 as they are, Q4_0 as 4-bit codes with an offset, Q5_0 as 8-bit codes."""
     if not _tileable(weight) or weight.shape[1] % BLOCK:
         return None
     weight = weight.detach()
-    for recover in (_blocks_q4, _blocks_q8):
+    for recover in (_blocks_q4, _blocks_q4_0, _blocks_q8, _blocks_q5_0):
         parts = []
         for start in range(0, weight.shape[0], _CHUNK_ROWS):
             chunk = weight[start : start + _CHUNK_ROWS]
