@@ -1,5 +1,7 @@
 """The CPU's quantized linear methods against the reference (dequantize, then matmul)."""
 
+import logging
+
 import pytest
 import torch
 
@@ -84,3 +86,14 @@ def test_bf16_activations_fall_back_to_the_reference():
     layer = random_quant_layer(SCHEMES["w4a16-awq"], 128, 32, seed=0, dtype=torch.bfloat16)
     expected = ReferenceLinearMethod().apply(layer, torch.ones(3, 128, dtype=torch.bfloat16))
     assert torch.equal(processed(layer)(torch.ones(3, 128, dtype=torch.bfloat16)), expected)
+
+
+def test_act_order_blocks_that_would_span_two_groups_use_the_reference(caplog):
+    layer = random_layer(SCHEMES["w4a16-actorder"], 128, 32, seed=0, bias=False)
+    layer.g_idx.data[:40] = 0  # group 0 now holds more than 32 inputs: sorted, a block spans two groups
+    x = torch.randn(3, 128)
+    expected = ReferenceLinearMethod().apply(layer, x)
+    with caplog.at_level(logging.WARNING, logger="kiln.cpu"):
+        got = processed(layer)(x)
+    assert "using the (slow) reference" in caplog.text
+    torch.testing.assert_close(got, expected)

@@ -113,6 +113,8 @@ class CpuLinearMethod(LinearMethod):
             and layer.out_features % TILE == 0
             and layer.in_features % BLOCK == 0
             and group % BLOCK == 0
+            # act-order: sorted by group, every 32-input block must still lie in one group
+            and (layer.g_idx is None or bool((torch.bincount(layer.g_idx.long()) % BLOCK == 0).all()))
         )
 
     def process(self, layer: QuantLinear) -> None:
