@@ -401,3 +401,32 @@ def test_gemma_adapters_match_peft(tiny_model_dir, tmp_path, varied_prompts, mod
     lora = LoRARequest("a", 1, path)
     outputs = llm.generate([{"prompt_token_ids": p} for p in varied_prompts], GREEDY, lora_request=lora)
     assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+FUSED_FAMILIES = {  # model type: the PEFT targets of its checkpoint's projections
+    "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],  # q/k/v and gate/up fused
+    "glm4": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"],  # interleaved rotary
+}
+
+
+@pytest.mark.parametrize("model_type", FUSED_FAMILIES)
+def test_adapters_of_fused_projections_match_peft(tiny_model_dir, tmp_path, varied_prompts, model_type):
+    """Phi-3's adapters update its fused qkv_proj / gate_up_proj: Kiln gives each projection
+    the shared A and its rows of B. GLM-4's query/key rows are reordered for its interleaved
+    rotary, as its weights are; a partial rotary (Phi-4-mini's) the same way."""
+    overrides = {"partial_rotary_factor": 0.5} if model_type == "phi3" else {}
+    base = tiny_model_dir(model_type, **overrides)
+    path = build_lora_adapter(base, tmp_path / "adapter", rank=8, seed=3, targets=FUSED_FAMILIES[model_type])
+    expected = hf_lora_greedy(base, path, varied_prompts, NEW_TOKENS)
+    assert expected != hf_lora_greedy(base, None, varied_prompts, NEW_TOKENS)
+    llm = LLM(base, dtype="float32", enable_lora=True, max_model_len=256)
+    lora = LoRARequest("a", 1, path)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in varied_prompts], GREEDY, lora_request=lora)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+def test_a_fused_projection_the_model_does_not_fuse_is_refused(tiny_model_dir, tmp_path):
+    path = build_lora_adapter(tiny_model_dir("phi3"), tmp_path / "adapter", rank=8, targets=["qkv_proj"])
+    llm = LLM(tiny_model_dir("llama"), dtype="float32", enable_lora=True, max_model_len=256)
+    with pytest.raises(ValueError, match="qkv_proj adapts a module the model lacks"):
+        llm.generate([{"prompt_token_ids": [1, 2, 3]}], GREEDY, lora_request=LoRARequest("a", 1, path))

@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType
 from test_tiled_weights import gguf_weight
 
 from kiln_cpu import native
-from kiln_cpu.tiled_weights import TiledLinear, tiled_form, tiled_matmul
+from kiln_cpu.tiled_weights import INT8_PER_BLOCK, TiledLinear, tiled_form, tiled_matmul
 
 pytestmark = pytest.mark.skipif(native.load_kernels() is None, reason="no C compiler for the CPU kernels")
 
@@ -44,7 +44,7 @@ def int8_rows(x: torch.Tensor) -> torch.Tensor:
 def test_products_are_the_quantized_rows_times_the_weight(kind, rows):
     w, bias = gguf_weight(208, 96, KINDS[kind], seed=rows), torch.randn(208)
     x = activations(rows, 96, seed=rows)
-    got = tiled_matmul(tiled_form(w), x, bias, int8_activations=True)
+    got = tiled_matmul(tiled_form(w), x, bias, INT8_PER_BLOCK)
     want = (int8_rows(x).double() @ w.double().T + bias.double()).float()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-5)
     exact = F.linear(x, w, bias)
@@ -54,7 +54,7 @@ def test_products_are_the_quantized_rows_times_the_weight(kind, rows):
 def test_strided_rows_and_the_exact_path():
     w = gguf_weight(64, 128, KINDS["q4_1"])
     x = torch.randn(5, 160)[:, 16:144]
-    layer = TiledLinear(tiled_form(w), None, int8_activations=True)
+    layer = TiledLinear(tiled_form(w), None, INT8_PER_BLOCK)
     torch.testing.assert_close(layer(x), layer(x.contiguous()), rtol=0, atol=0)
     exact = TiledLinear(tiled_form(w), None)  # int8_activations off: the weights widened to fp32
     torch.testing.assert_close(exact(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
@@ -65,20 +65,24 @@ def test_fp32_tiles_ignore_the_int8_flag():
     x = torch.randn(3, 64)
     form = tiled_form(w)
     assert form.fmt == 32
-    torch.testing.assert_close(tiled_matmul(form, x, None, int8_activations=True), x @ w.T, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(tiled_matmul(form, x, None, INT8_PER_BLOCK), x @ w.T, rtol=1e-5, atol=1e-5)
 
 
 _PRODUCTS = """
 import json, sys, torch
 sys.path.insert(0, {here!r})
 from test_int8_linear import KINDS, activations, gguf_weight
-from kiln_cpu.tiled_weights import tiled_form, tiled_matmul
+from kiln_cpu.tiled_weights import TiledWeight, pack_q8, pack_tiles, tiled_form, tiled_matmul
 out = {{}}
-for kind in KINDS:
+g = torch.Generator().manual_seed(0)
+codes = torch.randint(-128, 128, (48, 192), generator=g)
+codes[:, :8] = -128  # the code no GGUF block has (W8A8 checkpoints may): |w| and 128 * sum(w) overflow int8
+forms = {{kind: lambda rows, kind=kind: tiled_form(gguf_weight(48, 192, KINDS[kind], rows)) for kind in KINDS}}
+forms["int8"] = lambda rows: TiledWeight(8, pack_tiles(torch.rand(48, 6, generator=g) / 50), None, pack_q8(codes))
+for kind, form in forms.items():
     for rows in (1, 3, 4, 9):
         for mode in (1, 2):  # int8 per block, per row
-            form = tiled_form(gguf_weight(48, 192, KINDS[kind], rows))
-            out[f"{{kind}}-{{rows}}-{{mode}}"] = tiled_matmul(form, activations(rows, 192, rows), None, mode).tolist()
+            out[f"{{kind}}-{{rows}}-{{mode}}"] = tiled_matmul(form(rows), activations(rows, 192, rows), None, mode).tolist()
 print(json.dumps(out))
 """
 

@@ -97,3 +97,16 @@ def test_act_order_blocks_that_would_span_two_groups_use_the_reference(caplog):
         got = processed(layer)(x)
     assert "using the (slow) reference" in caplog.text
     torch.testing.assert_close(got, expected)
+
+
+def test_w8a8_edge_rows_and_codes_match_the_reference():
+    """A row of zeros, a row far below torch's 1e-10 scale floor, and weights at -128."""
+    layers = [random_layer(SCHEMES["w8a8"], 64, 32, seed=0, bias=False) for _ in range(2)]
+    for layer in layers:
+        layer.weight.data[:, :8] = -128
+    x = torch.randn(3, 64)
+    x[1], x[2] = 0.0, x[2] * 1e-12
+    expected = ReferenceLinearMethod().apply(layers[0], x)
+    got = processed(layers[1])(x)
+    assert torch.equal(got[1], torch.zeros(32))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=0)

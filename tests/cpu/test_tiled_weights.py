@@ -144,3 +144,16 @@ def test_replace_linears_keeps_tied_weights_and_skips_other_dtypes():
     assert replace_linears(model, {torch.float32: wrap}) == 1
     assert seen == [embed.weight] and isinstance(model["head"], TiledLinear)
     assert type(model["narrow"]) is nn.Linear
+
+
+@pytest.mark.parametrize(("half", "fmt"), [(8, 4), (16, 8)])  # Q4_0, Q5_0
+def test_q4_0_and_q5_0_blocks_with_fitted_scales(half, fmt):
+    """With an importance matrix llama.cpp fits each block's d: its largest value need not take
+    the code -half that ggml's reference quantizer gives it."""
+    g = torch.Generator().manual_seed(half)
+    codes = torch.randint(-half + 1, half - 1, (64, 96), generator=g).float()  # never -half
+    d = (torch.rand(64, 3, 1, generator=g) - 0.5).half().float() / 16  # either sign, fp16 as GGUF stores it
+    d[0, 1] = 0  # an all-zero block
+    w = (codes.view(64, 3, 32) * d).view(64, 96)
+    form = find_gguf_form(w)
+    assert form is not None and form.fmt == fmt and torch.equal(form.unpack(), w)

@@ -15,14 +15,18 @@ import json
 import math
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-# The projections Kiln applies LoRA to, as PEFT names them (Llama family).
+# The projections Kiln applies LoRA to, as PEFT names them (Llama family), and the fused ones
+# of families that store them so (Phi-3: qkv_proj and gate_up_proj; GLM-4: gate_up_proj),
+# which the base model splits as it splits their weights (``BaseModelShape.split``).
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FUSED_TARGETS = ("qkv_proj", "gate_up_proj")
 # PEFT drops the adapter's name ("default") when saving; files saved otherwise keep it.
-_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_(A|B)(?:\.\w+)?\.(weight|bias)$")
+_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_(A|B)(?:\.\w+)?\.(weight|bias)$")
 
 
 @dataclass(slots=True)
@@ -45,15 +49,22 @@ class LoRAAdapter:
         return sum(t.numel() * 4 for m in self.modules.values() for t in (m.a, m.b, m.bias) if t is not None)
 
 
+def _as_is(block: str, module: str, leaf: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    return [(module, tensor)]
+
+
 @dataclass(slots=True)
 class BaseModelShape:
-    """What an adapter must fit: layer count and each projection's full (in, out) sizes."""
+    """What an adapter must fit: layer count and each projection's full (in, out) sizes; and
+    ``split``: (block, PEFT module, leaf, lora_B weight or bias) -> the projections it updates
+    with their rows, as the base model maps its own weights (``LlamaForCausalLM.adapter_rows``)."""
 
     num_layers: int
     dims: dict[str, tuple[int, int]]
+    split: Callable[[str, str, str, torch.Tensor], list[tuple[str, torch.Tensor]]] = _as_is
 
     @classmethod
-    def of(cls, hf_config) -> BaseModelShape:
+    def of(cls, hf_config, model=None) -> BaseModelShape:
         from kiln.models.llama import head_dim_of
 
         hidden, inter = hf_config.hidden_size, hf_config.intermediate_size
@@ -63,7 +74,7 @@ class BaseModelShape:
             "q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
             "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden),
         }  # fmt: skip
-        return cls(hf_config.num_hidden_layers, dims)
+        return cls(hf_config.num_hidden_layers, dims, getattr(model, "adapter_rows", _as_is))
 
 
 def _read_config(name: str, path: str) -> dict:
@@ -102,7 +113,8 @@ def _check_config(name: str, config: dict, enable_bias: bool) -> None:
         raise ValueError(f"LoRA adapter {name!r} has biases (lora_bias); start the server with --enable-lora-bias")
     targets = config.get("target_modules")
     if isinstance(targets, list):  # names or paths ("self_attn.q_proj"), matched by their last part
-        unknown = sorted(t for t in targets if not isinstance(t, str) or t.rsplit(".", 1)[-1] not in TARGETS)
+        known = (*TARGETS, *FUSED_TARGETS)
+        unknown = sorted(t for t in targets if not isinstance(t, str) or t.rsplit(".", 1)[-1] not in known)
         if unknown:
             raise ValueError(
                 f"LoRA adapter {name!r} targets {unknown}, which the model lacks or Kiln cannot adapt; "
@@ -146,22 +158,22 @@ def load_adapter(name: str, path: str, base: BaseModelShape, max_rank: int, enab
     config = _read_config(name, path)
     _check_config(name, config, enable_bias)
     tensors = _read_tensors(name, path)
-    parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    parts: dict[tuple[int, str, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         match = _KEY.search(key)
-        if match is None or match.group(2) not in TARGETS:
+        if match is None or match.group(3) not in (*TARGETS, *FUSED_TARGETS):
             raise ValueError(
                 f"LoRA adapter {name!r}: tensor {key!r} adapts a module the model lacks or Kiln cannot adapt; "
                 f"supported: {', '.join(TARGETS)} of each layer"
             )
-        layer, module, ab, leaf = int(match.group(1)), match.group(2), match.group(3), match.group(4)
+        layer, block, module, ab, leaf = int(match.group(1)), *match.group(2, 3, 4, 5)
         if layer >= base.num_layers:
             raise ValueError(f"LoRA adapter {name!r}: {key!r} is for layer {layer}; the model has {base.num_layers}")
         if leaf == "bias" and ab == "A":
             raise ValueError(f"LoRA adapter {name!r}: {key!r}: lora_A has no bias in PEFT's format")
         if leaf == "bias" and not enable_bias:
             raise ValueError(f"LoRA adapter {name!r} has biases ({key}); start the server with --enable-lora-bias")
-        found = parts.setdefault((layer, module), {})
+        found = parts.setdefault((layer, block, module), {})
         if ab + leaf in found:  # e.g. a vision tower's layers beside the language model's
             raise ValueError(f"LoRA adapter {name!r}: two tensors for layers.{layer}.{module} lora_{ab}.{leaf}")
         found[ab + leaf] = tensor
@@ -174,32 +186,46 @@ def load_adapter(name: str, path: str, base: BaseModelShape, max_rank: int, enab
         raise ValueError(f"LoRA adapter {name!r}: lora_alpha and alpha_pattern must hold numbers")
     rslora = bool(config.get("use_rslora"))
     modules, top_rank = {}, 0
-    for (layer, module), found in sorted(parts.items()):
+    for (layer, block, module), found in sorted(parts.items()):
         where = f"layers.{layer}.{module}"
         if "Aweight" not in found or "Bweight" not in found:
             raise ValueError(f"LoRA adapter {name!r}: {where} lacks its lora_A or lora_B weight")
         a, b = found["Aweight"].float(), found["Bweight"].float()
         rank = a.shape[0] if a.dim() == 2 else 0
-        inputs, outputs = base.dims[module]
-        if rank < 1 or b.dim() != 2 or a.shape[1] != inputs or b.shape != (outputs, rank):
-            raise ValueError(
-                f"LoRA adapter {name!r}: {where} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}, expected "
-                f"({rank}, {inputs}) and ({outputs}, {rank}): it was trained for another base model"
-            )
         if rank > max_rank:
             raise ValueError(f"LoRA adapter {name!r} has rank {rank} ({where}), over --max-lora-rank {max_rank}")
-        block = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
         try:
             module_alpha = _pattern_value(patterns, f"model.layers.{layer}.{block}.{module}", alpha)
         except ValueError as exc:
             raise ValueError(f"LoRA adapter {name!r}: {exc}") from None
         scaling = module_alpha / (math.sqrt(rank) if rslora else rank)  # rank_pattern ranks are the tensors'
         bias = found.get("Bbias")
-        if bias is not None and tuple(bias.shape) != (outputs,):
+        # A fused projection's update is each part's: A shared, B's rows split (and reordered) as its weight's.
+        try:
+            rows = base.split(block, module, "weight", b) if b.dim() == 2 else [(module, b)]
+            biases = dict(base.split(block, module, "bias", bias.float())) if bias is not None else {}
+        except RuntimeError:  # rows that do not split as the base model's weight does
             raise ValueError(
-                f"LoRA adapter {name!r}: {where} has a lora_B bias of {tuple(bias.shape)}, expected ({outputs},)"
-            )
-        bias = None if bias is None else (bias.float() * scaling).contiguous()
-        modules[(layer, module)] = ModuleLoRA(a.contiguous(), (b * scaling).contiguous(), bias)
+                f"LoRA adapter {name!r}: {where} has lora_B {tuple(b.shape)}: it was trained for another base model"
+            ) from None
+        for part, b_part in rows:
+            inputs, outputs = base.dims.get(part, (None, None))
+            if inputs is None:
+                raise ValueError(f"LoRA adapter {name!r}: {where} adapts a module the model lacks")
+            if rank < 1 or b_part.dim() != 2 or a.shape[1] != inputs or b_part.shape != (outputs, rank):
+                raise ValueError(
+                    f"LoRA adapter {name!r}: {where} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}, "
+                    f"expected ({rank}, {inputs}) and ({outputs}, {rank}) for {part}: it was trained for another "
+                    f"base model"
+                )
+            part_bias = biases.get(part)
+            if bias is not None and (part_bias is None or tuple(part_bias.shape) != (outputs,)):
+                raise ValueError(
+                    f"LoRA adapter {name!r}: {where} has a lora_B bias of {tuple(bias.shape)}, expected ({outputs},)"
+                )
+            part_bias = None if part_bias is None else (part_bias * scaling).contiguous()
+            if (layer, part) in modules:
+                raise ValueError(f"LoRA adapter {name!r}: two updates for layers.{layer}.{part} ({where} and another)")
+            modules[(layer, part)] = ModuleLoRA(a.contiguous(), (b_part * scaling).contiguous(), part_bias)
         top_rank = max(top_rank, rank)
     return LoRAAdapter(name, top_rank, modules)

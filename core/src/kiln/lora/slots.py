@@ -146,7 +146,7 @@ def build_lora_slots(model: torch.nn.Module, config, hf_config, tp, dtype: torch
     """``--enable-lora``: slots beside the model's projections (after the platform processed it)."""
     from kiln.lora.layers import add_lora_layers
 
-    shape = BaseModelShape.of(hf_config)
+    shape = BaseModelShape.of(hf_config, model)
     lora_dtype = dtype if config.lora_dtype == "auto" else LORA_DTYPES[config.lora_dtype]
     state, layers = add_lora_layers(model, shape, tp, config, lora_dtype)
     return LoRASlots(config, shape, state, layers)

@@ -14,7 +14,6 @@ from kiln.models.phi3 import split_gate_up
 
 
 class GlmForCausalLM(LlamaForCausalLM):
-    lora_modules = {}  # adapters would need the reordered query/key rows: not mapped yet
     interleaved_rotary = True
     supports_quantization = False
 

@@ -327,6 +327,16 @@ class LlamaForCausalLM(nn.Module):
         if pending or missing:
             raise ValueError(f"checkpoint is missing weights: {sorted(missing | set(pending))[:8]}")
 
+    def adapter_rows(self, block: str, module: str, leaf: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """A PEFT adapter's lora_B ``leaf`` (weight or bias) for ``block.module`` as the rows of
+        each projection it updates, mapped as a checkpoint weight of that name is: a fused
+        projection split (Phi-3, GLM-4), query/key rows in ``rotary_order``."""
+        rows = []
+        for name, part in self.checkpoint_tensors([(f"model.layers.0.{block}.{module}.{leaf}", tensor)]):
+            proj = name.split(".")[-2]
+            rows.append((proj, self._rotary_rows(name, part) if proj in ("q_proj", "k_proj") else part))
+        return rows
+
     def _rotary_rows(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Each head's query/key dimensions in ``rotary_order`` (``kiln.models.rope``)."""
         if self.rotary_order is None:

@@ -11,7 +11,6 @@ from kiln.models.llama import LlamaForCausalLM, head_dim_of
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
-    lora_modules = {}  # PEFT adapters of Phi-3 target the fused projections: not mapped yet
     supports_quantization = False
 
     def checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:

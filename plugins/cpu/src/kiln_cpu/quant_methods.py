@@ -8,15 +8,17 @@ vpmaddubsw on AVX2), one kernel family with the GGUF path, and decode steps run 
 the fused decoder layer (``fused_decode``).
 
 - W8A8 (SmoothQuant / compressed-tensors int8): activations quantized per token, as the scheme
-  says: the integers of the reference method, summed exactly.
+  says: the integers of the reference method, each 32-input block summed exactly and the
+  blocks added in fp32 (the reference sums the row, then scales once).
 - W4A16 / W8A16 (AWQ, GPTQ, weight-only int8): activations quantized to int8 per 32 inputs,
   as vLLM's CPU backend does through IPEX (``WoqLowpMode.INT8``, per input-channel block) and
   llama.cpp for its blocks: 4-bit decoding at batch 1 runs ~2x as fast as widening the weights
   (bench/quantization.py). ``KILN_CPU_INT8_ACTIVATIONS=0`` keeps fp32 activations: the tiles
   are widened and the products are exactly those of the dequantized weights.
 
-Layers the tiles do not fit (bf16 activations, widths not multiples of 16 and 32): W8A8 through
-``torch._int_mm`` (oneDNN's int8 GEMM), the others through the reference method.
+Layers the tiles do not fit (bf16 activations, widths not multiples of 16 and 32, act-order
+groups not multiples of 32 inputs): W8A8 through ``torch._int_mm`` (oneDNN's int8 GEMM), the
+others through the reference method.
 """
 
 from __future__ import annotations

@@ -107,15 +107,27 @@ def _blocks_q8(w: torch.Tensor) -> TiledWeight:
 
 
 def _signed_blocks(w: torch.Tensor, half: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scales and codes of GGUF's Q4_0 (``half`` 8) or Q5_0 (16): value = (n - half) * d. ggml
-    sets d = -(the block's value of largest magnitude) / half, so that value is n = 0."""
+    """Scales and codes of GGUF's Q4_0 (``half`` 8) or Q5_0 (16): value = c * d, c in -half..half-1.
+    ggml's reference quantizer gives the block's value of largest magnitude c = -half; with an
+    importance matrix llama.cpp fits d, and that value may take any code. So each block takes
+    the first code k (from -half) for which d = value / k gives every value a whole code."""
     blocks = w.view(w.shape[0], -1, BLOCK)
-    d = -blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True)).squeeze(-1) / half
-    return d, torch.where(d[..., None] != 0, blocks / d[..., None], 0.0).round()  # n - half
+    top = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True))  # (rows, blocks, 1)
+    d, codes = torch.zeros_like(top), torch.zeros_like(blocks)
+    found = top == 0  # an all-zero block: d 0, codes 0
+    for k in [*range(-half, 0), *range(half - 1, 0, -1)]:
+        trial = top / k
+        c = (blocks / trial).round()
+        fits = ~found & (c * trial == blocks).all(-1, keepdim=True) & (c >= -half).all(-1, keepdim=True)
+        fits &= (c < half).all(-1, keepdim=True)
+        d, codes, found = torch.where(fits, trial, d), torch.where(fits, c, codes), found | fits
+        if found.all():
+            break
+    return d.squeeze(-1), codes
 
 
 def _blocks_q4_0(w: torch.Tensor) -> TiledWeight:
-    d, codes = _signed_blocks(w, 8)  # as Q4_1: nibble n times d, plus -8 d
+    d, codes = _signed_blocks(w, 8)  # as Q4_1: nibble c + 8 times d, plus -8 d
     return TiledWeight(4, pack_tiles(d), pack_tiles(-8 * d), pack_q4((codes + 8).clamp(0, 15).view(w.shape)))
 
 

@@ -1,8 +1,9 @@
 /*
  * y = x W^T + b with integer dot products, for weights in Kiln's 4/8-bit tiles
  * (see kiln_cpu/tiled_weights.py): llama.cpp's scheme. Each row of x is quantized
- * per 32 inputs to int8 (scale dx = max|x| / 127, x ~ qx * dx), and each 32-input
- * block of the product is an exact int32 sum, scaled once:
+ * per 32 inputs to int8 (scale dx = max|x| / 127, x ~ qx * dx), or with one scale for
+ * the row (W8A8's per-token activations), and each 32-input block of the product is an
+ * exact int32 sum, scaled once:
  *   fmt 8 (Q8_0, w = qw * dw):         dw dx sum(qw qx)
  *   fmt 4 (Q4_1, w = nibble * dw + m): dw dx sum(nibble qx) + m dx sum(qx)
  * Blocks are summed in order in fp32. Weight bytes of one tile and block lie as
@@ -45,18 +46,18 @@ static float absmax(const float *x, int64_t n) {
 
 /* A row of x as int8 per 32-block: q (K), d (K/32) scales, s (K/32) = d * sum(q).
  * per_row 0: a scale per block, qx = round(x * 127 / amax_block) (llama.cpp's).
- * per_row 1: one scale for the row, qx = round(x / (amax_row / 127)): the same integers as
- * per-token quantization in torch (kiln.interfaces.quantization.quantize_per_token), so W8A8
- * sums exactly what its reference sums. */
+ * per_row 1: one scale for the row, qx = round(x / (max(amax_row, 1e-10) / 127)): the integers
+ * of per-token quantization in torch (kiln.interfaces.quantization.quantize_per_token), so W8A8's
+ * blocks sum exactly what its reference sums. */
 static void quantize_row(const float *x, int64_t K, int per_row, int8_t *q, float *d, float *s) {
-    const float row_amax = per_row ? absmax(x, K) : 0.0f, row_scale = row_amax / 127.0f;
+    const float row_scale = per_row ? fmaxf(absmax(x, K), 1e-10f) / 127.0f : 0.0f;
     for (int64_t b = 0; b < K / 32; b++) {
         const float *xb = x + b * 32;
-        const float amax = per_row ? row_amax : absmax(xb, 32);
+        const float amax = per_row ? 0.0f : absmax(xb, 32);
         const float scale = per_row ? row_scale : amax / 127.0f;
-        /* x * mul, or x / scale where the division's rounding must be torch's */
-        const float mul = amax > 0.0f ? (per_row ? 1.0f / row_scale : 127.0f / amax) : 0.0f;
-        const int divide = per_row && amax > 0.0f;
+        /* x * 127 / amax, or x / scale where the division's rounding must be torch's */
+        const float mul = amax > 0.0f ? 127.0f / amax : 0.0f;
+        const int divide = per_row;
         int sum = 0;
 #if defined(__AVX2__)
         __m256i total = _mm256_setzero_si256();
@@ -96,11 +97,13 @@ static inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
 #endif
 }
 
-static inline __m256i bcast4(const int8_t *p) {
+static inline int32_t load4(const void *p) {
     int32_t v;
     memcpy(&v, p, 4);
-    return _mm256_set1_epi32(v);
+    return v;
 }
+
+static inline __m256i bcast4(const int8_t *p) { return _mm256_set1_epi32(load4(p)); }
 
 #if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
 #define HAS_VNNI 1
@@ -202,12 +205,6 @@ static inline __attribute__((always_inline)) void rows_times_tile(float *out, in
  * taken off each block. The int32 block sums are exact and the epilogue is the ymm path's,
  * lane for lane, so both give the same outputs bit for bit. */
 #define AVX512_VNNI 1
-
-static inline int32_t load4(const void *p) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return v;
-}
 
 static inline __attribute__((always_inline)) void rows_times_tile_512(float *out, int64_t N, const int8_t *xq,
                                                                       const float *xd, const float *xs, int64_t r,

@@ -17,7 +17,6 @@
  */
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
 #include "vec.h"
 
@@ -52,20 +51,13 @@ static void widen_tile(float *tile, int fmt, const float *scale, const float *mi
     }
 }
 
-static inline float bf16_to_f32(uint16_t v) {
-    const uint32_t bits = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
 /* Tile t as fp32 (K, 16): in place for fmt 32, else widened into buf. */
 static const float *tile_of(float *buf, int fmt, const float *scale, const float *min, const void *q, int64_t t,
                             int64_t K) {
     if (fmt == 32) return (const float *)q + t * K * TILE;
     if (fmt == 16) {
         const uint16_t *v = (const uint16_t *)q + t * K * TILE;
-        for (int64_t i = 0; i < K * TILE; i++) buf[i] = bf16_to_f32(v[i]);
+        for (int64_t i = 0; i < K * TILE; i++) buf[i] = from_bf16(v[i]);
     } else {
         widen_tile(buf, fmt, scale, min, q, t, K);
     }
@@ -161,7 +153,7 @@ void tiled_gather_rows(float *out, const int64_t *row_ids, int64_t n, int fmt, c
         }
         if (fmt == 16) {
             const uint16_t *v = (const uint16_t *)q + t * K * TILE + j;
-            for (int64_t c = 0; c < K; c++) row[c] = bf16_to_f32(v[c * TILE]);
+            for (int64_t c = 0; c < K; c++) row[c] = from_bf16(v[c * TILE]);
             continue;
         }
         for (int64_t c = 0; c < K; c++) {
