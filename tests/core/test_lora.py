@@ -389,18 +389,24 @@ def test_add_lora_equals_dense_updates():
     assert LoRAMapping.of([-1, -1], [2, 1], torch.device("cpu")) is None
 
 
+def check_matches_peft(base: str, adapter: str, prompts: list[list[int]]) -> None:
+    """Kiln's greedy tokens with ``adapter`` are transformers' with PEFT's merged weights, and
+    the adapter changes them."""
+    expected = hf_lora_greedy(base, adapter, prompts, NEW_TOKENS)
+    assert expected != hf_lora_greedy(base, None, prompts, NEW_TOKENS)
+    llm = LLM(base, dtype="float32", enable_lora=True, max_model_len=256)
+    lora = LoRARequest("a", 1, adapter)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, lora_request=lora)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
 @pytest.mark.parametrize("model_type", ["gemma", "gemma2", "gemma3_text"])
 def test_gemma_adapters_match_peft(tiny_model_dir, tmp_path, varied_prompts, model_type):
     """Gemma's projections carry the Llama names: PEFT's adapters apply as on Llama (Gemma 2/3
     with their norms after each sublayer, soft caps and windows, Gemma 3 with q/k norms)."""
     base = tiny_model_dir(model_type)
     path = build_lora_adapter(base, tmp_path / "adapter", rank=8, seed=5)
-    expected = hf_lora_greedy(base, path, varied_prompts, NEW_TOKENS)
-    assert expected != hf_lora_greedy(base, None, varied_prompts, NEW_TOKENS)
-    llm = LLM(base, dtype="float32", enable_lora=True, max_model_len=256)
-    lora = LoRARequest("a", 1, path)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in varied_prompts], GREEDY, lora_request=lora)
-    assert [o.outputs[0].token_ids for o in outputs] == expected
+    check_matches_peft(base, path, varied_prompts)
 
 
 FUSED_FAMILIES = {  # model type: the PEFT targets of its checkpoint's projections
@@ -417,12 +423,7 @@ def test_adapters_of_fused_projections_match_peft(tiny_model_dir, tmp_path, vari
     overrides = {"partial_rotary_factor": 0.5} if model_type == "phi3" else {}
     base = tiny_model_dir(model_type, **overrides)
     path = build_lora_adapter(base, tmp_path / "adapter", rank=8, seed=3, targets=FUSED_FAMILIES[model_type])
-    expected = hf_lora_greedy(base, path, varied_prompts, NEW_TOKENS)
-    assert expected != hf_lora_greedy(base, None, varied_prompts, NEW_TOKENS)
-    llm = LLM(base, dtype="float32", enable_lora=True, max_model_len=256)
-    lora = LoRARequest("a", 1, path)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in varied_prompts], GREEDY, lora_request=lora)
-    assert [o.outputs[0].token_ids for o in outputs] == expected
+    check_matches_peft(base, path, varied_prompts)
 
 
 def test_a_fused_projection_the_model_does_not_fuse_is_refused(tiny_model_dir, tmp_path):
