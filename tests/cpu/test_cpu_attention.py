@@ -18,7 +18,20 @@ class TorchOnlyBackend(CpuAttentionBackend):
         self.native_prefill = False
 
 
-class TestCpuAttentionNative(AttentionBackendContract):
+# Decodes, a prefill and a chunk on a cached prefix across the native prefill kernels' edges:
+# work items of 128 query positions, tiles of 32 (bf16, fp32 with AVX-512) or 16 (fp32 on
+# AVX2), online-softmax steps of 64 keys.
+LONG_BATCH = [(40, 1), (0, 300), (150, 170)]
+
+
+class LongPrefills:
+    @pytest.mark.parametrize("window", [None, 50, 200])
+    @pytest.mark.parametrize(("heads", "head_dim"), [((6, 2), 64), ((8, 1), 128), ((4, 4), 64)])
+    def test_long_prefills_match_reference(self, heads, head_dim, window):
+        self._check_batch(heads, head_dim, 16, LONG_BATCH, seed=5, sliding_window=window)
+
+
+class TestCpuAttentionNative(LongPrefills, AttentionBackendContract):
     backend_cls = CpuAttentionBackend
 
 
@@ -26,36 +39,30 @@ class TestCpuAttentionTorchFallback(AttentionBackendContract):
     backend_cls = TorchOnlyBackend
 
 
-# Decodes, a prefill and a chunk on a cached prefix across the native prefill kernel's edges:
-# work items of 128 query positions, tiles of 32, online-softmax steps of 64 keys.
-LONG_BATCH = [(40, 1), (0, 300), (150, 170)]
-
-
-class TestCpuAttentionBfloat16(AttentionBackendContract):
+class TestCpuAttentionBfloat16(LongPrefills, AttentionBackendContract):
     backend_cls = CpuAttentionBackend
     dtype = torch.bfloat16
     atol = 2e-2
 
-    @pytest.mark.parametrize("window", [None, 50, 200])
-    @pytest.mark.parametrize(("heads", "head_dim"), [((6, 2), 64), ((8, 1), 128), ((4, 4), 64)])
-    def test_long_prefills_match_reference(self, heads, head_dim, window):
-        self._check_batch(heads, head_dim, 16, LONG_BATCH, seed=5, sliding_window=window)
 
-
-def test_bf16_prefills_take_the_native_kernel_where_the_cpu_has_avx512_bf16():
-    """So that the bf16 contract above tests the kernel on such machines (and the fallback on others:
-    no AVX512-BF16, or AMX, where torch's kernel is kept)."""
-    flags = native._cpu_flags()
-    expected = " avx512_bf16" in flags and " amx_bf16" not in flags and native.load_kernels() is not None
+def test_prefills_take_the_native_kernels():
+    """So that the contracts above test the kernels: fp32 ones (fp32 or bf16 cache) wherever the
+    kernels build; bf16 ones where the CPU has AVX512-BF16 (the fallback on others, and on AMX,
+    where torch's kernel is kept)."""
+    flags, lib = native._cpu_flags(), native.load_kernels()
+    built = lib is not None
+    # (the build's target too: KILN_CPU_MARCH may name one without AVX512-BF16)
+    expected = " avx512_bf16" in flags and " amx_bf16" not in flags and built and lib.prefill_attention_bf16_available()
     assert CpuAttentionBackend(6, 2, 64, torch.bfloat16).native_prefill == expected
-    assert not CpuAttentionBackend(6, 2, 64, torch.float32).native_prefill
+    assert CpuAttentionBackend(6, 2, 64, torch.float32).native_prefill == built
+    assert CpuAttentionBackend(6, 2, 64, torch.float32, cache_dtype=torch.bfloat16).native_prefill == built
 
 
 class TestCpuAttentionBfloat16TorchFallback(TestCpuAttentionBfloat16):
     backend_cls = TorchOnlyBackend
 
 
-class TestCpuAttentionBfloat16Cache(AttentionBackendContract):
+class TestCpuAttentionBfloat16Cache(LongPrefills, AttentionBackendContract):
     """``--kv-cache-dtype bfloat16`` under an fp32 model: K/V stored in bf16, attention in fp32."""
 
     backend_cls = CpuAttentionBackend

@@ -14,7 +14,11 @@ through and that gathers turn straight into SDPA's (heads, len, dim) shape.
   head become that head's "query length".
 * Prefills and prefill chunks of a bf16 model with a bf16 cache, on CPUs with
   AVX512-BF16: one call per layer into ``csrc/prefill_attention.c``, which reads
-  K/V from the cache (five times torch's flash kernel on 32 prompts of 128 tokens).
+  K/V from the cache (five times torch's flash kernel on 32 prompts of 128 tokens);
+  of an fp32 model, ``csrc/prefill_attention_f32.c``, which reads the prompt's own
+  K/V unrounded from the step's rows and a cached prefix from the fp32 or bf16
+  cache (3-10 times torch's kernel: its per-call cost on short prompts, its masked
+  path on cached prefixes).
 * Prefills otherwise with nothing cached use the new K/V directly (causal SDPA);
   chunks that continue a cached prefix gather their context from the cache.
 * A sliding window (Mistral, some Qwen layers) masks keys more than ``w - 1``
@@ -49,7 +53,7 @@ class CpuMetadata:
     layout: BatchLayout
     decode_blocks: torch.Tensor | None  # (num_decodes, max_blocks) int64
     prefills: list[tuple[int, int, int, int, torch.Tensor]]  # q_start, q_end, context, seq_len, block ids
-    prefill_seqs: torch.Tensor | None = None  # (prefills, 4) int64 for csrc/prefill_attention.c
+    prefill_seqs: torch.Tensor | None = None  # (prefills, 4) int64 for the native prefill kernels
     # Torch decode path: (num_decodes, 1, 1, max_len) bool, True = attend, per sliding window.
     decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
     c_step: object = None  # a decode-only step's arguments for csrc/decode_layer.c (kiln_cpu.fused_decode)
@@ -122,9 +126,11 @@ class CpuAttentionBackend(AttentionBackend):
                 )  # fmt: skip
             else:
                 out[:nd] = self._decode(q[:nd], kv_cache, metadata, scale, sliding_window)
-        if metadata.prefill_seqs is not None and q.dtype == torch.bfloat16:
+        if metadata.prefill_seqs is not None:
             layout = metadata.layout
-            native.prefill_attention(out, q, kv_cache, layout.block_table, metadata.prefill_seqs, scale, sliding_window)
+            native.prefill_attention(
+                out, q, k, v, kv_cache, layout.block_table, metadata.prefill_seqs, scale, sliding_window
+            )
             return out
         bs = metadata.layout.block_size
         for q_start, q_end, context, seq_len, blocks in metadata.prefills:

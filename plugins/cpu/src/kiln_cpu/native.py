@@ -29,6 +29,7 @@ SOURCES = [
     for n in (
         "paged_attention.c",
         "prefill_attention.c",
+        "prefill_attention_f32.c",
         "fused_ops.c",
         "tiled_linear.c",
         "int8_linear.c",
@@ -85,8 +86,11 @@ def load_kernels() -> ctypes.CDLL | None:
     for fn in (lib.paged_decode_attention_f32, lib.paged_decode_attention_bf16, lib.paged_decode_attention_f32_bf16):
         fn.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float, i64]
         fn.restype = ctypes.c_int
-    lib.prefill_attention_bf16.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, ptr, *[i64] * 5, ctypes.c_float, i64]
-    lib.prefill_attention_bf16.restype = ctypes.c_int
+    prefill_common = [ptr, i64, ptr, *[i64] * 5, ctypes.c_float, i64]  # block table .. window
+    lib.prefill_attention_bf16.argtypes = [ptr, i64, ptr, i64, ptr, ptr, *prefill_common]
+    lib.prefill_attention_f32.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, ptr, ptr, ctypes.c_int, *prefill_common]
+    for fn in (lib.prefill_attention_bf16, lib.prefill_attention_f32):
+        fn.restype = ctypes.c_int
     lib.prefill_attention_bf16_available.restype = ctypes.c_int
     f32 = ctypes.c_float
     for dt in ("f32", "bf16"):
@@ -161,34 +165,48 @@ def paged_decode_attention(
 
 
 def prefill_attention(
-    out: torch.Tensor,  # (tokens, heads, dim) bf16, rows may be strided: written in place
-    q: torch.Tensor,  # (tokens, heads, dim) bf16, rows may be strided
-    kv_cache: torch.Tensor,  # (2, blocks, kv_heads, block_size, dim) bf16, holding every query's own K/V too
+    out: torch.Tensor,  # (tokens, heads, dim) q's dtype, rows may be strided: written in place
+    q: torch.Tensor,  # (tokens, heads, dim) bf16 or fp32, rows may be strided
+    k: torch.Tensor,  # (tokens, kv_heads, dim) q's dtype, the step's fresh keys (rows may be strided)
+    v: torch.Tensor,  # (tokens, kv_heads, dim) likewise, with k's strides
+    kv_cache: torch.Tensor,  # (2, blocks, kv_heads, block_size, dim), q's dtype or bf16
     block_table: torch.Tensor,  # (reqs, width) int32, contiguous rows
     seqs: torch.Tensor,  # (prefills, 4) int64: first token row, query length, context length, block-table row
     scale: float,
     sliding_window: int | None = None,
 ) -> None:
-    """Causal attention of prefill queries (and chunks on a cached prefix) over the keys
-    the cache holds up to each query's position (its last ``sliding_window`` of them)."""
-    for name, x in (("out", out), ("q", q)):
-        if x.stride(2) != 1 or x.stride(1) != x.shape[2] or x.dtype != torch.bfloat16:
-            raise ValueError(f"native prefill attention needs (tokens, heads, dim) bf16 rows in {name}")
-    if kv_cache.dtype != torch.bfloat16 or not kv_cache.is_contiguous() or kv_cache.shape[-1] != q.shape[2]:
-        raise ValueError("native prefill attention needs a contiguous bf16 cache of the queries' head size")
+    """Causal attention of prefill queries (and chunks on a cached prefix) over the keys up to
+    each query's position (its last ``sliding_window`` of them): a cached prefix's from the
+    cache; the prompt's own from ``k``/``v`` for fp32 queries (unrounded under a bf16 cache),
+    from the cache, which holds them too, for bf16 ones."""
+    dtype = q.dtype
+    for name, x in (("out", out), ("q", q), ("k", k), ("v", v)):
+        if x.stride(2) != 1 or x.stride(1) != x.shape[2] or x.dtype != dtype or dtype not in _PREFILL_KERNELS:
+            raise ValueError(f"native prefill attention needs (tokens, heads, dim) bf16 or fp32 rows in {name}")
+    cache_ok = kv_cache.dtype in (dtype, torch.bfloat16) and kv_cache.is_contiguous()
+    if not cache_ok or kv_cache.shape[-1] != q.shape[2] or k.stride(0) != v.stride(0):
+        raise ValueError("native prefill attention needs a contiguous cache of the queries' head size, q's dtype or bf16")
     if block_table.dtype != torch.int32 or block_table.stride(1) != 1 or seqs.dtype != torch.int64:
         raise ValueError("native prefill attention needs an int32 block table and int64 sequence rows")
     seqs = seqs.contiguous()
-    window = min(sliding_window or 0, 2**31 - 1)  # the kernel compares positions in 32 bits
-    status = load_kernels().prefill_attention_bf16(
-        out.data_ptr(), out.stride(0), q.data_ptr(), q.stride(0), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
-        block_table.data_ptr(), block_table.stride(0), seqs.data_ptr(), seqs.shape[0], q.shape[1], kv_cache.shape[2],
-        q.shape[2], kv_cache.shape[3], scale, window,
-    )  # fmt: skip
+    window = min(sliding_window or 0, 2**31 - 1)  # the kernels compare positions in 32 bits
+    common = (block_table.data_ptr(), block_table.stride(0), seqs.data_ptr(), seqs.shape[0], q.shape[1],
+              kv_cache.shape[2], q.shape[2], kv_cache.shape[3], scale, window)  # fmt: skip
+    head = (out.data_ptr(), out.stride(0), q.data_ptr(), q.stride(0))
+    cache = (kv_cache[0].data_ptr(), kv_cache[1].data_ptr())
+    lib = load_kernels()
+    if dtype == torch.bfloat16:
+        status = lib.prefill_attention_bf16(*head, *cache, *common)
+    else:
+        fresh = (k.data_ptr(), v.data_ptr(), k.stride(0))
+        status = lib.prefill_attention_f32(*head, *fresh, *cache, int(kv_cache.dtype == torch.bfloat16), *common)
     if status == -2:
         raise MemoryError("native prefill attention: out of memory for its buffers")
     if status != 0:
         raise ValueError(f"native prefill attention does not support head_dim={q.shape[2]}, heads={q.shape[1]}")
+
+
+_PREFILL_KERNELS = (torch.bfloat16, torch.float32)
 
 
 def write_kv_cache(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, block_size: int):
@@ -211,11 +229,11 @@ def supports(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtyp
 
 
 def supports_prefill(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, cache_dtype: torch.dtype):
-    """Whether ``prefill_attention`` runs here: bf16 queries and cache, on a CPU with AVX512-BF16
-    but no AMX (others use torch's flash kernel, which oneDNN runs on AMX tiles where there are some:
-    this kernel has not been measured against that)."""
+    """Whether ``prefill_attention`` runs here: fp32 queries (fp32 or bf16 cache), or bf16 ones
+    and cache on a CPU with AVX512-BF16 but no AMX (others use torch's flash kernel, which oneDNN
+    runs on AMX tiles where there are some: the bf16 kernel has not been measured against that)."""
     shapes_ok = head_dim in (64, 128) and num_heads % num_kv_heads == 0
-    if dtype != torch.bfloat16 or cache_dtype != dtype or not shapes_ok or " amx_bf16" in _cpu_flags():
+    lib = load_kernels() if shapes_ok and cache_dtype in (dtype, torch.bfloat16) else None
+    if lib is None or dtype not in _PREFILL_KERNELS:
         return False
-    lib = load_kernels()
-    return lib is not None and bool(lib.prefill_attention_bf16_available())
+    return dtype == torch.float32 or (" amx_bf16" not in _cpu_flags() and bool(lib.prefill_attention_bf16_available()))

@@ -1,0 +1,219 @@
+/*
+ * Prefill attention for fp32 models, for Kiln's CPU plugin: every prefill (or prefill
+ * chunk on a cached prefix) of a step in one call. A query's own prompt's keys and
+ * values are read from the step's fresh K/V rows (unrounded where the cache is bf16),
+ * a cached prefix's from the paged cache: in place when it is fp32, widened into a
+ * buffer when bf16. torch's flash kernel ran these at 30-70 GFLOP/s here (its per-call
+ * overhead on short prompts, its masked path on cached prefixes), a fraction of the
+ * machine's fp32 peak; this is the bf16 kernel's scheme (prefill_attention.c) in fp32
+ * FMAs on whatever vectors the compiler targets (16 lanes with AVX-512, else 8).
+ *
+ * Work items are (sequence, kv head, CHUNK query positions), so the query heads of a
+ * group share the item's key rows. An item walks tiles of ROWS positions of one head:
+ *
+ *   S^T = K Q^T    lanes are the tile's rows, so softmax's maxima and sums are lane-wise;
+ *                  each key's dims are broadcast against Q^T's (dim, row) vectors.
+ *   P   = exp(S - m)  online over KEYS keys at a time, masked causally and by the sliding
+ *                  window (a row at position p sees keys p - w + 1 .. p).
+ *   O  += P V      lanes are output dims; each row's probability is broadcast.
+ *
+ * All in fp32: out = O / l.
+ */
+#include <float.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "vec.h"
+
+#if defined(__AVX512F__)
+#define VL 16 /* lanes */
+#define KB 8  /* keys per register block of the score product */
+#define RB 4  /* rows per register block of the value product */
+#else
+#define VL 8
+#define KB 4
+#define RB 2
+#endif
+#define ROWS (2 * VL) /* query positions per tile: two vectors */
+#define DV 4          /* vectors of output dims per register block */
+#define KEYS 64       /* keys per online-softmax step */
+#define CHUNK 128     /* query positions per work item */
+
+typedef float vf __attribute__((vector_size(4 * VL)));
+typedef int32_t vi __attribute__((vector_size(4 * VL)));
+typedef float vfu __attribute__((vector_size(4 * VL), aligned(4))); /* unaligned loads and stores */
+static inline vf splatf(float x) { return (vf){0} + x; }
+static inline vi splati(int32_t x) { return (vi){0} + x; }
+DEFINE_VMAX_EXP(vmaxf, expf_nonpositive, vf, vi, splatf)
+
+static const float zero_row[128] __attribute__((aligned(64)));
+
+/* One tile: `rows` (<= ROWS) query positions pos0.. of one head, strided by q_stride,
+ * against keys key0..end-1 (keys[i], values[i]: key key0 + i's rows; past end, zero_row). */
+static void tile(float *out, int64_t out_stride, const float *q, int64_t q_stride, int64_t rows, int64_t pos0,
+                 const float **keys, const float **values, int64_t key0, int64_t end, int64_t window,
+                 float scale, int64_t D) {
+    vf qt[128 * 2];              /* (dim, half of the rows) */
+    vf s[KEYS * 2];              /* (key, half): scores, then probabilities */
+    float o[ROWS * 128] __attribute__((aligned(64))); /* (row, dim) */
+    float alpha[ROWS], p[KEYS * ROWS];                 /* p: (key, row) */
+    for (int64_t d = 0; d < D; d++)
+        for (int h = 0; h < 2; h++)
+            for (int r = 0; r < VL; r++) qt[2 * d + h][r] = h * VL + r < rows ? q[(h * VL + r) * q_stride + d] : 0.0f;
+    for (int64_t i = 0; i < ROWS * D; i++) o[i] = 0.0f;
+    vi pos[2];
+    for (int r = 0; r < VL; r++) pos[0][r] = (int32_t)pos0 + r, pos[1][r] = (int32_t)pos0 + VL + r;
+    vf m[2] = {splatf(-FLT_MAX), splatf(-FLT_MAX)}, l[2] = {splatf(0.0f), splatf(0.0f)};
+    const int64_t first = window > 0 && pos0 - window + 1 > key0 ? pos0 - window + 1 : key0;
+    const int64_t last = pos0 + rows < end ? pos0 + rows : end; /* keys first..last-1 */
+    for (int64_t k0 = key0 + ((first - key0) & ~(int64_t)(KB - 1)); k0 < last; k0 += KEYS) {
+        const int64_t n = last - k0 < KEYS ? last - k0 : KEYS;
+        const int64_t nb = (n + KB - 1) & ~(int64_t)(KB - 1);
+        for (int64_t t = 0; t < nb; t += KB) {
+            vf acc[KB][2];
+            const float *kr[KB];
+            for (int i = 0; i < KB; i++) {
+                acc[i][0] = acc[i][1] = splatf(0.0f);
+                kr[i] = keys[k0 - key0 + t + i];
+            }
+            for (int64_t d = 0; d < D; d++) {
+                const vf q0 = qt[2 * d], q1 = qt[2 * d + 1];
+                for (int i = 0; i < KB; i++) {
+                    const vf k = splatf(kr[i][d]);
+                    acc[i][0] += k * q0;
+                    acc[i][1] += k * q1;
+                }
+            }
+            for (int i = 0; i < KB; i++) {
+                const vi key = splati((int32_t)(k0 + t + i));
+                for (int h = 0; h < 2; h++) {
+                    vi see = pos[h] >= key;
+                    if (window > 0) see &= (pos[h] - key) < splati((int32_t)window);
+                    s[2 * (t + i) + h] = (vf)((see & (vi)(acc[i][h] * scale)) | (~see & (vi)splatf(-INFINITY)));
+                }
+            }
+        }
+        for (int h = 0; h < 2; h++) {
+            vf mx = m[h];
+            for (int64_t t = 0; t < nb; t++) mx = vmaxf(mx, s[2 * t + h]);
+            const vf a = expf_nonpositive(m[h] - mx);
+            vf sum = splatf(0.0f);
+            for (int64_t t = 0; t < nb; t++) {
+                /* masked keys are exactly 0 (the polynomial bottoms out at exp(-87)) */
+                const vi live = s[2 * t + h] != splatf(-INFINITY);
+                const vf e = (vf)(live & (vi)expf_nonpositive(s[2 * t + h] - mx));
+                sum += e;
+                *(vfu *)(p + t * ROWS + h * VL) = e;
+            }
+            l[h] = l[h] * a + sum;
+            m[h] = mx;
+            *(vfu *)(alpha + h * VL) = a;
+        }
+        const float **vr = values + (k0 - key0);
+        for (int64_t r0 = 0; r0 < rows; r0 += RB) {
+            for (int64_t d0 = 0; d0 < D; d0 += DV * VL) {
+                vf acc[RB][DV];
+                for (int i = 0; i < RB; i++)
+                    for (int v = 0; v < DV; v++) acc[i][v] = *(vfu *)(o + (r0 + i) * D + d0 + v * VL) * alpha[r0 + i];
+                for (int64_t j = 0; j < nb; j++) {
+                    vf w[DV];
+                    for (int v = 0; v < DV; v++) w[v] = *(const vfu *)(vr[j] + d0 + v * VL);
+                    for (int i = 0; i < RB; i++) {
+                        const vf pr = splatf(p[j * ROWS + r0 + i]);
+                        for (int v = 0; v < DV; v++) acc[i][v] += pr * w[v];
+                    }
+                }
+                for (int i = 0; i < RB; i++)
+                    for (int v = 0; v < DV; v++) *(vfu *)(o + (r0 + i) * D + d0 + v * VL) = acc[i][v];
+            }
+        }
+    }
+    float inv[ROWS];
+    *(vfu *)inv = splatf(1.0f) / l[0];
+    *(vfu *)(inv + VL) = splatf(1.0f) / l[1];
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t d = 0; d < D; d += VL) *(vfu *)(out + r * out_stride + d) = *(vfu *)(o + r * D + d) * inv[r];
+}
+
+/* Widens n bf16 values. */
+static void widen(float *dst, const uint16_t *src, int64_t n) {
+    for (int64_t i = 0; i < n; i++) dst[i] = from_bf16(src[i]);
+}
+
+/* Arguments as prefill_attention_bf16's (prefill_attention.c), plus the step's fresh K/V
+ * rows (k, v: (tokens, kv_heads, dim), rows kv_stride apart, in the queries' token order)
+ * and the cache's element type (cache_bf16). */
+int prefill_attention_f32(float *out, int64_t out_stride, const float *q, int64_t q_stride, const float *k,
+                          const float *v, int64_t kv_stride, const void *k_cache, const void *v_cache, int cache_bf16,
+                          const int32_t *block_table, int64_t table_stride, const int64_t *seqs, int64_t num_seqs,
+                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                          int64_t window) {
+    const int64_t group = num_heads / num_kv_heads, D = head_dim;
+    if ((D != 64 && D != 128) || group * num_kv_heads != num_heads) return -1;
+    /* seqs: per sequence (first token row, query length, context length, block-table row) */
+    int64_t items = 0, longest = 0, context = 0;
+    for (int64_t i = 0; i < num_seqs; i++) {
+        items += num_kv_heads * ((seqs[4 * i + 1] + CHUNK - 1) / CHUNK);
+        if (seqs[4 * i + 1] + seqs[4 * i + 2] > longest) longest = seqs[4 * i + 1] + seqs[4 * i + 2];
+        if (seqs[4 * i + 2] > context) context = seqs[4 * i + 2];
+    }
+    int64_t *item = malloc(3 * items * sizeof(int64_t) + 1);
+    if (item == NULL) return -2;
+    int failed = 0;
+    for (int64_t i = 0, n = 0; i < num_seqs; i++)
+        for (int64_t h = 0; h < num_kv_heads; h++)
+            for (int64_t c = 0; c < seqs[4 * i + 1]; c += CHUNK, n++) {
+                item[3 * n] = i;
+                item[3 * n + 1] = h;
+                item[3 * n + 2] = c;
+            }
+    _Pragma("omp parallel") {
+        /* an item's key and value rows (KB zero rows past its end), and a bf16 prefix widened */
+        const float **rows_of = malloc(2 * (longest + KB) * sizeof(float *));
+        float *wide = cache_bf16 && context ? malloc(2 * context * D * sizeof(float)) : NULL;
+        if (rows_of == NULL || (cache_bf16 && context && wide == NULL)) {
+            _Pragma("omp atomic write") failed = 1;
+        }
+        _Pragma("omp for schedule(dynamic, 1)") for (int64_t n = 0; n < items; n++) {
+            if (failed) continue;
+            const int64_t *sq = seqs + 4 * item[3 * n];
+            const int64_t h = item[3 * n + 1], c = item[3 * n + 2];
+            const int64_t rows = sq[1] - c < CHUNK ? sq[1] - c : CHUNK;
+            const int64_t pos0 = sq[2] + c, end = pos0 + rows; /* positions of the item's queries */
+            const int64_t key0 = window > 0 && pos0 - window + 1 > 0 ? pos0 - window + 1 : 0;
+            const int32_t *table = block_table + sq[3] * table_stride;
+            const float **keys = rows_of, **values = rows_of + longest + KB;
+            for (int64_t t = key0; t < end + KB; t++) {
+                const float **key = keys + (t - key0), **value = values + (t - key0);
+                if (t >= end) {
+                    *key = *value = zero_row;
+                } else if (t >= sq[2]) { /* the prompt's own: a fresh row */
+                    const int64_t at = (sq[0] + t - sq[2]) * kv_stride + h * D;
+                    *key = k + at, *value = v + at;
+                } else {
+                    const int64_t at = ((int64_t)table[t / block_size] * num_kv_heads + h) * block_size + t % block_size;
+                    if (cache_bf16) {
+                        float *wk = wide + 2 * (t - key0) * D;
+                        widen(wk, (const uint16_t *)k_cache + at * D, D);
+                        widen(wk + D, (const uint16_t *)v_cache + at * D, D);
+                        *key = wk, *value = wk + D;
+                    } else {
+                        *key = (const float *)k_cache + at * D, *value = (const float *)v_cache + at * D;
+                    }
+                }
+            }
+            for (int64_t g = 0; g < group; g++) {
+                const int64_t head = h * group + g;
+                for (int64_t r = 0; r < rows; r += ROWS) {
+                    const int64_t token = sq[0] + c + r;
+                    tile(out + token * out_stride + head * D, out_stride, q + token * q_stride + head * D, q_stride,
+                         rows - r < ROWS ? rows - r : ROWS, pos0 + r, keys, values, key0, end, window, scale, D);
+                }
+            }
+        }
+        free(rows_of);
+        free(wide);
+    }
+    free(item);
+    return failed ? -2 : 0;
+}
