@@ -185,7 +185,7 @@ def prefill_attention(
             raise ValueError(f"native prefill attention needs (tokens, heads, dim) bf16 or fp32 rows in {name}")
     cache_ok = kv_cache.dtype in (dtype, torch.bfloat16) and kv_cache.is_contiguous()
     if not cache_ok or kv_cache.shape[-1] != q.shape[2] or k.stride(0) != v.stride(0):
-        raise ValueError("native prefill attention needs a contiguous cache of the queries' head size, q's dtype or bf16")
+        raise ValueError("native prefill attention needs a contiguous cache of q's head size, in q's dtype or bf16")
     if block_table.dtype != torch.int32 or block_table.stride(1) != 1 or seqs.dtype != torch.int64:
         raise ValueError("native prefill attention needs an int32 block table and int64 sequence rows")
     seqs = seqs.contiguous()
