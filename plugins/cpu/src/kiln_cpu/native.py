@@ -87,8 +87,9 @@ def load_kernels() -> ctypes.CDLL | None:
         fn.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float, i64]
         fn.restype = ctypes.c_int
     prefill_common = [ptr, i64, ptr, *[i64] * 5, ctypes.c_float, i64]  # block table .. window
-    lib.prefill_attention_bf16.argtypes = [ptr, i64, ptr, i64, ptr, ptr, *prefill_common]
-    lib.prefill_attention_f32.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, ptr, ptr, ctypes.c_int, *prefill_common]
+    head = [ptr, i64, ptr, i64]  # out, its row stride, q, its row stride
+    lib.prefill_attention_bf16.argtypes = [*head, ptr, ptr, *prefill_common]
+    lib.prefill_attention_f32.argtypes = [*head, ptr, ptr, i64, i64, ptr, ptr, ctypes.c_int, *prefill_common]
     for fn in (lib.prefill_attention_bf16, lib.prefill_attention_f32):
         fn.restype = ctypes.c_int
     lib.prefill_attention_bf16_available.restype = ctypes.c_int
@@ -168,7 +169,7 @@ def prefill_attention(
     out: torch.Tensor,  # (tokens, heads, dim) q's dtype, rows may be strided: written in place
     q: torch.Tensor,  # (tokens, heads, dim) bf16 or fp32, rows may be strided
     k: torch.Tensor,  # (tokens, kv_heads, dim) q's dtype, the step's fresh keys (rows may be strided)
-    v: torch.Tensor,  # (tokens, kv_heads, dim) likewise, with k's strides
+    v: torch.Tensor,  # (tokens, kv_heads, dim) likewise
     kv_cache: torch.Tensor,  # (2, blocks, kv_heads, block_size, dim), q's dtype or bf16
     block_table: torch.Tensor,  # (reqs, width) int32, contiguous rows
     seqs: torch.Tensor,  # (prefills, 4) int64: first token row, query length, context length, block-table row
@@ -180,11 +181,12 @@ def prefill_attention(
     cache; the prompt's own from ``k``/``v`` for fp32 queries (unrounded under a bf16 cache),
     from the cache, which holds them too, for bf16 ones."""
     dtype = q.dtype
+    k, v = (x if _head_rows(x) else x.contiguous() for x in (k, v))
     for name, x in (("out", out), ("q", q), ("k", k), ("v", v)):
-        if x.stride(2) != 1 or x.stride(1) != x.shape[2] or x.dtype != dtype or dtype not in _PREFILL_KERNELS:
+        if not _head_rows(x) or x.dtype != dtype or dtype not in _PREFILL_KERNELS:
             raise ValueError(f"native prefill attention needs (tokens, heads, dim) bf16 or fp32 rows in {name}")
     cache_ok = kv_cache.dtype in (dtype, torch.bfloat16) and kv_cache.is_contiguous()
-    if not cache_ok or kv_cache.shape[-1] != q.shape[2] or k.stride(0) != v.stride(0):
+    if not cache_ok or kv_cache.shape[-1] != q.shape[2]:
         raise ValueError("native prefill attention needs a contiguous cache of q's head size, in q's dtype or bf16")
     if block_table.dtype != torch.int32 or block_table.stride(1) != 1 or seqs.dtype != torch.int64:
         raise ValueError("native prefill attention needs an int32 block table and int64 sequence rows")
@@ -198,7 +200,7 @@ def prefill_attention(
     if dtype == torch.bfloat16:
         status = lib.prefill_attention_bf16(*head, *cache, *common)
     else:
-        fresh = (k.data_ptr(), v.data_ptr(), k.stride(0))
+        fresh = (k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0))
         status = lib.prefill_attention_f32(*head, *fresh, *cache, int(kv_cache.dtype == torch.bfloat16), *common)
     if status == -2:
         raise MemoryError("native prefill attention: out of memory for its buffers")
@@ -207,6 +209,12 @@ def prefill_attention(
 
 
 _PREFILL_KERNELS = (torch.bfloat16, torch.float32)
+
+
+def _head_rows(x: torch.Tensor) -> bool:
+    """Whether a (tokens, heads, dim) tensor's heads lie side by side in each token's row, as the
+    kernels read them (the rows themselves may be strided)."""
+    return x.stride(2) == 1 and (x.shape[1] == 1 or x.stride(1) == x.shape[2])
 
 
 def write_kv_cache(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, block_size: int):

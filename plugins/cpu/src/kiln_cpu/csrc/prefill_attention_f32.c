@@ -141,10 +141,10 @@ static void widen(float *dst, const uint16_t *src, int64_t n) {
 }
 
 /* Arguments as prefill_attention_bf16's (prefill_attention.c), plus the step's fresh K/V
- * rows (k, v: (tokens, kv_heads, dim), rows kv_stride apart, in the queries' token order)
+ * rows (k, v: (tokens, kv_heads, dim), rows k_stride / v_stride apart, in the queries' token order)
  * and the cache's element type (cache_bf16). */
 int prefill_attention_f32(float *out, int64_t out_stride, const float *q, int64_t q_stride, const float *k,
-                          const float *v, int64_t kv_stride, const void *k_cache, const void *v_cache, int cache_bf16,
+                          const float *v, int64_t k_stride, int64_t v_stride, const void *k_cache, const void *v_cache, int cache_bf16,
                           const int32_t *block_table, int64_t table_stride, const int64_t *seqs, int64_t num_seqs,
                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
                           int64_t window) {
@@ -188,8 +188,8 @@ int prefill_attention_f32(float *out, int64_t out_stride, const float *q, int64_
                 if (t >= end) {
                     *key = *value = zero_row;
                 } else if (t >= sq[2]) { /* the prompt's own: a fresh row */
-                    const int64_t at = (sq[0] + t - sq[2]) * kv_stride + h * D;
-                    *key = k + at, *value = v + at;
+                    const int64_t row = sq[0] + t - sq[2];
+                    *key = k + row * k_stride + h * D, *value = v + row * v_stride + h * D;
                 } else {
                     const int64_t at = ((int64_t)table[t / block_size] * num_kv_heads + h) * block_size + t % block_size;
                     if (cache_bf16) {
