@@ -1,10 +1,17 @@
 """The CPU plugin's attention backend honours the AttentionBackend contract, with and
 without its native decode and prefill kernels."""
 
+import os
+import platform
+import random
+import subprocess
+import sys
+
 import pytest
 import torch
 
-from kiln.testing.contracts import AttentionBackendContract
+from kiln.attention.torch_ref import TorchRefAttentionBackend
+from kiln.testing.contracts import AttentionBackendContract, forward_kwargs, random_layout
 from kiln_cpu import native
 from kiln_cpu.attention import CpuAttentionBackend
 
@@ -56,6 +63,42 @@ def test_prefills_take_the_native_kernels():
     assert CpuAttentionBackend(6, 2, 64, torch.bfloat16).native_prefill == expected
     assert CpuAttentionBackend(6, 2, 64, torch.float32).native_prefill == built
     assert CpuAttentionBackend(6, 2, 64, torch.float32, cache_dtype=torch.bfloat16).native_prefill == built
+
+
+@pytest.mark.parametrize("window", [None, 20])
+def test_fp32_prefills_read_fused_qkv_rows_and_attend_their_own_keys_unrounded(window):
+    """As models call it: q, k and v views into one fused projection's rows (k normed apart,
+    as Qwen3's, so k and v rows have different strides), under a bf16 cache. Prompts attend
+    their own K/V as computed (fp32) and a cached prefix as the cache holds it (bf16): the
+    reference is an fp32 cache holding that same prefix."""
+    heads, kv_heads, dim, block_size = 6, 2, 64, 16
+    layout, tokens = random_layout(random.Random(3), block_size, 64, [(0, 40), (37, 150)])
+    torch.manual_seed(3)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim)
+    q = qkv[:, : heads * dim].view(tokens, heads, dim)
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim).contiguous()
+    v = qkv[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
+    backend = CpuAttentionBackend(heads, kv_heads, dim, torch.float32, torch.bfloat16)
+    ref = TorchRefAttentionBackend(heads, kv_heads, dim, torch.float32)
+    assert backend.native_prefill and k.stride(0) != v.stride(0)
+    cache = torch.randn(backend.kv_cache_shape(64, block_size)).to(torch.bfloat16)
+    ref_cache = backend.reference_view(cache).float().contiguous()
+    kwargs = forward_kwargs(dim**-0.5, window)
+    got = backend.forward(q, k, v, cache, backend.build_metadata(layout), **kwargs)
+    expected = ref.forward(q, k, v, ref_cache, ref.build_metadata(layout), **kwargs)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction-set levels")
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])  # AVX2; SSE through the portable build
+def test_kernels_built_for_older_instruction_sets_match_the_reference(march, tmp_path):
+    """Their fp32 products on 8-float vectors, where an AVX-512 machine's build has 16."""
+    env = {**os.environ, "KILN_CPU_MARCH": march, "KILN_CACHE_DIR": str(tmp_path)}
+    select = "(TestCpuAttentionNative or TestCpuAttentionBfloat16Cache or fused_qkv) and not Fallback"
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", select],
+                         env=env, capture_output=True, text=True)  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:]
+    assert list(tmp_path.glob("cpu-kernels/*.so"))  # built for that level, not this machine's cached library
 
 
 class TestCpuAttentionBfloat16TorchFallback(TestCpuAttentionBfloat16):

@@ -27,7 +27,11 @@ through and that gathers turn straight into SDPA's (heads, len, dim) shape.
 * Encoder steps (``forward_encoder``, BERT-style models): one SDPA call over the sequences
   padded to the longest, keys past each one's end masked, unless padding would more than
   double the work; then the base class's call per sequence. (One batched call ran twice as
-  fast as 32 calls of 128 tokens here.) The C kernel is for paged decodes only.
+  fast as 32 calls of 128 tokens here.) The C kernels are for paged steps only.
+
+The fp32 prefill kernel reads a chunk's own K/V from the step's rows, so under a bf16 cache
+they are attended unrounded; the torch path reads a cached-prefix chunk's own K/V back from
+the cache, rounded (the two agree wherever K/V are bf16 values, as in the contract tests).
 """
 
 from __future__ import annotations

@@ -181,8 +181,7 @@ def prefill_attention(
     cache; the prompt's own from ``k``/``v`` for fp32 queries (unrounded under a bf16 cache),
     from the cache, which holds them too, for bf16 ones."""
     dtype = q.dtype
-    k, v = (x if _head_rows(x) else x.contiguous() for x in (k, v))
-    for name, x in (("out", out), ("q", q), ("k", k), ("v", v)):
+    for name, x in (("out", out), ("q", q)):
         if not _head_rows(x) or x.dtype != dtype or dtype not in _PREFILL_KERNELS:
             raise ValueError(f"native prefill attention needs (tokens, heads, dim) bf16 or fp32 rows in {name}")
     cache_ok = kv_cache.dtype in (dtype, torch.bfloat16) and kv_cache.is_contiguous()
@@ -200,6 +199,10 @@ def prefill_attention(
     if dtype == torch.bfloat16:
         status = lib.prefill_attention_bf16(*head, *cache, *common)
     else:
+        k, v = (x if _head_rows(x) else x.contiguous() for x in (k, v))
+        for name, x in (("k", k), ("v", v)):
+            if x.dtype != dtype or x.shape[0] < q.shape[0] or x.shape[1:] != kv_cache.shape[2:5:2]:
+                raise ValueError(f"native prefill attention needs (tokens, kv_heads, dim) rows of q's dtype in {name}")
         fresh = (k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0))
         status = lib.prefill_attention_f32(*head, *fresh, *cache, int(kv_cache.dtype == torch.bfloat16), *common)
     if status == -2:

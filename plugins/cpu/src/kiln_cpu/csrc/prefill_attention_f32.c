@@ -148,8 +148,8 @@ int prefill_attention_f32(float *out, int64_t out_stride, const float *q, int64_
                           const int32_t *block_table, int64_t table_stride, const int64_t *seqs, int64_t num_seqs,
                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
                           int64_t window) {
+    if (num_kv_heads < 1 || (head_dim != 64 && head_dim != 128) || num_heads % num_kv_heads != 0) return -1;
     const int64_t group = num_heads / num_kv_heads, D = head_dim;
-    if ((D != 64 && D != 128) || group * num_kv_heads != num_heads) return -1;
     /* seqs: per sequence (first token row, query length, context length, block-table row) */
     int64_t items = 0, longest = 0, context = 0;
     for (int64_t i = 0; i < num_seqs; i++) {
@@ -168,14 +168,18 @@ int prefill_attention_f32(float *out, int64_t out_stride, const float *q, int64_
                 item[3 * n + 2] = c;
             }
     _Pragma("omp parallel") {
-        /* an item's key and value rows (KB zero rows past its end), and a bf16 prefix widened */
+        /* an item's key and value rows (KB zero rows past its end), and a bf16 prefix widened
+         * (each item widens its own: a sequence's chunks and kv heads read different rows,
+         * except for chunks of one head, which a long prompt's prefill splits in 128s) */
         const float **rows_of = malloc(2 * (longest + KB) * sizeof(float *));
         float *wide = cache_bf16 && context ? malloc(2 * context * D * sizeof(float)) : NULL;
         if (rows_of == NULL || (cache_bf16 && context && wide == NULL)) {
             _Pragma("omp atomic write") failed = 1;
         }
         _Pragma("omp for schedule(dynamic, 1)") for (int64_t n = 0; n < items; n++) {
-            if (failed) continue;
+            int stop;
+            _Pragma("omp atomic read") stop = failed;
+            if (stop) continue;
             const int64_t *sq = seqs + 4 * item[3 * n];
             const int64_t h = item[3 * n + 1], c = item[3 * n + 2];
             const int64_t rows = sq[1] - c < CHUNK ? sq[1] - c : CHUNK;
