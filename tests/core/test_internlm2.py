@@ -13,6 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kiln import LLM, SamplingParams
+from kiln.lora.request import LoRARequest
+from kiln.testing.lora import build_lora_adapter, hf_lora_greedy
 from kiln.testing.models import hf_greedy
 
 CONFIG_CODE = """
@@ -94,3 +96,55 @@ def test_internlm2_serves_the_llama_it_was_made_from(internlm2, varied_prompts):
 def test_internlm2_needs_trust_remote_code(internlm2):
     with pytest.raises(ValueError, match="trust_remote_code"):
         LLM(internlm2[1], dtype="float32")
+
+
+ADAPTER_NAMES = {"self_attn.o_proj": "attention.wo", "mlp.gate_proj": "feed_forward.w1",
+                 "mlp.up_proj": "feed_forward.w3", "mlp.down_proj": "feed_forward.w2"}  # fmt: skip
+
+
+def as_internlm2_adapter(llama_adapter: str, llama_dir: str, out: Path) -> str:
+    """A PEFT adapter of the Llama, as an adapter of its InternLM2 form: o/gate/up/down renamed,
+    and q/k/v as one update of the fused wqkv of rank 3r (A stacks their As; B is block-diagonal,
+    its rows grouped as wqkv's), which ``rank_pattern`` / ``alpha_pattern`` scale as before."""
+    llama = json.loads(Path(llama_dir, "config.json").read_text())
+    heads, kv_heads = llama["num_attention_heads"], llama["num_key_value_heads"]
+    dim = llama["hidden_size"] // heads
+    config = json.loads(Path(llama_adapter, "adapter_config.json").read_text())
+    rank, alpha = config["r"], config["lora_alpha"]
+    state, tensors = load_file(str(Path(llama_adapter, "adapter_model.safetensors"))), {}
+    for name, t in state.items():
+        if ".self_attn.q_proj.lora_A." in name:
+            prefix = name.removesuffix("self_attn.q_proj.lora_A.weight")
+            a = [state[f"{prefix}self_attn.{p}_proj.lora_A.weight"] for p in "qkv"]
+            b = [state[f"{prefix}self_attn.{p}_proj.lora_B.weight"] for p in "qkv"]
+            fused = torch.zeros(kv_heads, heads // kv_heads + 2, dim, 3 * rank)
+            fused[:, :-2, :, :rank] = b[0].view(kv_heads, heads // kv_heads, dim, rank)
+            fused[:, -2, :, rank : 2 * rank] = b[1].view(kv_heads, dim, rank)
+            fused[:, -1, :, 2 * rank :] = b[2].view(kv_heads, dim, rank)
+            tensors[f"{prefix}attention.wqkv.lora_A.weight"] = torch.cat(a)
+            tensors[f"{prefix}attention.wqkv.lora_B.weight"] = fused.reshape(-1, 3 * rank)
+        elif not any(f".self_attn.{p}_proj." in name for p in "qkv"):
+            for old, new in ADAPTER_NAMES.items():
+                name = name.replace(f".{old}.", f".{new}.")
+            tensors[name] = t
+    out.mkdir()
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    config |= {"target_modules": ["wqkv", "wo", "w1", "w3", "w2"], "rank_pattern": {"wqkv": 3 * rank},
+               "alpha_pattern": {"wqkv": 3 * alpha}}  # fmt: skip
+    (out / "adapter_config.json").write_text(json.dumps(config))
+    return str(out)
+
+
+def test_internlm2_adapters_match_the_llamas_under_peft(internlm2, tmp_path, varied_prompts):
+    """An adapter of the fused, group-interleaved wqkv: Kiln splits its lora_B rows as it splits
+    wqkv, and serves what transformers gives with PEFT's merged weights on the Llama."""
+    llama, path = internlm2
+    adapter = build_lora_adapter(llama, tmp_path / "llama-adapter", rank=4, seed=7)
+    expected = hf_lora_greedy(llama, adapter, varied_prompts, 16)
+    assert expected != hf_greedy(llama, varied_prompts, 16)
+    converted = as_internlm2_adapter(adapter, llama, tmp_path / "internlm2-adapter")
+    llm = LLM(path, trust_remote_code=True, dtype="float32", enable_lora=True, max_lora_rank=16, max_model_len=256)
+    params = SamplingParams(max_tokens=16, min_tokens=16, temperature=0)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in varied_prompts], params,
+                           lora_request=LoRARequest("a", 1, converted))  # fmt: skip
+    assert [o.outputs[0].token_ids for o in outputs] == expected

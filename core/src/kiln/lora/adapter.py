@@ -20,13 +20,16 @@ from dataclasses import dataclass
 
 import torch
 
-# The projections Kiln applies LoRA to, as PEFT names them (Llama family), and the fused ones
-# of families that store them so (Phi-3: qkv_proj and gate_up_proj; GLM-4: gate_up_proj),
-# which the base model splits as it splits their weights (``BaseModelShape.split``).
+# The projections Kiln applies LoRA to, as PEFT names them (Llama family), and those of
+# families that fuse or name them otherwise (Phi-3: qkv_proj and gate_up_proj; GLM-4:
+# gate_up_proj; InternLM2: wqkv, wo, w1, w3, w2), which the base model maps as it maps
+# their weights (``BaseModelShape.split``).
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-FUSED_TARGETS = ("qkv_proj", "gate_up_proj")
+FUSED_TARGETS = ("qkv_proj", "gate_up_proj", "wqkv", "wo", "w1", "w3", "w2")
 # PEFT drops the adapter's name ("default") when saving; files saved otherwise keep it.
-_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_(A|B)(?:\.\w+)?\.(weight|bias)$")
+_KEY = re.compile(
+    r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp|attention|feed_forward)\.(\w+)\.lora_(A|B)(?:\.\w+)?\.(weight|bias)$"
+)
 
 
 @dataclass(slots=True)

@@ -22,7 +22,8 @@ RENAMES = {
 
 
 class InternLM2ForCausalLM(LlamaForCausalLM):
-    lora_modules = {}  # PEFT adapters of InternLM2 target the fused wqkv: not mapped yet
+    # LoRA adapters name its modules (attention.wqkv, feed_forward.w1...): ``checkpoint_tensors``
+    # maps their lora_B rows as it maps the weights (``LlamaForCausalLM.adapter_rows``)
     supports_quantization = False
 
     def __init__(self, cfg, *args, **kwargs) -> None:
