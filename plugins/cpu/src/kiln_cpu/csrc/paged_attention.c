@@ -33,16 +33,8 @@
 
 #include "vec.h"
 
-#if defined(__AVX512F__)
-#define VL 16
-#else
-#define VL 8
-#endif
-typedef float vf __attribute__((vector_size(4 * VL)));
 typedef uint16_t vh __attribute__((vector_size(2 * VL)));
 typedef uint32_t vu __attribute__((vector_size(4 * VL)));
-
-static inline vf splatf(float x) { return (vf){0} + x; }
 
 static inline vf loadf(const float *p) {
     vf v;

@@ -27,6 +27,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "prefill_items.h"
 #include "vec.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -203,19 +204,10 @@ int prefill_attention_bf16(uint16_t *out, int64_t out_stride, const uint16_t *q,
                            int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window) {
     const int64_t group = num_heads / num_kv_heads;
     if ((head_dim != 64 && head_dim != 128) || group * num_kv_heads != num_heads) return -1;
-    /* seqs: per sequence (first token row, query length, context length, block-table row) */
-    int64_t items = 0;
-    for (int64_t i = 0; i < num_seqs; i++) items += num_kv_heads * ((seqs[4 * i + 1] + CHUNK - 1) / CHUNK);
-    int64_t *item = malloc(3 * items * sizeof(int64_t) + 1);
+    int64_t items;
+    int64_t *item = prefill_items(seqs, num_seqs, num_kv_heads, CHUNK, &items);
     if (item == NULL) return -2;
     int failed = 0;
-    for (int64_t i = 0, n = 0; i < num_seqs; i++)
-        for (int64_t h = 0; h < num_kv_heads; h++)
-            for (int64_t c = 0; c < seqs[4 * i + 1]; c += CHUNK, n++) {
-                item[3 * n] = i;
-                item[3 * n + 1] = h;
-                item[3 * n + 2] = c;
-            }
     _Pragma("omp parallel") {
         Buffers b = {NULL, NULL, 0};
         _Pragma("omp for schedule(dynamic, 1)") for (int64_t n = 0; n < items; n++) {

@@ -23,14 +23,13 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "prefill_items.h"
 #include "vec.h"
 
-#if defined(__AVX512F__)
-#define VL 16 /* lanes */
-#define KB 8  /* keys per register block of the score product */
-#define RB 4  /* rows per register block of the value product */
+#if VL == 16
+#define KB 8 /* keys per register block of the score product */
+#define RB 4 /* rows per register block of the value product */
 #else
-#define VL 8
 #define KB 4
 #define RB 2
 #endif
@@ -39,10 +38,7 @@
 #define KEYS 64       /* keys per online-softmax step */
 #define CHUNK 128     /* query positions per work item */
 
-typedef float vf __attribute__((vector_size(4 * VL)));
-typedef int32_t vi __attribute__((vector_size(4 * VL)));
 typedef float vfu __attribute__((vector_size(4 * VL), aligned(4))); /* unaligned loads and stores */
-static inline vf splatf(float x) { return (vf){0} + x; }
 static inline vi splati(int32_t x) { return (vi){0} + x; }
 DEFINE_VMAX_EXP(vmaxf, expf_nonpositive, vf, vi, splatf)
 
@@ -151,22 +147,14 @@ int prefill_attention_f32(float *out, int64_t out_stride, const float *q, int64_
     if (num_kv_heads < 1 || (head_dim != 64 && head_dim != 128) || num_heads % num_kv_heads != 0) return -1;
     const int64_t group = num_heads / num_kv_heads, D = head_dim;
     /* seqs: per sequence (first token row, query length, context length, block-table row) */
-    int64_t items = 0, longest = 0, context = 0;
+    int64_t items, longest = 0, context = 0;
     for (int64_t i = 0; i < num_seqs; i++) {
-        items += num_kv_heads * ((seqs[4 * i + 1] + CHUNK - 1) / CHUNK);
         if (seqs[4 * i + 1] + seqs[4 * i + 2] > longest) longest = seqs[4 * i + 1] + seqs[4 * i + 2];
         if (seqs[4 * i + 2] > context) context = seqs[4 * i + 2];
     }
-    int64_t *item = malloc(3 * items * sizeof(int64_t) + 1);
+    int64_t *item = prefill_items(seqs, num_seqs, num_kv_heads, CHUNK, &items);
     if (item == NULL) return -2;
     int failed = 0;
-    for (int64_t i = 0, n = 0; i < num_seqs; i++)
-        for (int64_t h = 0; h < num_kv_heads; h++)
-            for (int64_t c = 0; c < seqs[4 * i + 1]; c += CHUNK, n++) {
-                item[3 * n] = i;
-                item[3 * n + 1] = h;
-                item[3 * n + 2] = c;
-            }
     _Pragma("omp parallel") {
         /* an item's key and value rows (KB zero rows past its end), and a bf16 prefix widened
          * (each item widens its own: a sequence's chunks and kv heads read different rows,

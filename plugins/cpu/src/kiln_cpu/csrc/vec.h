@@ -73,6 +73,17 @@ static inline float hsum8(v8 a) { return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4
 
 DEFINE_VMAX_EXP(vmax, exp8_nonpositive, v8, i8, splat)
 
+/* VL-float vectors: sixteen lanes where the build targets AVX-512, else eight. */
+#if defined(__AVX512F__)
+#define VL 16
+#else
+#define VL 8
+#endif
+typedef float vf __attribute__((vector_size(4 * VL)));
+typedef int32_t vi __attribute__((vector_size(4 * VL)));
+
+static inline vf splatf(float x) { return (vf){0} + x; }
+
 /* fp32 -> bf16, round to nearest even (inputs are finite). */
 static inline uint16_t to_bf16(float x) {
     uint32_t u;
