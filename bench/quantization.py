@@ -37,7 +37,7 @@ METHODS = {  # kiln quantize arguments per method (the default model's 576 input
     "weight_only_int8": [],
     "smooth_quant": CALIBRATION,
     "awq": [*CALIBRATION, "--group-size", "32"],
-    "gptq": [*CALIBRATION, "--group-size", "32", "--act-order", "--no-sym"],
+    "gptq": [*CALIBRATION, "--group-size", "32", "--act-order", "--static-groups", "--no-sym"],
 }
 SYSTEMS = ["fp32-dense", "fp32", *METHODS]
 

@@ -20,10 +20,14 @@ def greedy(plugins, prompts, **engine_args):
         engine.shutdown()
 
 
-@pytest.mark.parametrize("quant_type", ["awq", "gptq", "weight_only_int8"])
-def test_two_ranks_match_one(tiny_model_dir, tmp_path, cpu_plugins, varied_prompts, quant_type):
+@pytest.mark.parametrize(
+    "quant_type,extra",
+    [("awq", []), ("gptq", []), ("gptq", ["--act-order", "--static-groups", "--no-sym"]), ("weight_only_int8", [])],
+)
+def test_two_ranks_match_one(tiny_model_dir, tmp_path, cpu_plugins, varied_prompts, quant_type, extra):
+    """Act-order with static groups keeps the groups in column order, so it shards as plain GPTQ does."""
     out = str(tmp_path / "q")
-    assert main(["quantize", "-i", tiny_model_dir("llama"), "-o", out, "-quant_type", quant_type, *FAST]) == 0
+    assert main(["quantize", "-i", tiny_model_dir("llama"), "-o", out, "-quant_type", quant_type, *FAST, *extra]) == 0
     common = dict(model=out, device="cpu", dtype="float32", max_num_batched_tokens=64)
     assert greedy(cpu_plugins, varied_prompts, tensor_parallel_size=2, **common) == greedy(
         cpu_plugins, varied_prompts, **common

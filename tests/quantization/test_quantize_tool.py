@@ -62,6 +62,7 @@ def kiln_greedy(path: str, **kwargs) -> list[list[int]]:
         ("qwen2", "awq", ()),  # qkv bias, tied embeddings
         ("llama", "gptq", ()),
         ("mistral", "gptq", ("--act-order", "--no-sym")),
+        ("llama", "gptq", ("--act-order", "--static-groups", "--no-sym")),
     ],
 )
 def test_weight_only_checkpoint_matches_its_dequantized_weights(
@@ -76,6 +77,10 @@ def test_weight_only_checkpoint_matches_its_dequantized_weights(
     assert config["quantization_config"]["quant_method"] == (
         "compressed-tensors" if quant_type.startswith("w") else quant_type
     )
+    if quant_type == "gptq":  # static groups keep g_idx in column order, whatever order quantized them
+        qc = config["quantization_config"]
+        assert (qc["desc_act"], qc["static_groups"]) == ("--static-groups" not in extra and "--act-order" in extra,
+                                                         "--static-groups" in extra)  # fmt: skip
     reference = hf_greedy(dequantized_copy(out, src, str(tmp_path / "deq")), PROMPTS, 12)
     assert kiln_greedy(out) == reference
 
@@ -113,11 +118,15 @@ def test_token_file_calibration(tiny_model_dir, tmp_path):
         (["-sq", "1.5"], "-sq: 1.5 is outside"),
         (["-token", "/nonexistent/tokens.txt"], "-token: cannot read"),
         (["--group-size", "48"], "--group-size: 48 does not divide"),
-        (["--act-order", "--group-size", "32"], "--act-order and --no-sym apply to -quant_type gptq only"),
+        (
+            ["--act-order", "--group-size", "32"],
+            "--act-order, --static-groups and --no-sym apply to -quant_type gptq only",
+        ),
+        (["--static-groups", "--group-size", "32"], "--static-groups and --no-sym apply to -quant_type gptq only"),
     ],
 )
 def test_bad_arguments_exit_non_zero_and_write_nothing(tiny_model_dir, tmp_path, capsys, args, message):
-    quant_type = "awq" if "--group-size" in args or "--act-order" in args else "smooth_quant"
+    quant_type = "awq" if "--group-size" in args else "smooth_quant"
     out = tmp_path / "out"
     assert main(["quantize", "-i", tiny_model_dir("llama"), "-o", str(out), "-quant_type", quant_type, *args]) == 2
     assert message in capsys.readouterr().err

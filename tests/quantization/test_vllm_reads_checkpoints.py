@@ -56,6 +56,7 @@ def vllm_greedy(model: str, dtype: str, port: int) -> tuple[str, str]:
         ("smooth_quant", [], "float32", "CompressedTensorsW8A8Int8"),
         ("awq", ["--group-size", "32"], "bfloat16", "awq"),
         ("gptq", ["--group-size", "32"], "bfloat16", "gptq"),  # vLLM 0.32 refuses act-order and zero points
+        ("gptq", ["--group-size", "32", "--act-order", "--static-groups"], "bfloat16", "gptq"),  # groups in order
     ],
 )
 def test_vllm_serves_the_checkpoint_like_kiln(default_model_dir, tmp_path, quant_type, args, dtype, scheme):

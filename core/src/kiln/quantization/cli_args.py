@@ -32,6 +32,10 @@ def add_quantize_args(parser: argparse.ArgumentParser) -> None:
                         help="the model shares key/value heads (checked against its config)")  # fmt: skip
     parser.add_argument("--group-size", type=int, default=128, help="inputs per scale for awq/gptq (default 128)")
     parser.add_argument("--act-order", action="store_true", help="gptq: quantize columns by Hessian order (g_idx)")
+    parser.add_argument("--static-groups", action="store_true",
+                        help="gptq: each group's grid fixed from the unquantized weights before any column is "
+                        "quantized (AutoGPTQ's static_groups); with --act-order the groups keep column order, "
+                        "so the checkpoint serves at any -tp and on kernels without act-order")  # fmt: skip
     parser.add_argument("--sym", action=argparse.BooleanOptionalAction, default=True,
                         help="gptq: symmetric grid (AutoGPTQ's default; vLLM's Marlin kernels need it); "
                         "--no-sym adds zero points")  # fmt: skip

@@ -35,8 +35,12 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32} 
 CHUNK = 8  # calibration samples per forward pass
 
 
-def hf_quantization_config(quant_type: str, group: int, act_order: bool, sym: bool = True) -> dict:
-    """The ``quantization_config`` written to config.json, in the format vLLM's and Kiln's loaders read."""
+def hf_quantization_config(
+    quant_type: str, group: int, act_order: bool, sym: bool = True, static_groups: bool = False
+) -> dict:
+    """The ``quantization_config`` written to config.json, in the format vLLM's and Kiln's loaders read.
+    ``desc_act`` says whether g_idx reorders the groups: not with static groups, whatever the
+    order the columns were quantized in (kiln_quantize.json records that)."""
     if quant_type in ("smooth_quant", "weight_only_int8"):
         weights = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "group_size": None,
                    "dynamic": False, "actorder": None, "observer": "minmax", "observer_kwargs": {}, "block_structure": None}  # fmt: skip
@@ -51,8 +55,8 @@ def hf_quantization_config(quant_type: str, group: int, act_order: bool, sym: bo
     if quant_type == "awq":
         return {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm",
                 "modules_to_not_convert": None}  # fmt: skip
-    return {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": act_order, "sym": sym,
-            "damp_percent": gptq.DAMP, "static_groups": False, "true_sequential": True, "checkpoint_format": "gptq"}  # fmt: skip
+    return {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": act_order and not static_groups,
+            "sym": sym, "damp_percent": gptq.DAMP, "static_groups": static_groups, "true_sequential": True, "checkpoint_format": "gptq"}  # fmt: skip
 
 
 def check_args(ns: argparse.Namespace, hf_config) -> None:
@@ -94,8 +98,8 @@ def check_args(ns: argparse.Namespace, hf_config) -> None:
                 raise ValueError(
                     f"--group-size: {ns.group_size} does not divide the {what} per rank ({inputs}) at -tp {ns.tp}{hint}"
                 )
-    if (ns.act_order or not ns.sym) and ns.quant_type != "gptq":
-        raise ValueError("--act-order and --no-sym apply to -quant_type gptq only")
+    if (ns.act_order or not ns.sym or ns.static_groups) and ns.quant_type != "gptq":
+        raise ValueError("--act-order, --static-groups and --no-sym apply to -quant_type gptq only")
     if ns.num_calibration_samples < 1 or ns.seq_len < 1:
         raise ValueError("--num-calibration-samples and --seq-len must be at least 1")
 
@@ -198,7 +202,9 @@ def quantize_layer(ns, layer, hidden, kwargs) -> dict[str, tuple]:
         for sub in (qkv, [m["o_proj"]], gate_up, [m["down_proj"]]):  # each sees the ones before it quantized
             (hessian,) = _collect(layer, hidden, kwargs, [sub[0]], _hessian)
             for lin in sub:
-                codes, scale, zero, g_idx = gptq.gptq_quantize(lin.weight, hessian, ns.group_size, ns.act_order, ns.sym)
+                codes, scale, zero, g_idx = gptq.gptq_quantize(
+                    lin.weight, hessian, ns.group_size, ns.act_order, ns.sym, ns.static_groups
+                )
                 lin.weight.copy_(widen(codes, scale, zero, g_idx))
                 result[names[lin]] = (codes, scale, zero, g_idx)
     else:
@@ -256,6 +262,7 @@ def write_checkpoint(ns, model, tokenizer_dir: str, quantized: dict[str, tuple],
         config.pop("dtype", None)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         record = {"quant_type": ns.quant_type, "group_size": ns.group_size, "alpha": ns.alpha, "tp": ns.tp,
+                  "act_order": ns.act_order, "static_groups": ns.static_groups, "sym": ns.sym,
                   "calibration": ns.token_file or "kiln default text", "samples": ns.num_calibration_samples,
                   "seq_len": ns.seq_len, "dtype": ns.dtype,
                   "tp_note": "not pre-sharded: Kiln and vLLM split each weight at load, so this folder serves any -tp "
@@ -295,9 +302,8 @@ def quantize(ns: argparse.Namespace) -> None:
             quantized[f"model.layers.{i}.{name}"] = value
         if hidden:
             hidden = run_layer(layer, hidden, kwargs)
-    write_checkpoint(
-        ns, model, path, quantized, hf_quantization_config(ns.quant_type, ns.group_size, ns.act_order, ns.sym)
-    )
+    qc = hf_quantization_config(ns.quant_type, ns.group_size, ns.act_order, ns.sym, ns.static_groups)
+    write_checkpoint(ns, model, path, quantized, qc)
 
 
 def cmd_quantize(ns: argparse.Namespace) -> int:
