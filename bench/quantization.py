@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import os
 import platform
@@ -48,10 +49,12 @@ def checkpoint(name: str, fp32_path: str) -> str:
         return fp32_path
     from kiln.models.loader import cache_dir
 
-    out = cache_dir() / "bench-quant" / name
+    args = METHODS[name]
+    # keyed by the arguments too: a checkpoint made with other arguments is not reused
+    out = cache_dir() / "bench-quant" / f"{name}-{hashlib.sha1(' '.join(args).encode()).hexdigest()[:8]}"
     if not (out / "config.json").exists():
         cmd = [sys.executable, "-m", "kiln.cli", "quantize", "-i", fp32_path, "-o", str(out), "-quant_type", name]
-        subprocess.run([*cmd, *METHODS[name], "--overwrite"], check=True, stdout=subprocess.DEVNULL)
+        subprocess.run([*cmd, *args, "--overwrite"], check=True, stdout=subprocess.DEVNULL)
     return str(out)
 
 
