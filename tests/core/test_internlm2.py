@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kiln import LLM, SamplingParams
+from kiln.cli import main
 from kiln.lora.request import LoRARequest
 from kiln.testing.lora import build_lora_adapter, hf_lora_greedy
 from kiln.testing.models import hf_greedy
@@ -47,15 +48,15 @@ def as_internlm2(llama_dir: str, out: Path) -> str:
     dim = llama["hidden_size"] // heads
     tensors, state = {}, load_file(str(Path(llama_dir, "model.safetensors")))
     for name, t in state.items():
-        if ".self_attn.q_proj." in name:
-            prefix = name.removesuffix("self_attn.q_proj.weight")
-            q, k, v = (state[f"{prefix}self_attn.{p}_proj.weight"] for p in "qkv")
+        if ".self_attn.q_proj." in name:  # a weight, or an int8 checkpoint's weight_scale: rows regrouped
+            prefix, _, leaf = name.partition("self_attn.q_proj.")
+            q, k, v = (state[f"{prefix}self_attn.{p}_proj.{leaf}"] for p in "qkv")
             groups = [
                 q.view(kv_heads, heads // kv_heads, dim, -1),
                 k.view(kv_heads, 1, dim, -1),
                 v.view(kv_heads, 1, dim, -1),
             ]
-            tensors[f"{prefix}attention.wqkv.weight"] = torch.cat(groups, dim=1).reshape(-1, t.shape[-1]).contiguous()
+            tensors[f"{prefix}attention.wqkv.{leaf}"] = torch.cat(groups, dim=1).reshape(-1, t.shape[-1]).contiguous()
         elif ".self_attn.k_proj." in name or ".self_attn.v_proj." in name:
             continue
         elif name == "lm_head.weight":
@@ -73,6 +74,8 @@ def as_internlm2(llama_dir: str, out: Path) -> str:
               "bos_token_id", "eos_token_id")}  # fmt: skip
     config |= {"model_type": "internlm2", "architectures": ["InternLM2ForCausalLM"], "bias": False,
                "rope_theta": 10000.0, "auto_map": {"AutoConfig": "configuration_internlm2.InternLM2Config"}}  # fmt: skip
+    if "quantization_config" in llama:
+        config["quantization_config"] = llama["quantization_config"]
     (out / "config.json").write_text(json.dumps(config))
     (out / "configuration_internlm2.py").write_text(CONFIG_CODE)
     return str(out)
@@ -91,6 +94,21 @@ def test_internlm2_serves_the_llama_it_was_made_from(internlm2, varied_prompts):
         [{"prompt_token_ids": p} for p in varied_prompts], params
     )
     assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(llama, varied_prompts, 16)
+
+
+def test_quantized_internlm2_serves_the_quantized_llama(internlm2, tmp_path, varied_prompts):
+    """A W8A8 checkpoint of the Llama (int8 weights, a scale per row) in InternLM2's layout: the
+    scales regrouped with their rows into the fused wqkv, and split back with them at load."""
+    llama = str(tmp_path / "llama-w8a8")
+    assert main(["quantize", "-i", internlm2[0], "-o", llama, "-quant_type", "smooth_quant", "-t", "fp32",
+                 "--num-calibration-samples", "4", "--seq-len", "32"]) == 0  # fmt: skip
+    path = as_internlm2(llama, tmp_path / "internlm2-w8a8")
+    params = SamplingParams(max_tokens=16, min_tokens=16, temperature=0)
+    prompts = [{"prompt_token_ids": p} for p in varied_prompts]
+    expected = [o.outputs[0].token_ids for o in LLM(llama, dtype="float32").generate(prompts, params)]
+    got = LLM(path, trust_remote_code=True, dtype="float32").generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == expected
+    assert expected != hf_greedy(internlm2[0], varied_prompts, 16)  # quantized: not the fp32 model's tokens
 
 
 def test_internlm2_needs_trust_remote_code(internlm2):

@@ -9,11 +9,9 @@ import torch
 
 from kiln import LLM, SamplingParams
 from kiln.cli import main
-from kiln.interfaces.quantization import QuantLinear, ReferenceLinearMethod, dequantize
-from kiln.models.loader import iter_weights
-from kiln.quantization.checkpoint import canonical_weights
-from kiln.quantization.config import from_hf
+from kiln.interfaces.quantization import ReferenceLinearMethod
 from kiln.testing.models import hf_greedy
+from kiln.testing.quantization import dequantized_copy
 
 FAST = ["--num-calibration-samples", "4", "--seq-len", "32", "--group-size", "32", "-t", "fp32"]
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [400, 17, 9000, 23], [30, 31, 32]]
@@ -22,30 +20,6 @@ PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [400, 17, 9000, 23], [30, 31, 32]]
 def quantize(src: str, out: str, quant_type: str, *extra: str) -> str:
     assert main(["quantize", "-i", src, "-o", out, "-quant_type", quant_type, *FAST, *extra]) == 0
     return out
-
-
-def dequantized_copy(quantized: str, original: str, target: str) -> str:
-    """The original fp32 model with the quantized checkpoint's tensors: its quantized linears
-    dequantized, and the ones the algorithm rescaled (norms) as written."""
-    from transformers import AutoModelForCausalLM
-
-    quant = from_hf(json.loads(open(os.path.join(quantized, "config.json")).read())["quantization_config"])
-    tensors = dict(canonical_weights(iter_weights(quantized), quant))
-    model = AutoModelForCausalLM.from_pretrained(original, dtype=torch.float32)
-    state = model.state_dict()
-    with torch.no_grad():
-        for name, tensor in tensors.items():
-            if name in state and tensor.is_floating_point():
-                state[name].copy_(tensor)
-        for name, module in model.named_modules():
-            if f"{name}.weight_scale" in tensors:
-                layer = QuantLinear(module.in_features, module.out_features, False, quant.scheme, quant.desc_act)
-                for leaf in ("weight", "weight_scale", "weight_zero", "g_idx"):
-                    if f"{name}.{leaf}" in tensors:
-                        getattr(layer, leaf).data.copy_(tensors[f"{name}.{leaf}"])
-                module.weight.copy_(dequantize(layer))
-    model.save_pretrained(target)
-    return target
 
 
 def kiln_greedy(path: str, **kwargs) -> list[list[int]]:
@@ -63,6 +37,8 @@ def kiln_greedy(path: str, **kwargs) -> list[list[int]]:
         ("llama", "gptq", ()),
         ("mistral", "gptq", ("--act-order", "--no-sym")),
         ("llama", "gptq", ("--act-order", "--static-groups", "--no-sym")),
+        ("gemma2", "weight_only_int8", ()),  # (1 + weight) norms around each sublayer, GeGLU, tied head
+        ("gemma3_text", "gptq", ("--act-order", "--static-groups", "--no-sym")),  # a rope per layer type
     ],
 )
 def test_weight_only_checkpoint_matches_its_dequantized_weights(
@@ -131,6 +107,44 @@ def test_bad_arguments_exit_non_zero_and_write_nothing(tiny_model_dir, tmp_path,
     assert main(["quantize", "-i", tiny_model_dir("llama"), "-o", str(out), "-quant_type", quant_type, *args]) == 2
     assert message in capsys.readouterr().err
     assert not out.exists() and os.listdir(tmp_path) == []
+
+
+def test_awq_and_smoothquant_refuse_gemma(tiny_model_dir, tmp_path, capsys):
+    for quant_type in ("awq", "smooth_quant"):
+        out = tmp_path / quant_type
+        assert main(["quantize", "-i", tiny_model_dir("gemma2"), "-o", str(out), "-quant_type", quant_type, *FAST]) == 2
+        assert "norms (1 + weight, around each sublayer) do not allow; gptq and weight_only_int8 apply" in (
+            capsys.readouterr().err
+        )
+        assert not out.exists()
+
+
+def test_calibration_runs_each_layer_as_the_model_does(tiny_model_dir):
+    """Layer by layer, with each layer's own keyword arguments, the calibration passes reproduce the
+    model's own forward: Gemma 3's sliding and full layers take different ropes and masks."""
+    from transformers import AutoModelForCausalLM
+
+    from kiln.quantization.tool import first_layer_inputs, run_layer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir("gemma3_text"), dtype=torch.float32).eval()
+    samples = torch.randint(0, 1000, (10, 24), generator=torch.Generator().manual_seed(0))  # two chunks
+    outputs: list[list[torch.Tensor]] = [[] for _ in model.model.layers]
+    handles = [
+        layer.register_forward_hook(lambda m, a, out, i=i: outputs[i].append(out[0] if isinstance(out, tuple) else out))
+        for i, layer in enumerate(model.model.layers)
+    ]
+    with torch.no_grad():
+        for chunk in samples.split(8):
+            model(chunk, use_cache=False)
+    for handle in handles:
+        handle.remove()
+    hidden, kwargs = first_layer_inputs(model, samples)
+    assert [len(h) for h in hidden] == [8, 2] and [len(k) for k in kwargs] == [2, 2]
+    assert not torch.equal(kwargs[0][0]["position_embeddings"][0], kwargs[1][0]["position_embeddings"][0])
+    for i, layer in enumerate(model.model.layers):
+        hidden = run_layer(layer, hidden, kwargs[i])
+        for got, expected in zip(hidden, outputs[i]):
+            torch.testing.assert_close(got, expected)
 
 
 def test_existing_output_needs_overwrite(tiny_model_dir, tmp_path, capsys):

@@ -16,7 +16,6 @@ from kiln.models.llama import LlamaForCausalLM, SandwichDecoderLayer
 
 class GemmaForCausalLM(LlamaForCausalLM):
     scaled_embeddings = True
-    supports_quantization = False
 
     def checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
         for name, tensor in weights:

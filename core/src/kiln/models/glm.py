@@ -15,7 +15,6 @@ from kiln.models.phi3 import split_gate_up
 
 class GlmForCausalLM(LlamaForCausalLM):
     interleaved_rotary = True
-    supports_quantization = False
 
     def checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
         for name, tensor in weights:

@@ -24,7 +24,6 @@ RENAMES = {
 class InternLM2ForCausalLM(LlamaForCausalLM):
     # LoRA adapters name its modules (attention.wqkv, feed_forward.w1...): ``checkpoint_tensors``
     # maps their lora_B rows as it maps the weights (``LlamaForCausalLM.adapter_rows``)
-    supports_quantization = False
 
     def __init__(self, cfg, *args, **kwargs) -> None:
         if getattr(cfg, "bias", False):
@@ -38,13 +37,18 @@ class InternLM2ForCausalLM(LlamaForCausalLM):
         for name, tensor in weights:
             if name == "output.weight":
                 yield "lm_head.weight", tensor
-            elif name.endswith(".attention.wqkv.weight"):
-                # (kv_heads, group + 2, head_dim, hidden): each group's query heads, its key, its value
-                grouped = tensor.view(kv_heads, group + 2, head_dim, -1)
+            elif ".attention.wqkv." in name:
+                block, _, leaf = name.partition(".attention.wqkv.")
+                prefix = f"{block}.self_attn."
+                if leaf == "g_idx":  # GPTQ act-order: one group per input, shared by q, k and v
+                    yield from ((f"{prefix}{proj}.g_idx", tensor) for proj in ("q_proj", "k_proj", "v_proj"))
+                    continue
+                # rows (kv_heads, group + 2, head_dim): each group's query heads, its key, its value
+                # (a weight's, or a quantized layer's scales and zero points)
+                grouped = tensor.view(kv_heads, group + 2, head_dim, *tensor.shape[1:])
                 q, k, v = grouped.split([group, 1, 1], dim=1)
-                prefix = name.removesuffix("attention.wqkv.weight") + "self_attn."
                 for proj, part in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
-                    yield f"{prefix}{proj}.weight", part.reshape(-1, tensor.shape[-1])
+                    yield f"{prefix}{proj}.{leaf}", part.reshape(-1, *tensor.shape[1:])
             else:
                 for old, new in RENAMES.items():
                     name = name.replace(old, new)

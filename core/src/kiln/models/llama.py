@@ -338,11 +338,10 @@ class LlamaForCausalLM(nn.Module):
         return rows
 
     def _rotary_rows(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """Each head's query/key dimensions in ``rotary_order`` (``kiln.models.rope``)."""
-        if self.rotary_order is None:
+        """Each head's query/key dimensions in ``rotary_order`` (``kiln.models.rope``): the rows of a
+        weight, a bias, or a quantized layer's scales and zero points."""
+        if self.rotary_order is None or name.endswith(".g_idx"):  # g_idx: one per input, not per row
             return tensor
-        if not name.endswith((".weight", ".bias")):
-            raise ValueError(f"{name}: quantized projections of a partial or interleaved rotary are not supported")
         order = torch.tensor(self.rotary_order)
         heads = tensor.reshape(-1, len(order), *tensor.shape[1:])
         return heads[:, order].reshape(tensor.shape)

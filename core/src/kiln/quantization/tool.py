@@ -29,6 +29,9 @@ logger = logging.getLogger("kiln.quantize")
 
 # Architectures whose decoder layers have Llama's module names (those Kiln serves).
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# The same module names, but norms that multiply by (1 + weight) and sit around each sublayer:
+# AWQ's and SmoothQuant's scales, folded into the norms before the projections, do not apply.
+WEIGHT_ONLY_ARCHITECTURES = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")  # fmt: skip
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}  # -t
@@ -65,9 +68,15 @@ def check_args(ns: argparse.Namespace, hf_config) -> None:
     if out.exists() and not ns.overwrite:
         raise ValueError(f"-o: {ns.output!r} exists; pass --overwrite to replace it")
     archs = list(getattr(hf_config, "architectures", None) or [])
-    if not set(archs) & set(ARCHITECTURES):
+    if set(archs) & set(WEIGHT_ONLY_ARCHITECTURES) and ns.quant_type in ("awq", "smooth_quant"):
         raise ValueError(
-            f"-i: architecture {archs or hf_config.model_type} is not supported; supported: {', '.join(ARCHITECTURES)}"
+            f"-quant_type {ns.quant_type}: folds its scales into the norms before the projections, which "
+            f"{archs[0]}'s norms (1 + weight, around each sublayer) do not allow; gptq and weight_only_int8 apply"
+        )
+    if not set(archs) & set(ARCHITECTURES + WEIGHT_ONLY_ARCHITECTURES):
+        raise ValueError(
+            f"-i: architecture {archs or hf_config.model_type} is not supported; supported: "
+            f"{', '.join(ARCHITECTURES)}, and for gptq and weight_only_int8 {', '.join(WEIGHT_ONLY_ARCHITECTURES)}"
         )
     if getattr(hf_config, "quantization_config", None):
         raise ValueError("-i: the model is already quantized")
@@ -104,46 +113,47 @@ def check_args(ns: argparse.Namespace, hf_config) -> None:
         raise ValueError("--num-calibration-samples and --seq-len must be at least 1")
 
 
-class _Stop(Exception):
-    pass
-
-
 @torch.no_grad()
-def first_layer_inputs(model, samples: torch.Tensor) -> tuple[list[torch.Tensor], dict]:
-    """The hidden states entering decoder layer 0 (a chunk of samples each) and its keyword arguments."""
+def first_layer_inputs(model, samples: torch.Tensor) -> tuple[list[torch.Tensor], list[list[dict]]]:
+    """The hidden states entering decoder layer 0 (a chunk of samples each), and the keyword
+    arguments each decoder layer is called with for each chunk (masks and ropes are per chunk, and
+    Gemma 3's differ by layer type), from one pass of the model over the samples."""
+    layers = model.model.layers
     captured: list[torch.Tensor] = []
-    kwargs: dict = {}
+    kwargs: list[list[dict]] = [[] for _ in layers]
 
-    def grab(module, args, kw):
-        captured.append(args[0] if args else kw.pop("hidden_states"))
-        kwargs.update({k: v for k, v in kw.items() if k != "hidden_states"})
-        raise _Stop
+    def keep(i):
+        def hook(module, args, kw):
+            if i == 0:
+                captured.append(args[0] if args else kw["hidden_states"])
+            kwargs[i].append({k: v for k, v in kw.items() if k != "hidden_states"})
 
-    handle = model.model.layers[0].register_forward_pre_hook(grab, with_kwargs=True)
+        return hook
+
+    handles = [layer.register_forward_pre_hook(keep(i), with_kwargs=True) for i, layer in enumerate(layers)]
     try:
         for chunk in samples.split(CHUNK):
-            try:
-                model(chunk, use_cache=False)
-            except _Stop:
-                pass
+            model(chunk, use_cache=False)
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
     return captured, kwargs
 
 
 @torch.no_grad()
 def run_layer(
-    layer: nn.Module, hidden: list[torch.Tensor], kwargs: dict, hooks: dict | None = None
+    layer: nn.Module, hidden: list[torch.Tensor], kwargs: list[dict], hooks: dict | None = None
 ) -> list[torch.Tensor]:
-    """The layer's outputs for each chunk; ``hooks`` maps a linear to a callback given its input rows."""
+    """The layer's outputs for each chunk (``kwargs``: its keyword arguments for each);
+    ``hooks`` maps a linear to a callback given its input rows."""
     handles = [
         lin.register_forward_hook(lambda mod, args, out, fn=fn: fn(args[0].reshape(-1, args[0].shape[-1]).float()))
         for lin, fn in (hooks or {}).items()
     ]
     try:
         outs = []
-        for h in hidden:
-            out = layer(h, **kwargs)
+        for h, kw in zip(hidden, kwargs, strict=True):
+            out = layer(h, **kw)
             outs.append(out[0] if isinstance(out, tuple) else out)
         return outs
     finally:
@@ -292,16 +302,16 @@ def quantize(ns: argparse.Namespace) -> None:
     torch.manual_seed(ns.seed)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     layers = model.model.layers
-    hidden, kwargs = [], {}
+    hidden, kwargs = [], [[] for _ in layers]
     if ns.quant_type != "weight_only_int8":
         samples = calibration_samples(tokenizer, ns.num_calibration_samples, ns.seq_len, token_rows, ns.seed)
         hidden, kwargs = first_layer_inputs(model, samples)
     quantized = {}
     for i, layer in enumerate(tqdm(layers, desc=f"{ns.quant_type} layers", unit="layer")):
-        for name, value in quantize_layer(ns, layer, hidden, kwargs).items():
+        for name, value in quantize_layer(ns, layer, hidden, kwargs[i]).items():
             quantized[f"model.layers.{i}.{name}"] = value
         if hidden:
-            hidden = run_layer(layer, hidden, kwargs)
+            hidden = run_layer(layer, hidden, kwargs[i])
     qc = hf_quantization_config(ns.quant_type, ns.group_size, ns.act_order, ns.sym, ns.static_groups)
     write_checkpoint(ns, model, path, quantized, qc)
 

@@ -1,10 +1,17 @@
-"""Random quantized layers for the kernel tests of every platform."""
+"""Random quantized layers for the kernel tests of every platform, and a quantized checkpoint's
+weights dequantized into its original model (the reference transformers runs)."""
 
 from __future__ import annotations
 
+import json
+import os
+
 import torch
 
-from kiln.interfaces.quantization import QuantLinear, QuantScheme
+from kiln.interfaces.quantization import QuantLinear, QuantScheme, dequantize
+from kiln.models.loader import iter_weights
+from kiln.quantization.checkpoint import canonical_weights
+from kiln.quantization.config import from_hf
 
 # The scheme classes every platform's kernel tests cover (a platform adds its own on top).
 SCHEMES = {
@@ -45,3 +52,27 @@ def random_quant_layer(
         if bias:
             layer.bias.normal_(generator=gen)
     return layer
+
+
+def dequantized_copy(quantized: str, original: str, target: str) -> str:
+    """The original fp32 model with the quantized checkpoint's tensors: its quantized linears
+    dequantized, and the ones the algorithm rescaled (norms) as written."""
+    from transformers import AutoModelForCausalLM
+
+    quant = from_hf(json.loads(open(os.path.join(quantized, "config.json")).read())["quantization_config"])
+    tensors = dict(canonical_weights(iter_weights(quantized), quant))
+    model = AutoModelForCausalLM.from_pretrained(original, dtype=torch.float32)
+    state = model.state_dict()
+    with torch.no_grad():
+        for name, tensor in tensors.items():
+            if name in state and tensor.is_floating_point():
+                state[name].copy_(tensor)
+        for name, module in model.named_modules():
+            if f"{name}.weight_scale" in tensors:
+                layer = QuantLinear(module.in_features, module.out_features, False, quant.scheme, quant.desc_act)
+                for leaf in ("weight", "weight_scale", "weight_zero", "g_idx"):
+                    if f"{name}.{leaf}" in tensors:
+                        getattr(layer, leaf).data.copy_(tensors[f"{name}.{leaf}"])
+                module.weight.copy_(dequantize(layer))
+    model.save_pretrained(target)
+    return target
