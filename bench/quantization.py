@@ -50,8 +50,11 @@ def checkpoint(name: str, fp32_path: str) -> str:
     from kiln.models.loader import cache_dir
 
     args = METHODS[name]
-    # keyed by the arguments too: a checkpoint made with other arguments is not reused
-    out = cache_dir() / "bench-quant" / f"{name}-{hashlib.sha1(' '.join(args).encode()).hexdigest()[:8]}"
+    # keyed by what made it: the source model, the arguments and the quantization code
+    key = hashlib.sha1(" ".join([fp32_path, *args]).encode())
+    for source in sorted((ROOT / "core" / "src" / "kiln" / "quantization").glob("*.py")):
+        key.update(source.read_bytes())
+    out = cache_dir() / "bench-quant" / f"{name}-{key.hexdigest()[:8]}"
     if not (out / "config.json").exists():
         cmd = [sys.executable, "-m", "kiln.cli", "quantize", "-i", fp32_path, "-o", str(out), "-quant_type", name]
         subprocess.run([*cmd, *args, "--overwrite"], check=True, stdout=subprocess.DEVNULL)

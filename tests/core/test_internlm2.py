@@ -111,6 +111,36 @@ def test_quantized_internlm2_serves_the_quantized_llama(internlm2, tmp_path, var
     assert expected != hf_greedy(internlm2[0], varied_prompts, 16)  # quantized: not the fp32 model's tokens
 
 
+def test_quantized_wqkv_leaves_map_to_q_k_v():
+    """Every canonical leaf of a quantized wqkv (codes, scales and zero points by rows in the
+    grouped order; GPTQ's g_idx, one per input) maps to the q/k/v leaves it fuses."""
+    from types import SimpleNamespace
+
+    from kiln.models.internlm2 import InternLM2ForCausalLM
+
+    cfg = SimpleNamespace(num_attention_heads=6, num_key_value_heads=2, hidden_size=48, head_dim=8)
+    gen = torch.Generator().manual_seed(0)
+    rows = {"q_proj": 48, "k_proj": 16, "v_proj": 16}
+    leaves = {  # leaf -> trailing shape of each row
+        "weight": (48,), "weight_scale": (3,), "weight_zero": (3,),
+    }  # fmt: skip
+    parts = {p: {leaf: torch.randint(0, 16, (n, *shape), generator=gen) for leaf, shape in leaves.items()}
+             for p, n in rows.items()}  # fmt: skip
+    g_idx = torch.randperm(48, generator=gen) % 3
+    fused = {}
+    for leaf, shape in leaves.items():
+        q, k, v = (parts[p][leaf] for p in rows)
+        grouped = [q.view(2, 3, 8, *shape), k.view(2, 1, 8, *shape), v.view(2, 1, 8, *shape)]
+        fused[f"model.layers.0.attention.wqkv.{leaf}"] = torch.cat(grouped, dim=1).reshape(-1, *shape)
+    fused["model.layers.0.attention.wqkv.g_idx"] = g_idx
+    mapped = dict(InternLM2ForCausalLM.checkpoint_tensors(SimpleNamespace(config=cfg), fused.items()))
+    for proj in rows:
+        for leaf in leaves:
+            assert torch.equal(mapped[f"model.layers.0.self_attn.{proj}.{leaf}"], parts[proj][leaf])
+        assert torch.equal(mapped[f"model.layers.0.self_attn.{proj}.g_idx"], g_idx)
+    assert len(mapped) == 12
+
+
 def test_internlm2_needs_trust_remote_code(internlm2):
     with pytest.raises(ValueError, match="trust_remote_code"):
         LLM(internlm2[1], dtype="float32")

@@ -81,7 +81,7 @@ class TritonOnCpuPlatform:
             name = "cpu_triton"
 
             def attention_backend(self) -> str:
-                return "triton"
+                return "triton_interpreted"
 
             def custom_ops(self):
                 return ops.fused_ops()
@@ -97,6 +97,14 @@ def register_platforms(register) -> None:
     from kiln.platforms.base import PlatformSpec
 
     register(PlatformSpec("cpu_triton", TritonOnCpuPlatform.make, is_available=lambda: True))
+
+
+@kiln.hookimpl
+def register_attention_backends(register) -> None:
+    """The Triton attention backend on that platform: the CUDA plugin registers it for ``cuda`` only."""
+    from kiln.registry import AttentionBackendSpec
+
+    register(AttentionBackendSpec("triton_interpreted", "kiln_cuda.attention:TritonAttentionBackend", ("cpu_triton",)))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the interpreter path on CPU")
@@ -117,10 +125,12 @@ def test_engine_through_triton_kernels_matches_the_cpu_plugin(tiny_model_dir, ki
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the interpreter path on CPU")
 @pytest.mark.parametrize(
-    "model_type", ["phi3", "glm", "glm4", "gemma", "gemma3_text", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2"]
+    "model_type",
+    ["phi3", "glm", "glm4", "gemma", "gemma2", "gemma3_text", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2"],
 )
 def test_model_families_through_triton_kernels_match_the_cpu_plugin(tiny_model_dir, kiln_plugins, model_type):
-    """GLM-4's reordered partial rotary, Gemma 3's windowed layer, q/k norms and two ropes,
+    """GLM-4's reordered partial rotary, Gemma 2's soft caps (low enough to bite on tiny logits),
+    Gemma 3's windowed layer, q/k norms and two ropes,
     Qwen2-MoE's experts through the grouped-GEMM kernel and DeepSeek-V2's latent attention, on the
     Triton kernels
     (tests/core/test_dense_families.py and test_moe.py match the CPU plugin to transformers)."""
@@ -131,7 +141,8 @@ def test_model_families_through_triton_kernels_match_the_cpu_plugin(tiny_model_d
     for module, name in ((kiln_cpu.plugin, "cpu"), (kiln_cuda.plugin, "cuda"), (sys.modules[__name__], "test")):
         kiln_plugins.register(module, name=name)
     prompts = [[1000, 7, 9], list(range(100, 119))]
-    common = dict(model=tiny_model_dir(model_type), dtype="float32", block_size=16)
+    caps = dict(attn_logit_softcapping=0.5, final_logit_softcapping=5.0) if model_type == "gemma2" else {}
+    common = dict(model=tiny_model_dir(model_type, **caps), dtype="float32", block_size=16)
     assert greedy_tokens(kiln_plugins, prompts, 8, device="cpu_triton", **common) == greedy_tokens(
         kiln_plugins, prompts, 8, device="cpu", **common
     )

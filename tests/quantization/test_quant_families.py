@@ -1,6 +1,6 @@
 """Quantized checkpoints of the families that fuse projections in their checkpoints (Phi-3's
 qkv_proj and gate_up_proj, GLM-4's gate_up_proj, with its query/key rows reordered for an
-interleaved rotary) or put other norms around them (Gemma 2 and 3): every decoder projection
+interleaved rotary) or put other norms around them (Gemma, Gemma 2 and 3): every decoder projection
 rounded here to AutoAWQ's and AutoGPTQ's act-order layouts, and served by Kiln exactly as
 transformers serves the dequantized weights."""
 
@@ -61,7 +61,7 @@ def rounded_checkpoint(source: str, out: Path, method: str) -> str:
 
 
 @pytest.mark.parametrize("method", ["awq", "gptq"])
-@pytest.mark.parametrize("family", ["phi3", "glm4", "gemma2", "gemma3_text"])
+@pytest.mark.parametrize("family", ["phi3", "glm4", "gemma", "gemma2", "gemma3_text"])
 def test_quantized_family_serves_its_dequantized_weights(tiny_model_dir, tmp_path, monkeypatch, family, method):
     monkeypatch.setenv("KILN_CPU_INT8_ACTIVATIONS", "0")  # the exact products of the dequantized weights
     source = tiny_model_dir(family)

@@ -29,8 +29,8 @@ logger = logging.getLogger("kiln.quantize")
 
 # Architectures whose decoder layers have Llama's module names (those Kiln serves).
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-# The same module names, but norms that multiply by (1 + weight) and sit around each sublayer:
-# AWQ's and SmoothQuant's scales, folded into the norms before the projections, do not apply.
+# The same module names, but norms that multiply by (1 + weight) (and, from Gemma 2, sit around each
+# sublayer): the tool folds AWQ's and SmoothQuant's scales into Llama-style norms only.
 WEIGHT_ONLY_ARCHITECTURES = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")  # fmt: skip
@@ -68,10 +68,11 @@ def check_args(ns: argparse.Namespace, hf_config) -> None:
     if out.exists() and not ns.overwrite:
         raise ValueError(f"-o: {ns.output!r} exists; pass --overwrite to replace it")
     archs = list(getattr(hf_config, "architectures", None) or [])
-    if set(archs) & set(WEIGHT_ONLY_ARCHITECTURES) and ns.quant_type in ("awq", "smooth_quant"):
+    gemma = sorted(set(archs) & set(WEIGHT_ONLY_ARCHITECTURES))
+    if gemma and ns.quant_type in ("awq", "smooth_quant"):
         raise ValueError(
-            f"-quant_type {ns.quant_type}: folds its scales into the norms before the projections, which "
-            f"{archs[0]}'s norms (1 + weight, around each sublayer) do not allow; gptq and weight_only_int8 apply"
+            f"-quant_type {ns.quant_type}: Kiln folds its scales into the norm before each projection as Llama's "
+            f"norms are, not into {gemma[0]}'s (1 + weight) norms; gptq and weight_only_int8 apply"
         )
     if not set(archs) & set(ARCHITECTURES + WEIGHT_ONLY_ARCHITECTURES):
         raise ValueError(
@@ -133,7 +134,7 @@ def first_layer_inputs(model, samples: torch.Tensor) -> tuple[list[torch.Tensor]
     handles = [layer.register_forward_pre_hook(keep(i), with_kwargs=True) for i, layer in enumerate(layers)]
     try:
         for chunk in samples.split(CHUNK):
-            model(chunk, use_cache=False)
+            model.model(chunk, use_cache=False)  # the decoder only: no logits over the vocabulary
     finally:
         for handle in handles:
             handle.remove()

@@ -66,11 +66,13 @@ BATCHES = [
 SLIDING_WINDOWS = [1, 7, 17, 48]
 
 
-def forward_kwargs(scale: float, sliding_window: int | None) -> dict:
-    """``forward``'s keywords as a model passes them (a window only where there is one)."""
+def forward_kwargs(scale: float, sliding_window: int | None, logit_softcap: float | None = None) -> dict:
+    """``forward``'s keywords as a model passes them (a window or a soft cap only where there is one)."""
     kwargs: dict = dict(layer_idx=0, scale=scale)
     if sliding_window is not None:
         kwargs["sliding_window"] = sliding_window
+    if logit_softcap is not None:
+        kwargs["logit_softcap"] = logit_softcap
     return kwargs
 
 
@@ -143,6 +145,16 @@ class AttentionBackendContract:
         chunks on a cached prefix alike (GQA 3, head size 64, the smallest block size it runs)."""
         self._check_batch((6, 2), 64, self._window_block_size(), BATCHES[batch], seed=batch, sliding_window=window)
 
+    @pytest.mark.parametrize("window", [None, 7])
+    @pytest.mark.parametrize("batch", range(len(BATCHES)))
+    def test_logit_softcap_matches_reference(self, batch, window):
+        """Gemma 2's soft cap (scores -> cap * tanh(score / cap)), low enough to bite on scores
+        of unit spread, alone and under a sliding window (GQA 3, head size 64)."""
+        if not self.backend_cls.supports_logit_softcap:
+            pytest.skip("no soft-cap support")
+        block_size = self._window_block_size() if window else self._smallest_block_size()
+        self._check_batch((6, 2), 64, block_size, BATCHES[batch], seed=batch, sliding_window=window, logit_softcap=1.5)
+
     def _window_block_size(self) -> int:
         if not self.backend_cls.supports_sliding_window:
             pytest.skip("no sliding-window support")
@@ -154,7 +166,7 @@ class AttentionBackendContract:
             pytest.skip("unsupported shape")
         return sizes[0]
 
-    def _check_batch(self, heads, head_dim, block_size, shapes, seed, sliding_window=None):
+    def _check_batch(self, heads, head_dim, block_size, shapes, seed, sliding_window=None, logit_softcap=None):
         """Requests of (context_len, query_len) ``shapes``: the backend's output and cache against
         the reference's."""
         num_heads, num_kv_heads = heads
@@ -165,7 +177,7 @@ class AttentionBackendContract:
         ref, backend, ref_cache, cache, (q, k, v) = self._setup(
             num_heads, num_kv_heads, head_dim, block_size, num_blocks, num_tokens
         )
-        kwargs = forward_kwargs(head_dim**-0.5, sliding_window)
+        kwargs = forward_kwargs(head_dim**-0.5, sliding_window, logit_softcap)
         expected = ref.forward(q, k, v, ref_cache, ref.build_metadata(layout), **kwargs)
         got = backend.forward(q, k, v, cache, backend.build_metadata(layout), **kwargs)
         torch.testing.assert_close(got.float(), expected.float(), atol=self.atol, rtol=self.atol)

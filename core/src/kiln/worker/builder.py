@@ -82,6 +82,10 @@ def build_backend(
     for name in (chosen or platform.attention_backend(), "torch_ref"):
         spec = backends.get(name)
         if spec is None or not spec.runs_on(platform.name):
+            if name != "torch_ref":
+                logger.warning(
+                    "attention backend %s is not registered for platform %s; falling back", name, platform.name
+                )
             continue
         cls = load_ref(spec.factory)
         if cache_dtype != dtype and cache_dtype not in cls.cache_dtypes:

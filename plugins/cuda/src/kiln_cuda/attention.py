@@ -38,6 +38,7 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_decode_graphs = True
     supports_sliding_window = True
+    supports_logit_softcap = True
     cache_dtypes = (torch.float8_e4m3fn, torch.float8_e5m2)
 
     @classmethod
@@ -61,7 +62,9 @@ class TritonAttentionBackend(AttentionBackend):
         token_seq = torch.arange(seq_lens.shape[0], dtype=torch.int32, device=seq_lens.device)
         return TritonMetadata(slot_mapping, block_table, seq_lens, token_seq, seq_lens - 1, block_size, True)
 
-    def forward(self, q, k, v, kv_cache, metadata: TritonMetadata, *, layer_idx, scale, sliding_window=None):
+    def forward(
+        self, q, k, v, kv_cache, metadata: TritonMetadata, *, layer_idx, scale, sliding_window=None, logit_softcap=None
+    ):
         tokens = q.shape[0]
         block_d = triton.next_power_of_2(self.head_dim)
         if tokens:
@@ -72,15 +75,16 @@ class TritonAttentionBackend(AttentionBackend):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         scale = scale * self.k_scale  # scores of stored keys; v_scale applies to the output below
         window = sliding_window or NO_WINDOW
+        cap = dict(softcap=logit_softcap or 0.0, SOFTCAP=bool(logit_softcap))
         if tokens and metadata.all_decode and tokens * self.num_kv_heads <= SPLIT_KV_MAX_WORK:
-            self._split_kv_decode(q, kv_cache, out, metadata, scale, window, block_d)
+            self._split_kv_decode(q, kv_cache, out, metadata, scale, window, block_d, cap)
         elif tokens:
             kernels.paged_attention_kernel[(tokens, self.num_heads)](
                 q, kv_cache, out, metadata.token_seq, metadata.token_pos, metadata.block_table,
                 metadata.block_table.stride(0), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                 kv_cache.stride(0), scale, window,
                 KVN=self.num_kv_heads, GROUP=self.num_heads // self.num_kv_heads, D=self.head_dim,
-                BLOCK_D=block_d, BS=metadata.block_size, TILE=TILE,
+                BLOCK_D=block_d, BS=metadata.block_size, TILE=TILE, **cap,
             )  # fmt: skip
         if self.v_scale != 1.0:
             out.mul_(self.v_scale)
@@ -100,7 +104,7 @@ class TritonAttentionBackend(AttentionBackend):
         return out
 
     def _split_kv_decode(
-        self, q, kv_cache, out, metadata: TritonMetadata, scale: float, window: int, block_d: int
+        self, q, kv_cache, out, metadata: TritonMetadata, scale: float, window: int, block_d: int, cap: dict
     ) -> None:
         """Flash-decoding for small decode batches: one program per (decode, head, slice), then a reduction."""
         tokens, heads = q.shape[0], self.num_heads
@@ -111,7 +115,7 @@ class TritonAttentionBackend(AttentionBackend):
             q, kv_cache, metadata.seq_lens, metadata.block_table, part_acc, part_max, part_sum,
             metadata.block_table.stride(0), q.stride(0), q.stride(1), kv_cache.stride(0), scale, window,
             H=heads, KVN=self.num_kv_heads, GROUP=heads // self.num_kv_heads, D=self.head_dim,
-            BLOCK_D=block_d, BS=metadata.block_size, TILE=TILE, SPLITS=SPLITS,
+            BLOCK_D=block_d, BS=metadata.block_size, TILE=TILE, SPLITS=SPLITS, **cap,
         )  # fmt: skip
         kernels.reduce_splits_kernel[(tokens, heads)](
             part_acc, part_max, part_sum, out, out.stride(0), out.stride(1),

@@ -31,14 +31,18 @@ def reshape_and_cache_kernel(
 
 
 @triton.jit
-def _attend_tile(q, cache_ptr, table_row_ptr, plane_stride, scale, j, jmask, d, dmask, kvh, m, denom, acc,
-                 KVN: tl.constexpr, D: tl.constexpr, BS: tl.constexpr):  # fmt: skip
-    """One tile of keys ``j`` (valid where ``jmask``) folded into the online softmax (m, denom, acc)."""
+def _attend_tile(q, cache_ptr, table_row_ptr, plane_stride, scale, softcap, j, jmask, d, dmask, kvh, m, denom, acc,
+                 KVN: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, SOFTCAP: tl.constexpr):  # fmt: skip
+    """One tile of keys ``j`` (valid where ``jmask``) folded into the online softmax (m, denom, acc);
+    with ``SOFTCAP`` the scores are first capped to ``softcap * tanh(score / softcap)`` (Gemma 2)."""
     block = tl.load(table_row_ptr + j // BS, mask=jmask, other=0)
     rows = (block * BS + j % BS) * KVN + kvh
     kv_mask = jmask[:, None] & dmask[None, :]
     k = tl.load(cache_ptr + rows[:, None] * D + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-    s = tl.where(jmask, tl.sum(k * q[None, :], axis=1) * scale, float("-inf"))
+    s = tl.sum(k * q[None, :], axis=1) * scale
+    if SOFTCAP:  # tanh from exp, which saturates to +-1 where exp overflows or vanishes
+        s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
+    s = tl.where(jmask, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=0))
     p = tl.exp(s - m_new)
     alpha = tl.exp(m - m_new)
@@ -50,9 +54,9 @@ def _attend_tile(q, cache_ptr, table_row_ptr, plane_stride, scale, j, jmask, d, 
 @triton.jit
 def paged_attention_kernel(
     q_ptr, cache_ptr, out_ptr, token_seq_ptr, token_pos_ptr, block_table_ptr,
-    bt_stride, q_stride_t, q_stride_h, o_stride_t, o_stride_h, plane_stride, scale, window,
+    bt_stride, q_stride_t, q_stride_h, o_stride_t, o_stride_h, plane_stride, scale, window, softcap,
     KVN: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    BS: tl.constexpr, TILE: tl.constexpr,
+    BS: tl.constexpr, TILE: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     """Grid (tokens, heads): prefill chunks and decodes alike. Token t of request ``seq`` at
     absolute position ``pos`` attends to cache positions pos - window + 1..pos (from 0 where that
@@ -73,8 +77,8 @@ def paged_attention_kernel(
     for start in range(tl.maximum(pos + 1 - window, 0), pos + 1, TILE):
         j = start + tl.arange(0, TILE)
         m, denom, acc = _attend_tile(
-            q, cache_ptr, block_table_ptr + seq * bt_stride, plane_stride, scale, j, j <= pos, d, dmask, kvh,
-            m, denom, acc, KVN=KVN, D=D, BS=BS,
+            q, cache_ptr, block_table_ptr + seq * bt_stride, plane_stride, scale, softcap, j, j <= pos, d, dmask,
+            kvh, m, denom, acc, KVN=KVN, D=D, BS=BS, SOFTCAP=SOFTCAP,
         )  # fmt: skip
     out = acc / denom
     tl.store(out_ptr + t * o_stride_t + n * o_stride_h + d, out.to(out_ptr.dtype.element_ty), mask=dmask)
@@ -189,9 +193,9 @@ def silu_and_mul_kernel(x_ptr, out_ptr, d, BLOCK: tl.constexpr):
 @triton.jit
 def paged_decode_split_kernel(
     q_ptr, cache_ptr, seq_lens_ptr, block_table_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
-    bt_stride, q_stride_t, q_stride_h, plane_stride, scale, window,
+    bt_stride, q_stride_t, q_stride_h, plane_stride, scale, window, softcap,
     H: tl.constexpr, KVN: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    BS: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr,
+    BS: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     """Split-KV decode (flash-decoding), grid (decodes, heads, SPLITS): each program covers one
     slice of the sequence's last ``window`` keys (all of them where it is the longer) and leaves
@@ -214,8 +218,8 @@ def paged_decode_split_kernel(
     for tile in range(start, end, TILE):
         j = tile + tl.arange(0, TILE)
         m, denom, acc = _attend_tile(
-            q, cache_ptr, block_table_ptr + r * bt_stride, plane_stride, scale, j, j < end, d, dmask, kvh,
-            m, denom, acc, KVN=KVN, D=D, BS=BS,
+            q, cache_ptr, block_table_ptr + r * bt_stride, plane_stride, scale, softcap, j, j < end, d, dmask,
+            kvh, m, denom, acc, KVN=KVN, D=D, BS=BS, SOFTCAP=SOFTCAP,
         )  # fmt: skip
     part = (r * H + n) * SPLITS + split
     tl.store(part_acc_ptr + part * BLOCK_D + d, acc)
