@@ -41,6 +41,15 @@ NAMES = {"embed_tokens": "tok_embeddings", "self_attn.o_proj": "attention.wo", "
          "post_attention_layernorm": "ffn_norm"}  # fmt: skip
 
 
+def fuse_wqkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_heads: int, dim: int) -> torch.Tensor:
+    """q/k/v rows (a weight's, or a quantized layer's scales) as InternLM2's wqkv rows: per key/value
+    group, its query heads, then its key head, then its value head."""
+    rest = q.shape[1:]
+    group = q.shape[0] // (kv_heads * dim)
+    grouped = [q.view(kv_heads, group, dim, *rest), k.view(kv_heads, 1, dim, *rest), v.view(kv_heads, 1, dim, *rest)]
+    return torch.cat(grouped, dim=1).reshape(-1, *rest)
+
+
 def as_internlm2(llama_dir: str, out: Path) -> str:
     """The Llama checkpoint in InternLM2's layout, with its tokenizer and a remote-code config."""
     llama = json.loads(Path(llama_dir, "config.json").read_text())
@@ -51,12 +60,7 @@ def as_internlm2(llama_dir: str, out: Path) -> str:
         if ".self_attn.q_proj." in name:  # a weight, or an int8 checkpoint's weight_scale: rows regrouped
             prefix, _, leaf = name.partition("self_attn.q_proj.")
             q, k, v = (state[f"{prefix}self_attn.{p}_proj.{leaf}"] for p in "qkv")
-            groups = [
-                q.view(kv_heads, heads // kv_heads, dim, -1),
-                k.view(kv_heads, 1, dim, -1),
-                v.view(kv_heads, 1, dim, -1),
-            ]
-            tensors[f"{prefix}attention.wqkv.{leaf}"] = torch.cat(groups, dim=1).reshape(-1, t.shape[-1]).contiguous()
+            tensors[f"{prefix}attention.wqkv.{leaf}"] = fuse_wqkv(q, k, v, kv_heads, dim).contiguous()
         elif ".self_attn.k_proj." in name or ".self_attn.v_proj." in name:
             continue
         elif name == "lm_head.weight":
@@ -128,10 +132,8 @@ def test_quantized_wqkv_leaves_map_to_q_k_v():
              for p, n in rows.items()}  # fmt: skip
     g_idx = torch.randperm(48, generator=gen) % 3
     fused = {}
-    for leaf, shape in leaves.items():
-        q, k, v = (parts[p][leaf] for p in rows)
-        grouped = [q.view(2, 3, 8, *shape), k.view(2, 1, 8, *shape), v.view(2, 1, 8, *shape)]
-        fused[f"model.layers.0.attention.wqkv.{leaf}"] = torch.cat(grouped, dim=1).reshape(-1, *shape)
+    for leaf in leaves:
+        fused[f"model.layers.0.attention.wqkv.{leaf}"] = fuse_wqkv(*(parts[p][leaf] for p in rows), kv_heads=2, dim=8)
     fused["model.layers.0.attention.wqkv.g_idx"] = g_idx
     mapped = dict(InternLM2ForCausalLM.checkpoint_tensors(SimpleNamespace(config=cfg), fused.items()))
     for proj in rows:
