@@ -22,6 +22,8 @@ pytestmark = pytest.mark.skipif(native.load_kernels() is None, reason="no C comp
 KINDS = {
     "q4_1": GGMLQuantizationType.Q4_1, "q8_0": GGMLQuantizationType.Q8_0,
     "q4_0": GGMLQuantizationType.Q4_0, "q5_0": GGMLQuantizationType.Q5_0,  # in the Q4_1 / Q8_0 tiles
+    "q4_k": GGMLQuantizationType.Q4_K, "q5_1": GGMLQuantizationType.Q5_1,  # Q4_1's / Q8_0's with mins
+    "q5_k": GGMLQuantizationType.Q5_K, "q6_k": GGMLQuantizationType.Q6_K,  # Q6_K: a scale per 16
 }  # fmt: skip
 
 
@@ -42,13 +44,27 @@ def int8_rows(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 64, 65, 131])
 def test_products_are_the_quantized_rows_times_the_weight(kind, rows):
-    w, bias = gguf_weight(208, 96, KINDS[kind], seed=rows), torch.randn(208)
-    x = activations(rows, 96, seed=rows)
+    w, bias = gguf_weight(208, 256, KINDS[kind], seed=rows), torch.randn(208)
+    x = activations(rows, 256, seed=rows)
     got = tiled_matmul(tiled_form(w), x, bias, INT8_PER_BLOCK)
     want = (int8_rows(x).double() @ w.double().T + bias.double()).float()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-5)
     exact = F.linear(x, w, bias)
     assert 0 < (got - exact).abs().max() < 0.02 * exact.abs().max()  # quantized, and close
+
+
+def several_types(seed: int) -> torch.Tensor:
+    """Rows of Q4_K, Q6_K and Q8_0 in one weight, as a fused q/k/v of a Q4_K_M file."""
+    return torch.cat([gguf_weight(n, 256, KINDS[k], seed) for n, k in ((32, "q4_k"), (16, "q6_k"), (16, "q8_0"))])
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_products_over_rows_of_several_types(rows):
+    w, x = several_types(rows), activations(rows, 256, seed=rows)
+    form = tiled_form(w)
+    assert form.fmt == 6 and form.min is not None  # int8 codes, a scale per 16, a min per 32
+    got = tiled_matmul(form, x, None, INT8_PER_BLOCK)
+    torch.testing.assert_close(got, (int8_rows(x).double() @ w.double().T).float(), rtol=1e-5, atol=2e-5)
 
 
 def test_strided_rows_and_the_exact_path():
@@ -71,18 +87,19 @@ def test_fp32_tiles_ignore_the_int8_flag():
 _PRODUCTS = """
 import json, sys, torch
 sys.path.insert(0, {here!r})
-from test_int8_linear import KINDS, activations, gguf_weight
+from test_int8_linear import KINDS, activations, gguf_weight, several_types
 from kiln_cpu.tiled_weights import TiledWeight, pack_q8, pack_tiles, tiled_form, tiled_matmul
 out = {{}}
 g = torch.Generator().manual_seed(0)
-codes = torch.randint(-128, 128, (48, 192), generator=g)
+codes = torch.randint(-128, 128, (48, 256), generator=g)
 codes[:, :8] = -128  # the code no GGUF block has (W8A8 checkpoints may): |w| and 128 * sum(w) overflow int8
-forms = {{kind: lambda rows, kind=kind: tiled_form(gguf_weight(48, 192, KINDS[kind], rows)) for kind in KINDS}}
-forms["int8"] = lambda rows: TiledWeight(8, pack_tiles(torch.rand(48, 6, generator=g) / 50), None, pack_q8(codes))
+forms = {{kind: lambda rows, kind=kind: tiled_form(gguf_weight(48, 256, KINDS[kind], rows)) for kind in KINDS}}
+forms["several"] = lambda rows: tiled_form(several_types(rows))
+forms["int8"] = lambda rows: TiledWeight(8, pack_tiles(torch.rand(48, 8, generator=g) / 50), None, pack_q8(codes))
 for kind, form in forms.items():
     for rows in (1, 3, 4, 9):
         for mode in (1, 2):  # int8 per block, per row
-            out[f"{{kind}}-{{rows}}-{{mode}}"] = tiled_matmul(form(rows), activations(rows, 192, rows), None, mode).tolist()
+            out[f"{{kind}}-{{rows}}-{{mode}}"] = tiled_matmul(form(rows), activations(rows, 256, rows), None, mode).tolist()
 print(json.dumps(out))
 """
 
@@ -130,11 +147,21 @@ def test_gguf_models_multiply_in_int8_unless_told_not_to(default_model_dir):
         LLM(default_model_dir, max_model_len=256, quantization="gguf")
 
 
-@pytest.mark.parametrize(("quant_type", "fmt"), [("Q4_0", 4), ("Q5_0", 8)])
-def test_other_gguf_types_stay_in_blocks(tmp_path, quant_type, fmt):
-    """The default model's file re-quantized to another GGUF type: served from its blocks
-    (Q4_0 as Q4_1-style tiles, Q5_0 as 8-bit ones) with int8 activations, close in perplexity
-    to the exact products of the same weights and to the original file."""
+@pytest.mark.parametrize(
+    ("quant_type", "overrides", "fmts"),
+    [
+        ("Q4_0", {}, (4, 4, 4, 4)), ("Q5_0", {}, (8, 8, 8, 8)), ("Q5_1", {}, (8, 8, 8, 8)),
+        ("Q6_K", {}, (4, 4, 4, 6)), ("Q4_0", {"attn_v.weight": "Q5_1"}, (8, 4, 4, 4)),
+    ],
+)  # fmt: skip
+def test_other_gguf_types_stay_in_blocks(tmp_path, quant_type, overrides, fmts):
+    """The default model's file re-quantized to other GGUF types: served from its blocks
+    (Q4_0 as Q4_1-style tiles, Q5_0 and Q5_1 as 8-bit ones, Q6_K as 8-bit ones with a scale per
+    16 inputs) with int8 activations, close in perplexity to the exact products of the same
+    weights and to the original file. Expected formats of q/k/v (fused), o, gate/up (fused) and
+    down: the K-quants take rows of 256 inputs, so only the down projection (1536 inputs; the
+    others have 576) changes type; a q/k/v of two types (as in llama.cpp's Q4_K_M files) is
+    held as 8-bit codes with a min."""
     import shutil
     from pathlib import Path
 
@@ -144,12 +171,12 @@ def test_other_gguf_types_stay_in_blocks(tmp_path, quant_type, fmt):
     from kiln.testing.models import requantized_gguf
 
     text = (Path(__file__).parent.parent / "data" / "heldout.txt").read_text()[:3000]
-    path = requantized_gguf(default_model_path(), str(tmp_path / f"model.{quant_type}.gguf"), quant_type)
+    path = requantized_gguf(default_model_path(), str(tmp_path / f"model.{quant_type}.gguf"), quant_type, overrides)
     try:
         llm = LLM(path, max_model_len=512)
         layer = llm.engine.executor.runner.model.layers[0]
         projections = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-        assert all(p.weight.fmt == fmt and p.int8_activations for p in projections)
+        assert tuple(p.weight.fmt for p in projections) == fmts and all(p.int8_activations for p in projections)
         ppl = perplexity(llm, text)
         exact = perplexity(LLM(path, max_model_len=512, quantization="none"), text)
     finally:

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType, dequantize, quantize
 from torch import nn
 
+from kiln.testing.kquants import KQUANTS, quantize_kquant
 from kiln_cpu import native
 from kiln_cpu.module_swap import replace_linears
 from kiln_cpu.tiled_weights import TiledEmbedding, TiledLinear, find_gguf_form, tiled_form, use_tiled_weights
@@ -19,26 +20,32 @@ pytestmark = pytest.mark.skipif(native.load_kernels() is None, reason="no C comp
 
 FORMATS = {
     GGMLQuantizationType.Q4_1: 4, GGMLQuantizationType.Q4_0: 4, GGMLQuantizationType.Q8_0: 8,
-    GGMLQuantizationType.Q5_0: 8, "bf16": 16, None: 32,
+    GGMLQuantizationType.Q5_0: 8, GGMLQuantizationType.Q5_1: 8, GGMLQuantizationType.Q4_K: 4,
+    GGMLQuantizationType.Q5_K: 8, GGMLQuantizationType.Q6_K: 6, "bf16": 16, None: 32,
 }  # fmt: skip
+WITH_MIN = {GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q5_1,
+            GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K}  # fmt: skip
 
 
 def gguf_weight(rows: int, cols: int, kind: GGMLQuantizationType, seed: int = 0) -> torch.Tensor:
-    """An fp32 weight as a GGUF loader gives it: quantized by gguf-py, then widened."""
+    """An fp32 weight as a GGUF loader gives it: quantized by gguf-py (the K-quants by
+    ``kiln.testing.kquants``: rows of 256 values), then widened."""
     x = np.random.default_rng(seed).standard_normal((rows, cols), dtype=np.float32)
     x[0, :32] = 0.5  # a constant block: scale 0
     if kind is None:  # a plain fp32 weight
         return torch.from_numpy(x)
     if kind == "bf16":  # a bf16 checkpoint's weight, served in fp32
         return torch.from_numpy(x).bfloat16().float()
-    return torch.from_numpy(dequantize(quantize(x, kind), kind).astype(np.float32))
+    data = quantize_kquant(x, kind) if kind in KQUANTS else quantize(x, kind)
+    return torch.from_numpy(dequantize(data, kind).astype(np.float32).reshape(rows, cols))
 
 
 @pytest.mark.parametrize("kind", FORMATS)
 def test_tiles_hold_every_value(kind):
-    w = gguf_weight(1104, 96, kind)  # more rows than one recovery chunk
+    w = gguf_weight(1104, 256, kind)  # more rows than one recovery chunk
     form = tiled_form(w)
-    assert form is not None and form.fmt == FORMATS[kind] and form.shape == (1104, 96)
+    assert form is not None and form.fmt == FORMATS[kind] and form.shape == (1104, 256)
+    assert (form.min is not None) == (kind in WITH_MIN)
     assert torch.equal(form.unpack(), w)
     rows = torch.tensor([1103, 0, 7, 7, 8, 15, 16])
     assert torch.equal(form.unpack(rows), w[rows])
@@ -78,17 +85,17 @@ def test_bf16_tiles_compute_what_fp32_tiles_compute(monkeypatch):
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_matches_the_fp32_linear(kind, rows, bias):
     torch.manual_seed(rows)
-    fp32 = nn.Linear(96, 208, bias=bias)
+    fp32 = nn.Linear(256, 208, bias=bias)
     with torch.no_grad():
-        fp32.weight.copy_(gguf_weight(208, 96, kind, seed=rows))
+        fp32.weight.copy_(gguf_weight(208, 256, kind, seed=rows))
     packed = TiledLinear(tiled_form(fp32.weight), fp32.bias)
     assert packed.weight.fmt == FORMATS[kind]
-    x = torch.randn(rows, 96)
+    x = torch.randn(rows, 256)
     got = packed(x)
     assert got.shape == (rows, 208) and got.is_contiguous()
-    torch.testing.assert_close(got, F.linear(x, fp32.weight, fp32.bias), rtol=1e-5, atol=1e-5)
-    strided = torch.randn(rows, 112)[:, 8:104]
-    torch.testing.assert_close(packed(strided), F.linear(strided, fp32.weight, fp32.bias), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, F.linear(x, fp32.weight, fp32.bias), rtol=1e-5, atol=5e-5)
+    strided = torch.randn(rows, 272)[:, 8:264]
+    torch.testing.assert_close(packed(strided), F.linear(strided, fp32.weight, fp32.bias), rtol=1e-5, atol=5e-5)
 
 
 def test_model_swap_shares_tied_weights_and_frees_the_originals():
@@ -157,3 +164,26 @@ def test_q4_0_and_q5_0_blocks_with_fitted_scales(half, fmt):
     w = (codes.view(64, 3, 32) * d).view(64, 96)
     form = find_gguf_form(w)
     assert form is not None and form.fmt == fmt and torch.equal(form.unpack(), w)
+
+
+@pytest.mark.parametrize(
+    ("kinds", "fmt"),
+    [
+        ((GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q8_0), 6),
+        ((GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q8_0), 8),
+    ],
+)  # fmt: skip
+def test_rows_of_several_types(kinds, fmt):
+    """A fused projection whose parts came from tensors of several GGUF types (llama.cpp's
+    Q4_K_M gives q and k Q4_K, v Q6_K): held as int8 codes with a min, with a scale per 16
+    inputs when a Q6_K part needs one; widens to every value and multiplies as fp32 does."""
+    sizes = (1040, 48, 32)  # the first part spans two recovery chunks
+    w = torch.cat([gguf_weight(n, 256, kind, seed=i) for i, (n, kind) in enumerate(zip(sizes, kinds))])
+    form = find_gguf_form(w)
+    assert form is not None and form.fmt == fmt and form.min is not None
+    assert torch.equal(form.unpack(), w)
+    assert form.q.nbytes + form.scale.nbytes + form.min.nbytes < w.nbytes / 2.5
+    x = torch.randn(5, 256)
+    torch.testing.assert_close(TiledLinear(form, None)(x), F.linear(x, w), rtol=1e-5, atol=5e-5)
+    w[1100, 7] += 1e-3  # a row of no type: the whole weight stays fp32
+    assert find_gguf_form(w) is None

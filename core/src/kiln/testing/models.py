@@ -201,13 +201,17 @@ def hf_beam_search(
     return hypotheses
 
 
-def requantized_gguf(src: str, dst: str, quant_type: str) -> str:
+def requantized_gguf(src: str, dst: str, quant_type: str, overrides: dict[str, str] | None = None) -> str:
     """A copy of the GGUF file ``src`` whose Q4_1 / Q8_0 tensors are re-quantized to
     ``quant_type`` (a ``gguf.GGMLQuantizationType`` name that gguf-py can quantize: Q4_0,
-    Q5_0, Q5_1...), the metadata and every other tensor as they were; returns ``dst``."""
+    Q5_0, Q5_1..., or a K-quant of ``kiln.testing.kquants``, which takes only rows of whole
+    super-blocks: other tensors stay), or to ``overrides[suffix]`` for tensors whose names end
+    in a suffix there (a mix of types, as llama.cpp's Q4_K_M); the metadata and every other
+    tensor as they were; returns ``dst``."""
     from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, dequantize, quantize
 
-    target = GGMLQuantizationType[quant_type]
+    from kiln.testing.kquants import KQUANTS, QK_K, quantize_kquant
+
     reader = GGUFReader(src)
     writer = GGUFWriter(dst, reader.fields["general.architecture"].contents())
     for field in reader.fields.values():
@@ -220,7 +224,13 @@ def requantized_gguf(src: str, dst: str, quant_type: str) -> str:
     for tensor in reader.tensors:
         data, kind = tensor.data, tensor.tensor_type
         if kind in (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0):
-            data, kind = quantize(dequantize(data, kind), target), target
+            chosen = [t for suffix, t in (overrides or {}).items() if tensor.name.endswith(suffix)]
+            target = GGMLQuantizationType[chosen[0] if chosen else quant_type]
+            values = dequantize(data, kind)
+            if target not in KQUANTS:
+                data, kind = quantize(values, target), target
+            elif values.shape[-1] % QK_K == 0:
+                data, kind = quantize_kquant(values, target), target
         writer.add_tensor(tensor.name, data, raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

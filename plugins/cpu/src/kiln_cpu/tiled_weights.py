@@ -7,14 +7,12 @@ the 576x49152 LM head: 13 ms instead of 42), and as fast from 512 rows on (100-1
 vs 100-135 GFLOPS). Plain fp32 weights are copied into the tiled layout once.
 
 GGUF models' weights stay in their 4/8-bit blocks, with exactly the fp32 values.
-A GGUF file stores most weights as small integers with a float scale (and for
-Q4_1 a minimum) per 32 values; the loader widens them to fp32, 4 bytes per weight
-instead of 0.6-1.1. ``find_gguf_form`` recovers the blocks from the fp32 values
-and keeps them only when widening them back gives every value bit for bit, so a
-model computes exactly what it did in fp32 while its fp32 copy is freed. No name
-mapping or file format is involved: a weight that did not come from such blocks
-(a random one) fails the check on its first rows and is tiled as fp32. The kernel
-widens blocks a tile at a time in L1. Likewise a weight whose every value bf16 holds
+The loader widens a GGUF file's blocks to fp32, 4 bytes per weight instead of
+0.6-1.1; ``find_gguf_form`` takes the blocks ``gguf_blocks`` recovers from the fp32
+values and keeps them only when the kernels' own widening gives every value back bit
+for bit, so a model computes exactly what it did in fp32 while its fp32 copy is
+freed. A weight that did not come from such blocks (a random one) is tiled as fp32.
+The kernel widens blocks a tile at a time in L1. Likewise a weight whose every value bf16 holds
 (a bf16 checkpoint served in fp32, or the 16-bit parts of a quantized one) is kept in
 bf16 tiles: the same products from half the bytes.
 """
@@ -29,22 +27,22 @@ import torch
 from torch import nn
 
 from kiln_cpu import native
+from kiln_cpu.gguf_blocks import BLOCK, CHUNK_ROWS, Blocks, recover_blocks
 from kiln_cpu.module_swap import child_slots
 
-BLOCK = 32  # values per scale
 TILE = 16  # output features the kernel computes together
-_CHUNK_ROWS = 1024  # rows recovered and checked at a time: bounds the temporary copies
 
 
 @dataclass(slots=True, eq=False)
 class TiledWeight:
     """An (N, K) weight in tiles of 16 output features. ``fmt`` 32: ``q`` (N/16, K, 16) fp32,
     a tile's values for one input position together; ``fmt`` 16: the same in bf16. ``fmt`` 4: value = nibble * scale + min
-    (GGUF's Q4_1), ``q`` (N/16, K/32, 4, 16, 4) uint8; ``fmt`` 8: value = int8 * scale (Q8_0),
-    ``q`` (N/16, K/32, 8, 16, 4) int8. In both, a tile's block of 32 inputs lies as (group of
-    4 inputs, feature, input): the layout of integer dot products (``csrc/int8_linear.c``);
-    a 4-bit byte holds input 4g + i low and 16 + 4g + i high. ``scale`` and ``min``:
-    (N/16, K/32, 16) fp32, per 32 inputs per feature."""
+    (GGUF's Q4_1, Q4_K), ``q`` (N/16, K/32, 4, 16, 4) uint8; ``fmt`` 8: value = int8 * scale (Q8_0),
+    + min if there is one (Q5_1, Q5_K), ``q`` (N/16, K/32, 8, 16, 4) int8; ``fmt`` 6: fmt 8 with a
+    scale per 16 inputs (Q6_K). A tile's block of 32 inputs lies as (group of 4 inputs, feature,
+    input): the layout of integer dot products (``csrc/int8_linear.c``); a 4-bit byte holds input
+    4g + i low and 16 + 4g + i high. ``scale`` and ``min``: (N/16, K/32, 16) fp32, per 32 inputs
+    per feature (fmt 6's scale: (N/16, K/16, 16))."""
 
     fmt: int
     scale: torch.Tensor | None
@@ -90,56 +88,11 @@ def pack_q8(codes: torch.Tensor) -> torch.Tensor:
     return codes.to(torch.int8).view(n // TILE, TILE, k // BLOCK, 8, 4).permute(0, 2, 3, 1, 4).contiguous()
 
 
-def _blocks_q4(w: torch.Tensor) -> TiledWeight:
-    blocks = w.view(w.shape[0], -1, BLOCK)
-    low, high = blocks.amin(-1), blocks.amax(-1)
-    # GGUF stores the scale as fp16: (max - min) / 15 rounds back to it.
-    scale = ((high - low) / 15).half().float()
-    q = torch.where(scale[..., None] > 0, (blocks - low[..., None]) / scale[..., None], 0.0)
-    return TiledWeight(4, pack_tiles(scale), pack_tiles(low), pack_q4(q.round().clamp(0, 15).view(w.shape)))
-
-
-def _blocks_q8(w: torch.Tensor) -> TiledWeight:
-    blocks = w.view(w.shape[0], -1, BLOCK)
-    scale = blocks.abs().amax(-1) / 127
-    q = torch.where(scale[..., None] > 0, blocks / scale[..., None], 0.0)
-    return TiledWeight(8, pack_tiles(scale), None, pack_q8(q.round().clamp(-127, 127).view(w.shape)))
-
-
-def _signed_blocks(w: torch.Tensor, half: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scales and codes of GGUF's Q4_0 (``half`` 8) or Q5_0 (16): value = c * d, c in -half..half-1.
-    ggml's reference quantizer gives the block's value of largest magnitude c = -half; with an
-    importance matrix llama.cpp fits d, and that value may take any code. So each block takes
-    the first code k (from -half) for which d = value / k gives every value a whole code."""
-    blocks = w.view(w.shape[0], -1, BLOCK)
-    top = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True))  # (rows, blocks, 1)
-    d, codes = torch.zeros_like(top), torch.zeros_like(blocks)
-    found = top == 0  # an all-zero block: d 0, codes 0
-    for k in [*range(-half, 0), *range(half - 1, 0, -1)]:
-        trial = top / k
-        c = (blocks / trial).round()
-        fits = ~found & (c * trial == blocks).all(-1, keepdim=True) & (c >= -half).all(-1, keepdim=True)
-        fits &= (c < half).all(-1, keepdim=True)
-        d, codes, found = torch.where(fits, trial, d), torch.where(fits, c, codes), found | fits
-        if found.all():
-            break
-    return d.squeeze(-1), codes
-
-
-def _blocks_q4_0(w: torch.Tensor) -> TiledWeight:
-    d, codes = _signed_blocks(w, 8)  # as Q4_1: nibble c + 8 times d, plus -8 d
-    return TiledWeight(4, pack_tiles(d), pack_tiles(-8 * d), pack_q4((codes + 8).clamp(0, 15).view(w.shape)))
-
-
-def _blocks_q5_0(w: torch.Tensor) -> TiledWeight:
-    d, codes = _signed_blocks(w, 16)  # as Q8_0: int8 codes -16..15 times d
-    return TiledWeight(8, pack_tiles(d), None, pack_q8(codes.clamp(-16, 15).view(w.shape)))
-
-
-def _concat(parts: list[TiledWeight]) -> TiledWeight:
-    first = parts[0]
-    low = None if first.min is None else torch.cat([p.min for p in parts])
-    return TiledWeight(first.fmt, torch.cat([p.scale for p in parts]), low, torch.cat([p.q for p in parts]))
+def _tiles(blocks: Blocks) -> TiledWeight:
+    codes = pack_q4(blocks.codes) if blocks.fmt == 4 else pack_q8(blocks.codes)
+    return TiledWeight(
+        blocks.fmt, pack_tiles(blocks.scale), None if blocks.min is None else pack_tiles(blocks.min), codes
+    )
 
 
 def _tileable(weight: torch.Tensor) -> bool:
@@ -152,30 +105,30 @@ def _tileable(weight: torch.Tensor) -> bool:
 
 
 def find_gguf_form(weight: torch.Tensor) -> TiledWeight | None:
-    """The blocks ``weight`` (fp32, 2-D) was widened from, or None if it holds other values:
-    Q4_1 and Q8_0 as they are, Q4_0 as 4-bit codes with an offset, Q5_0 as 8-bit codes."""
+    """The blocks ``weight`` (fp32, 2-D) was widened from (``gguf_blocks``) in tiles, or None if
+    it holds other values: Q4_1 and Q8_0 as they are, Q4_0 and Q4_K as 4-bit codes with a min,
+    Q5_0 as 8-bit codes, Q5_1 and Q5_K as 8-bit codes with a min, Q6_K as 8-bit codes with a
+    scale per 16 values, rows of several types as 8-bit codes with a min."""
     if not _tileable(weight) or weight.shape[1] % BLOCK:
         return None
     weight = weight.detach()
-    for recover in (_blocks_q4, _blocks_q4_0, _blocks_q8, _blocks_q5_0):
-        parts = []
-        for start in range(0, weight.shape[0], _CHUNK_ROWS):
-            chunk = weight[start : start + _CHUNK_ROWS]
-            part = recover(chunk)
-            if not torch.equal(part.unpack(), chunk):
-                break
-            parts.append(part)
-        else:
-            return _concat(parts)
-    return None
+    blocks = recover_blocks(weight, TILE)
+    if blocks is None:
+        return None
+    form = _tiles(blocks)
+    for start in range(0, weight.shape[0], CHUNK_ROWS):  # the kernels' own widening gives every value back
+        chunk = weight[start : start + CHUNK_ROWS]
+        if not torch.equal(form.unpack(torch.arange(start, start + chunk.shape[0])), chunk):
+            return None
+    return form
 
 
 def _bf16_form(weight: torch.Tensor) -> TiledWeight | None:
     """``weight`` as bf16 tiles if bf16 holds every value exactly (a bf16 checkpoint served in
     fp32), else None."""
     weight = weight.detach()
-    for start in range(0, weight.shape[0], _CHUNK_ROWS):  # checked in chunks: bounds the temporary copies
-        chunk = weight[start : start + _CHUNK_ROWS]
+    for start in range(0, weight.shape[0], CHUNK_ROWS):  # checked in chunks: bounds the temporary copies
+        chunk = weight[start : start + CHUNK_ROWS]
         if not torch.equal(chunk.to(torch.bfloat16).float(), chunk):
             return None
     return TiledWeight(16, None, None, pack_tiles(weight.to(torch.bfloat16)))
@@ -275,5 +228,5 @@ def use_tiled_weights(model: nn.Module, int8_activations: bool = False) -> tuple
             bias = None if child.bias is None else child.bias.detach()
             setattr(parent, name, TiledLinear(form, bias, INT8_PER_BLOCK if int8_activations else 0))
         swapped += 1
-        gguf += form.fmt in (4, 8)
+        gguf += form.fmt in (4, 6, 8)
     return swapped, gguf

@@ -6,10 +6,13 @@
  * exact int32 sum, scaled once:
  *   fmt 8 (Q8_0, w = qw * dw):         dw dx sum(qw qx)
  *   fmt 4 (Q4_1, w = nibble * dw + m): dw dx sum(nibble qx) + m dx sum(qx)
+ *   fmt 8 with a min (Q5_1, Q5_K: w = qw * dw + m): as fmt 4, qw 8-bit
+ *   fmt 6 (Q6_K, a scale per 16 inputs): dw0 dx sum(qw qx) over the first 16 + dw1 dx (...),
+ *         + m dx sum(qx) with a min (per 32 inputs: the one form for rows of mixed types)
  * Blocks are summed in order in fp32. Weight bytes of one tile and block lie as
  * (group of 4 inputs, 16 features, 4 inputs): a 32-bit lane holds 4 consecutive
  * inputs of one feature, which is what vpdpbusd / vpmaddubsw multiply and add.
- *   fmt 8: 8 groups (512 bytes), int8.
+ *   fmt 8 and 6: 8 groups (512 bytes), int8.
  *   fmt 4: 4 groups (256 bytes): the low nibbles are inputs 4g..4g+3, the high
  *          ones 16+4g..16+4g+3.
  * Instruction sets are chosen when the library is compiled (-march=native, on the
@@ -145,10 +148,11 @@ static inline __attribute__((always_inline)) void block_q4(__m256i acc[][2], con
 #endif
 }
 
+/* acc[r][h] = int32 sums of groups g0..g0+ng-1 of a Q8 block (fmt 6: a half is 4 groups). */
 static inline __attribute__((always_inline)) void block_q8(__m256i acc[][2], const int8_t *w,
-                                                           const int8_t *const xq[], int R) {
+                                                           const int8_t *const xq[], int R, int g0, int ng) {
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
-    for (int g = 0; g < 8; g++) {
+    for (int g = g0; g < g0 + ng; g++) {
         for (int h = 0; h < 2; h++) {
             /* u8 x s8 instructions: |w| times qx carrying w's sign (|qx| <= 127, so no overflow) */
             const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + g * 64 + h * 32));
@@ -165,27 +169,33 @@ static inline __attribute__((always_inline)) void rows_times_tile(float *out, in
                                                                   const float *min, const void *q, int64_t t,
                                                                   int64_t K, const float *bias) {
     const int64_t nb = K / 32, bytes = fmt == 4 ? 256 : 512;
+    const int subs = fmt == 6 ? 2 : 1; /* scales per block */
     __m256 f[ROWS][2];
     for (int i = 0; i < R; i++) f[i][0] = f[i][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const int8_t *xr[ROWS];
         for (int i = 0; i < R; i++) xr[i] = xq + (r + i) * K + b * 32;
         const uint8_t *w = (const uint8_t *)q + (t * nb + b) * bytes;
-        __m256i acc[ROWS][2];
-        if (fmt == 4)
-            block_q4(acc, w, xr, R);
-        else
-            block_q8(acc, (const int8_t *)w, xr, R);
-        const float *d = scale + (t * nb + b) * TILE;
-        for (int h = 0; h < 2; h++) {
-            const __m256 dw = _mm256_loadu_ps(d + 8 * h);
-            for (int i = 0; i < R; i++) {
-                const __m256 dd = _mm256_mul_ps(dw, _mm256_set1_ps(xd[(r + i) * nb + b]));
-                f[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][h]), dd, f[i][h]);
-            }
-            if (fmt == 4) {
-                const __m256 m = _mm256_loadu_ps(min + (t * nb + b) * TILE + 8 * h);
-                for (int i = 0; i < R; i++) f[i][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[(r + i) * nb + b]), f[i][h]);
+        for (int sub = 0; sub < subs; sub++) {
+            __m256i acc[ROWS][2];
+            if (fmt == 4)
+                block_q4(acc, w, xr, R);
+            else if (fmt == 6)
+                block_q8(acc, (const int8_t *)w, xr, R, 4 * sub, 4);
+            else
+                block_q8(acc, (const int8_t *)w, xr, R, 0, 8);
+            const int64_t at = ((t * nb + b) * subs + sub) * TILE;
+            for (int h = 0; h < 2; h++) {
+                const __m256 dw = _mm256_loadu_ps(scale + at + 8 * h);
+                for (int i = 0; i < R; i++) {
+                    const __m256 dd = _mm256_mul_ps(dw, _mm256_set1_ps(xd[(r + i) * nb + b]));
+                    f[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][h]), dd, f[i][h]);
+                }
+                if (min && sub == 0) { /* a min per 32 inputs, in every format */
+                    const __m256 m = _mm256_loadu_ps(min + (t * nb + b) * TILE + 8 * h);
+                    for (int i = 0; i < R; i++)
+                        f[i][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[(r + i) * nb + b]), f[i][h]);
+                }
             }
         }
     }
@@ -212,42 +222,46 @@ static inline __attribute__((always_inline)) void rows_times_tile_512(float *out
                                                                       const float *min, const void *q, int64_t t,
                                                                       int64_t K, const float *bias) {
     const int64_t nb = K / 32, bytes = fmt == 4 ? 256 : 512;
+    const int subs = fmt == 6 ? 2 : 1, groups = fmt == 6 ? 4 : 8; /* scales per block, Q8 groups per scale */
     const __m512i low = _mm512_set1_epi8(15), ones = _mm512_set1_epi8(1);
     __m512 f[ROWS];
     for (int i = 0; i < R; i++) f[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *w = (const uint8_t *)q + (t * nb + b) * bytes;
         const int8_t *x = xq + r * K + b * 32;
-        __m512i acc[ROWS];
-        for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_si512();
-        if (fmt == 4) {
-            for (int g = 0; g < 4; g++) {
-                const __m512i v = _mm512_loadu_si512(w + g * 64);
-                const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-                for (int i = 0; i < R; i++) {
-                    acc[i] = _mm512_dpbusd_epi32(acc[i], lo, _mm512_set1_epi32(load4(x + i * K + 4 * g)));
-                    acc[i] = _mm512_dpbusd_epi32(acc[i], hi, _mm512_set1_epi32(load4(x + i * K + 16 + 4 * g)));
+        for (int sub = 0; sub < subs; sub++) {
+            __m512i acc[ROWS];
+            for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_si512();
+            if (fmt == 4) {
+                for (int g = 0; g < 4; g++) {
+                    const __m512i v = _mm512_loadu_si512(w + g * 64);
+                    const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                    for (int i = 0; i < R; i++) {
+                        acc[i] = _mm512_dpbusd_epi32(acc[i], lo, _mm512_set1_epi32(load4(x + i * K + 4 * g)));
+                        acc[i] = _mm512_dpbusd_epi32(acc[i], hi, _mm512_set1_epi32(load4(x + i * K + 16 + 4 * g)));
+                    }
                 }
+            } else {
+                __m512i wsum = _mm512_setzero_si512();
+                for (int g = sub * groups; g < (sub + 1) * groups; g++) {
+                    const __m512i v = _mm512_loadu_si512(w + g * 64);
+                    wsum = _mm512_dpbusd_epi32(wsum, ones, v);
+                    for (int i = 0; i < R; i++)
+                        acc[i] = _mm512_dpbusd_epi32(acc[i], _mm512_set1_epi32(load4(x + i * K + 4 * g)), v);
+                }
+                const __m512i offset = _mm512_slli_epi32(wsum, 7); /* the unsigned activations' 128 * sum(w) */
+                for (int i = 0; i < R; i++) acc[i] = _mm512_sub_epi32(acc[i], offset);
             }
-        } else {
-            __m512i wsum = _mm512_setzero_si512();
-            for (int g = 0; g < 8; g++) {
-                const __m512i v = _mm512_loadu_si512(w + g * 64);
-                wsum = _mm512_dpbusd_epi32(wsum, ones, v);
-                for (int i = 0; i < R; i++)
-                    acc[i] = _mm512_dpbusd_epi32(acc[i], _mm512_set1_epi32(load4(x + i * K + 4 * g)), v);
+            const int64_t at = ((t * nb + b) * subs + sub) * TILE;
+            const __m512 dw = _mm512_loadu_ps(scale + at);
+            for (int i = 0; i < R; i++) {
+                const __m512 dd = _mm512_mul_ps(dw, _mm512_set1_ps(xd[(r + i) * nb + b]));
+                f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i]), dd, f[i]);
             }
-            const __m512i offset = _mm512_slli_epi32(wsum, 7); /* the unsigned activations' 128 * sum(w) */
-            for (int i = 0; i < R; i++) acc[i] = _mm512_sub_epi32(acc[i], offset);
-        }
-        const __m512 dw = _mm512_loadu_ps(scale + (t * nb + b) * TILE);
-        for (int i = 0; i < R; i++) {
-            const __m512 dd = _mm512_mul_ps(dw, _mm512_set1_ps(xd[(r + i) * nb + b]));
-            f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i]), dd, f[i]);
-        }
-        if (fmt == 4) {
-            const __m512 m = _mm512_loadu_ps(min + (t * nb + b) * TILE);
-            for (int i = 0; i < R; i++) f[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[(r + i) * nb + b]), f[i]);
+            if (min && sub == 0) { /* a min per 32 inputs, in every format */
+                const __m512 m = _mm512_loadu_ps(min + (t * nb + b) * TILE);
+                for (int i = 0; i < R; i++) f[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[(r + i) * nb + b]), f[i]);
+            }
         }
     }
     const __m512 bv = bias ? _mm512_loadu_ps(bias + t * TILE) : _mm512_setzero_ps();
@@ -266,10 +280,10 @@ static void tile_rows(float *out, int64_t N, const int8_t *xq, const float *xd, 
     if (t + 1 < N / TILE) { /* the next tile's weights, while this one computes */
         const char *next = (const char *)q + (t + 1) * nb * bytes;
         for (int64_t i = 0; i < nb * bytes; i += 64) __builtin_prefetch(next + i);
-        for (int64_t i = 0; i < nb * TILE * 4; i += 64) {
-            __builtin_prefetch((const char *)(scale + (t + 1) * nb * TILE) + i);
-            if (fmt == 4) __builtin_prefetch((const char *)(min + (t + 1) * nb * TILE) + i);
-        }
+        const int64_t scales = nb * TILE * (fmt == 6 ? 2 : 1); /* of a tile */
+        for (int64_t i = 0; i < scales * 4; i += 64) __builtin_prefetch((const char *)(scale + (t + 1) * scales) + i);
+        for (int64_t i = 0; min && i < nb * TILE * 4; i += 64)
+            __builtin_prefetch((const char *)(min + (t + 1) * nb * TILE) + i);
     }
     int64_t r = r0;
     for (; r + ROWS <= r1; r += ROWS) ROWS_TIMES_TILE(out, N, xq, xd, xs, r, ROWS, fmt, scale, min, q, t, K, bias);
@@ -286,8 +300,10 @@ static void tile_rows(float *out, int64_t N, const int8_t *xq, const float *xd, 
 
 #else /* portable C */
 
-/* The int32 sum of block b of feature f times qx (32 values). */
-static int32_t block_dot(int fmt, const void *q, int64_t t, int64_t nb, int64_t b, int f, const int8_t *xq) {
+/* The int32 sum of block b of feature f times qx (32 values), over inputs i0..i0+n-1 (a multiple of 4;
+ * 4-bit blocks whole). */
+static int32_t block_dot(int fmt, const void *q, int64_t t, int64_t nb, int64_t b, int f, const int8_t *xq, int i0,
+                         int n) {
     int32_t sum = 0;
     if (fmt == 4) {
         const uint8_t *w = (const uint8_t *)q + (t * nb + b) * 256;
@@ -298,7 +314,7 @@ static int32_t block_dot(int fmt, const void *q, int64_t t, int64_t nb, int64_t 
             }
     } else {
         const int8_t *w = (const int8_t *)q + (t * nb + b) * 512;
-        for (int g = 0; g < 8; g++)
+        for (int g = i0 / 4; g < (i0 + n) / 4; g++)
             for (int i = 0; i < 4; i++) sum += w[(g * TILE + f) * 4 + i] * xq[4 * g + i];
     }
     return sum;
@@ -308,14 +324,17 @@ static void tile_rows(float *out, int64_t N, const int8_t *xq, const float *xd, 
                       int64_t r1, int fmt, const float *scale, const float *min, const void *q, int64_t t, int64_t K,
                       const float *bias) {
     const int64_t nb = K / 32;
+    const int subs = fmt == 6 ? 2 : 1;
     for (int64_t r = r0; r < r1; r++)
         for (int f = 0; f < TILE; f++) {
             float acc = 0.0f;
-            for (int64_t b = 0; b < nb; b++) {
-                const int64_t at = (t * nb + b) * TILE + f;
-                acc += (float)block_dot(fmt, q, t, nb, b, f, xq + r * K + b * 32) * (scale[at] * xd[r * nb + b]);
-                if (fmt == 4) acc += min[at] * xs[r * nb + b];
-            }
+            for (int64_t b = 0; b < nb; b++)
+                for (int sub = 0; sub < subs; sub++) {
+                    const int64_t at = ((t * nb + b) * subs + sub) * TILE + f;
+                    const int32_t dot = block_dot(fmt, q, t, nb, b, f, xq + r * K + b * 32, sub * 32 / subs, 32 / subs);
+                    acc += (float)dot * (scale[at] * xd[r * nb + b]);
+                    if (min && sub == 0) acc += min[(t * nb + b) * TILE + f] * xs[r * nb + b];
+                }
             out[r * N + t * TILE + f] = acc + (bias ? bias[t * TILE + f] : 0.0f);
         }
 }
@@ -325,12 +344,12 @@ static void tile_rows(float *out, int64_t N, const int8_t *xq, const float *xd, 
 int tiled_linear(float *, const float *, int64_t, int64_t, int, const float *, const float *, const void *,
                  const float *, int64_t, int64_t);
 
-/* out = x W^T + bias with int8 activations for a block-format W (fmt 4 or 8), quantized per
+/* out = x W^T + bias with int8 activations for a block-format W (fmt 4, 6 or 8), quantized per
  * 32-input block, or per row with per_row (see quantize_row); fp32 tiles have no integers to
  * multiply and go to tiled_linear. Nonzero when out of memory. */
 int int8_linear(float *out, const float *x, int64_t rows, int64_t x_stride, int fmt, const float *scale,
                 const float *min, const void *q, const float *bias, int64_t K, int64_t N, int per_row) {
-    if (fmt != 4 && fmt != 8) return tiled_linear(out, x, rows, x_stride, fmt, scale, min, q, bias, K, N);
+    if (fmt != 4 && fmt != 6 && fmt != 8) return tiled_linear(out, x, rows, x_stride, fmt, scale, min, q, bias, K, N);
     const int64_t nb = K / 32;
     int8_t *xq = malloc(rows * K);
     float *xd = malloc(rows * nb * sizeof(float)), *xs = malloc(rows * nb * sizeof(float));
@@ -343,7 +362,7 @@ int int8_linear(float *out, const float *x, int64_t rows, int64_t x_stride, int 
         {
             quantize_row(x + r * x_stride, K, per_row, xq + r * K, xd + r * nb, xs + r * nb);
 #if defined(AVX512_VNNI) && AVX512_VNNI
-            if (fmt == 8) /* Q8's activations as vpdpbusd's unsigned operand: qx + 128 */
+            if (fmt != 4) /* Q8's activations as vpdpbusd's unsigned operand: qx + 128 */
                 for (int64_t i = 0; i < K; i++) xq[r * K + i] ^= (int8_t)0x80;
 #endif
         }

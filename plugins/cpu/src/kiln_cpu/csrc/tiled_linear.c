@@ -11,8 +11,10 @@
  *   fmt 32: q (N/16, K, 16) fp32; fmt 16: the same in bf16 (fp32 values that bf16 holds
  *           exactly, e.g. a bf16 checkpoint's weights served in fp32: half the bytes).
  *   fmt 4:  value = nibble * scale + min (GGUF's Q4_1); fmt 8: value = int8 * scale
- *           (Q8_0); their bytes lie as int8_linear.c describes.
- *   scale, min: (N/16, K/32, 16) fp32, one per 32 input positions per feature.
+ *           (Q8_0), + min where there is one (Q5_1, Q5_K); fmt 6: fmt 8 with a scale per
+ *           16 inputs (Q6_K); their bytes lie as int8_linear.c describes.
+ *   scale, min: (N/16, K/32, 16) fp32, one per 32 input positions per feature (fmt 6's
+ *           scale: (N/16, K/16, 16); fmt 6 with a min: rows of mixed types, see tiled_weights.py).
  * Needs N % 16 == 0, and K % 32 == 0 for the block formats (the caller checks).
  */
 #include <stdint.h>
@@ -28,12 +30,13 @@
 static void widen_tile(float *tile, int fmt, const float *scale, const float *min, const void *q, int64_t t,
                        int64_t K) {
     const int64_t nb = K / 32;
+    const int subs = fmt == 6 ? 2 : 1; /* scales per block */
     for (int64_t b = 0; b < nb; b++) {
-        const int64_t at = (t * nb + b) * TILE;
         float *blk = tile + b * 32 * TILE;
         for (int h = 0; h < 2; h++) {
-            const v8 d = load8_f32(scale + at + 8 * h), m = fmt == 4 ? load8_f32(min + at + 8 * h) : splat(0.0f);
             for (int g = 0; g < (fmt == 4 ? 4 : 8); g++) {
+                const int64_t at = ((t * nb + b) * subs + g * subs / 8) * TILE + 8 * h;
+                const v8 d = load8_f32(scale + at), m = min ? load8_f32(min + (t * nb + b) * TILE + 8 * h) : splat(0.0f);
                 i8 lanes;
                 memcpy(&lanes, (const uint8_t *)q + (t * nb + b) * (fmt == 4 ? 256 : 512) + g * 64 + h * 32, 32);
                 for (int i = 0; i < 4; i++) {
@@ -43,7 +46,7 @@ static void widen_tile(float *tile, int fmt, const float *scale, const float *mi
                         store8(blk + (16 + 4 * g + i) * TILE + 8 * h, __builtin_convertvector(byte >> 4, v8) * d + m);
                     } else {
                         const i8 byte = (lanes << (24 - 8 * i)) >> 24; /* sign-extended */
-                        store8(blk + (4 * g + i) * TILE + 8 * h, __builtin_convertvector(byte, v8) * d);
+                        store8(blk + (4 * g + i) * TILE + 8 * h, __builtin_convertvector(byte, v8) * d + m);
                     }
                 }
             }
@@ -156,15 +159,17 @@ void tiled_gather_rows(float *out, const int64_t *row_ids, int64_t n, int fmt, c
             for (int64_t c = 0; c < K; c++) row[c] = from_bf16(v[c * TILE]);
             continue;
         }
+        const int subs = fmt == 6 ? 2 : 1;
         for (int64_t c = 0; c < K; c++) {
-            const int64_t b = c / 32, at = (t * nb + b) * TILE + j, in = c % 32;
+            const int64_t b = c / 32, in = c % 32, at = ((t * nb + b) * subs + in * subs / 32) * TILE + j;
+            const float m = min ? min[(t * nb + b) * TILE + j] : 0.0f;
             if (fmt == 4) {
                 const int64_t g = (in % 16) / 4;
                 const uint8_t byte = ((const uint8_t *)q)[(t * nb + b) * 256 + (g * TILE + j) * 4 + in % 4];
-                row[c] = (float)(in < 16 ? byte & 15 : byte >> 4) * scale[at] + min[at];
+                row[c] = (float)(in < 16 ? byte & 15 : byte >> 4) * scale[at] + m;
             } else {
                 const int8_t v = ((const int8_t *)q)[(t * nb + b) * 512 + (in / 4 * TILE + j) * 4 + in % 4];
-                row[c] = (float)v * scale[at];
+                row[c] = (float)v * scale[at] + m;
             }
         }
     }

@@ -1,0 +1,177 @@
+"""The GGUF blocks an fp32 weight was widened from, recovered from its values alone.
+
+A GGUF file stores most weights as small integer codes with a float scale (and often a min)
+per 32 or 16 values; the loader widens them to fp32. Each recovery here rebuilds codes, scales
+and mins of one GGUF type from the values and is kept only where widening them again gives
+every value bit for bit (every product code * scale is exact in fp32, so a fused multiply-add
+rounds as ggml's multiply-then-add does). No file format or tensor name is involved: a weight
+from other sources fails on its first rows. A weight whose rows come from tensors of several
+types (a fused q/k/v projection of a Q4_K_M file) is recovered in row ranges and held as 8-bit
+codes with a min, the one form every type fits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+BLOCK = 32  # values per scale (Q6_K's per 16)
+CHUNK_ROWS = 1024  # rows recovered and checked at a time: bounds the temporary copies
+_PROBE_ROWS = 16
+
+
+@dataclass(slots=True, eq=False)
+class Blocks:
+    """value = code * scale + min. ``fmt`` 4: codes 0..15 (Q4_0/Q4_1/Q4_K), scale and min per
+    32 values; 8: int8 codes, a scale per 32, a min per 32 or None (Q8_0, Q5_0 without; Q5_1,
+    Q5_K with); 6: int8 codes, a scale per 16 (Q6_K), a min per 32 or None. ``codes`` (N, K)
+    int8, ``scale`` (N, K/32) or (N, K/16), ``min`` (N, K/32)."""
+
+    fmt: int
+    codes: torch.Tensor
+    scale: torch.Tensor
+    min: torch.Tensor | None
+
+    def values(self) -> torch.Tensor:
+        per_scale = self.codes.shape[1] // self.scale.shape[1]
+        out = self.codes.float() * self.scale.repeat_interleave(per_scale, dim=1)
+        return out if self.min is None else out + self.min.repeat_interleave(BLOCK, dim=1)
+
+
+def _q4_1(w: torch.Tensor) -> Blocks:
+    blocks = w.view(w.shape[0], -1, BLOCK)
+    low, high = blocks.amin(-1), blocks.amax(-1)
+    # GGUF stores the scale as fp16: (max - min) / 15 rounds back to it.
+    scale = ((high - low) / 15).half().float()
+    q = torch.where(scale[..., None] > 0, (blocks - low[..., None]) / scale[..., None], 0.0)
+    return Blocks(4, q.round().clamp(0, 15).to(torch.int8).view(w.shape), scale, low)
+
+
+def _q8_0(w: torch.Tensor) -> Blocks:
+    blocks = w.view(w.shape[0], -1, BLOCK)
+    scale = blocks.abs().amax(-1) / 127
+    q = torch.where(scale[..., None] > 0, blocks / scale[..., None], 0.0)
+    return Blocks(8, q.round().clamp(-127, 127).to(torch.int8).view(w.shape), scale, None)
+
+
+def _signed(w: torch.Tensor, half: int, size: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scales and codes of GGUF's Q4_0 (``half`` 8), Q5_0 (16) or, per 16 values (``size``),
+    Q6_K (32): value = c * d, c in -half..half-1. ggml's reference quantizer gives the block's
+    value of largest magnitude c = -half; with an importance matrix llama.cpp fits d, and that
+    value may take any code. So each block takes the first code k (from -half) for which
+    d = value / k gives every value a whole code."""
+    blocks = w.view(w.shape[0], -1, size)
+    top = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True))  # (rows, blocks, 1)
+    d, codes = torch.zeros_like(top), torch.zeros_like(blocks)
+    found = top == 0  # an all-zero block: d 0, codes 0
+    for k in [*range(-half, 0), *range(half - 1, 0, -1)]:
+        trial = top / k
+        c = (blocks / trial).round()
+        fits = ~found & (c * trial == blocks).all(-1, keepdim=True) & (c >= -half).all(-1, keepdim=True)
+        fits &= (c < half).all(-1, keepdim=True)
+        d, codes, found = torch.where(fits, trial, d), torch.where(fits, c, codes), found | fits
+        if found.all():
+            break
+    return d.squeeze(-1), codes.clamp(-half, half - 1).to(torch.int8).view(w.shape)
+
+
+def _q4_0(w: torch.Tensor) -> Blocks:
+    d, codes = _signed(w, 8)  # as Q4_1: nibble c + 8 times d, plus -8 d
+    return Blocks(4, codes + 8, d, -8 * d)
+
+
+def _q5_0(w: torch.Tensor) -> Blocks:
+    d, codes = _signed(w, 16)  # as Q8_0: int8 codes -16..15 times d
+    return Blocks(8, codes, d, None)
+
+
+def _q6_k(w: torch.Tensor) -> Blocks:
+    d, codes = _signed(w, 32, 16)  # int8 codes -32..31, a scale per 16 values
+    return Blocks(6, codes, d, None)
+
+
+def _affine(w: torch.Tensor, levels: int) -> Blocks:
+    """Codes 0..levels-1 with a scale and min per block whose scale is no fp16 of its range:
+    the K-quants' (Q4_K, Q5_K: a 6-bit multiple of the super-block's fp16 scale, so a block's
+    codes need not span 0..levels-1), and Q5_1's. Each block takes its smallest value as the
+    min and the first step (max - min) / n, for spans n = levels-1, levels-2..., that gives
+    every value a whole code with code * step exact."""
+    blocks = w.view(w.shape[0], -1, BLOCK)
+    low, high = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
+    scale, codes = torch.zeros_like(low), torch.zeros_like(blocks)
+    found = low == high  # a constant block: scale 0, every code 0
+    for span in range(levels - 1, 0, -1):
+        step = (high - low) / span
+        c = ((blocks - low) / step).round()
+        product = c * step
+        fits = ~found & (product + low == blocks).all(-1, keepdim=True)
+        fits &= (product.double() == c.double() * step.double()).all(-1, keepdim=True)
+        scale, codes, found = torch.where(fits, step, scale), torch.where(fits, c, codes), found | fits
+        if found.all():
+            break
+    codes = codes.clamp(0, levels - 1).to(torch.int8).view(w.shape)
+    return Blocks(4 if levels == 16 else 8, codes, scale.squeeze(-1), low.squeeze(-1))
+
+
+def _q4_k(w: torch.Tensor) -> Blocks:
+    return _affine(w, 16)
+
+
+def _q5(w: torch.Tensor) -> Blocks:
+    return _affine(w, 32)  # Q5_1 and Q5_K: 5-bit codes in 8-bit tiles, with a min
+
+
+_RECOVERIES: tuple[Callable[[torch.Tensor], Blocks], ...] = (_q4_1, _q4_0, _q8_0, _q5_0, _q4_k, _q5, _q6_k)
+
+
+def _exact(recover: Callable[[torch.Tensor], Blocks], rows: torch.Tensor) -> Blocks | None:
+    blocks = recover(rows)
+    return blocks if torch.equal(blocks.values(), rows) else None
+
+
+def _concat(parts: list[Blocks]) -> Blocks:
+    """Row ranges as one ``Blocks``: as they are when all share a format, else int8 codes with
+    a scale per 16 values if any part has one (Q6_K), and a min wherever one has a min."""
+    fmt = parts[0].fmt if len({p.fmt for p in parts}) == 1 else (6 if any(p.fmt == 6 for p in parts) else 8)
+    scales = [p.scale.repeat_interleave(2, dim=1) if fmt == 6 and p.fmt != 6 else p.scale for p in parts]
+    low = None
+    if any(p.min is not None for p in parts):
+        low = torch.cat([torch.zeros(p.codes.shape[0], p.codes.shape[1] // BLOCK) if p.min is None else p.min
+                         for p in parts])  # fmt: skip
+    return Blocks(fmt, torch.cat([p.codes for p in parts]), torch.cat(scales), low)
+
+
+def _mixed(weight: torch.Tensor, step: int) -> list[Blocks] | None:
+    """``weight``'s rows in ranges of one type each: halves split down to ``step`` rows."""
+    for recover in _RECOVERIES:
+        if (blocks := _exact(recover, weight)) is not None:
+            return [blocks]
+    if weight.shape[0] <= step:
+        return None
+    half = (weight.shape[0] // 2 + step - 1) // step * step
+    first = _mixed(weight[:half], step)
+    second = _mixed(weight[half:], step) if first is not None else None
+    return None if second is None else first + second
+
+
+def recover_blocks(weight: torch.Tensor, step: int = _PROBE_ROWS) -> Blocks | None:
+    """The blocks fp32 ``weight`` (N, K; K a multiple of 32) was widened from, or None: one GGUF
+    type for every row if one fits, else row ranges (multiples of ``step`` rows) of several."""
+    probe = weight[:_PROBE_ROWS]  # values of other origins fit no type here: a cheap no
+    fitting = [recover for recover in _RECOVERIES if _exact(recover, probe) is not None]
+    for recover in fitting:
+        parts = []
+        for start in range(0, weight.shape[0], CHUNK_ROWS):
+            if (part := _exact(recover, weight[start : start + CHUNK_ROWS])) is None:
+                break
+            parts.append(part)
+        else:
+            return _concat(parts)
+    parts = []
+    for start in range(0, weight.shape[0], CHUNK_ROWS) if fitting else ():
+        if (found := _mixed(weight[start : start + CHUNK_ROWS], step)) is None:
+            return None
+        parts += found
+    return _concat(parts) if parts else None
