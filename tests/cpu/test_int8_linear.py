@@ -48,7 +48,7 @@ def test_products_are_the_quantized_rows_times_the_weight(kind, rows):
     x = activations(rows, 256, seed=rows)
     got = tiled_matmul(tiled_form(w), x, bias, INT8_PER_BLOCK)
     want = (int8_rows(x).double() @ w.double().T + bias.double()).float()
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=5e-5)  # fp32 sums of 8 blocks
     exact = F.linear(x, w, bias)
     assert 0 < (got - exact).abs().max() < 0.02 * exact.abs().max()  # quantized, and close
 
@@ -63,8 +63,8 @@ def test_products_over_rows_of_several_types(rows):
     w, x = several_types(rows), activations(rows, 256, seed=rows)
     form = tiled_form(w)
     assert form.fmt == 6 and form.min is not None  # int8 codes, a scale per 16, a min per 32
-    got = tiled_matmul(form, x, None, INT8_PER_BLOCK)
-    torch.testing.assert_close(got, (int8_rows(x).double() @ w.double().T).float(), rtol=1e-5, atol=2e-5)
+    want = (int8_rows(x).double() @ w.double().T).float()
+    torch.testing.assert_close(tiled_matmul(form, x, None, INT8_PER_BLOCK), want, rtol=1e-5, atol=5e-5)
 
 
 def test_strided_rows_and_the_exact_path():

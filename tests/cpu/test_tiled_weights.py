@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from gguf import GGMLQuantizationType, dequantize, quantize
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize, quantize
 from torch import nn
 
 from kiln.testing.kquants import KQUANTS, quantize_kquant
@@ -187,3 +187,26 @@ def test_rows_of_several_types(kinds, fmt):
     torch.testing.assert_close(TiledLinear(form, None)(x), F.linear(x, w), rtol=1e-5, atol=5e-5)
     w[1100, 7] += 1e-3  # a row of no type: the whole weight stays fp32
     assert find_gguf_form(w) is None
+
+
+@pytest.mark.parametrize(
+    ("kind", "fmt"),
+    [(GGMLQuantizationType.Q4_K, 4), (GGMLQuantizationType.Q5_K, 8), (GGMLQuantizationType.Q6_K, 6),
+     (GGMLQuantizationType.Q3_K, 6)],
+)  # fmt: skip
+def test_k_quant_blocks_of_any_codes_and_scales(kind, fmt):
+    """Random bytes are valid K-quant blocks: codes that need not span their range and sub-block
+    scales and mins of any value, as llama.cpp's search may leave them (``kiln.testing.kquants``
+    maps each range onto the full codes); only the fp16 super-block scales are set to sizes a
+    file has. Q3_K (3-bit codes, a scale per 16 values) comes back in Q6_K's form."""
+    rng = np.random.default_rng(int(kind))
+    size = GGML_QUANT_SIZES[kind][1]  # bytes per 256 values
+    raw = rng.integers(0, 256, (64, 2, size), dtype=np.uint8)
+    scales = (rng.random((64, 2, 2)) * 0.01 + 1e-3).astype(np.float16).view(np.uint8)  # (64, 2, 4) bytes
+    if kind in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K):
+        raw[..., :4] = scales  # d, dmin lead the block
+    else:
+        raw[..., -2:] = scales[..., :2]  # d ends it
+    w = torch.from_numpy(dequantize(raw.reshape(64, -1), kind).astype(np.float32))
+    form = find_gguf_form(w)
+    assert form is not None and form.fmt == fmt and torch.equal(form.unpack(), w)

@@ -3,19 +3,25 @@
 A GGUF file stores most weights as small integer codes with a float scale (and often a min)
 per 32 or 16 values; the loader widens them to fp32. Each recovery here rebuilds codes, scales
 and mins of one GGUF type from the values and is kept only where widening them again gives
-every value bit for bit (every product code * scale is exact in fp32, so a fused multiply-add
-rounds as ggml's multiply-then-add does). No file format or tensor name is involved: a weight
-from other sources fails on its first rows. A weight whose rows come from tensors of several
+every value bit for bit (``kiln_cpu.tiled_weights`` checks the kernels' own widening once
+more). The codes times the scales are exact in fp32 for the types here, so a fused
+multiply-add rounds as ggml's multiply-then-add does; the one rounding left is adding the
+min, and a K-quant block whose min is so much larger than its scale that this rounds (never
+seen in llama.cpp's files) keeps its weight in fp32. No file format or tensor name is
+involved: a weight from other sources fails on its first rows. A weight whose rows come from tensors of several
 types (a fused q/k/v projection of a Q4_K_M file) is recovered in row ranges and held as 8-bit
 codes with a min, the one form every type fits.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+logger = logging.getLogger("kiln.cpu")
 
 BLOCK = 32  # values per scale (Q6_K's per 16)
 CHUNK_ROWS = 1024  # rows recovered and checked at a time: bounds the temporary copies
@@ -26,7 +32,7 @@ _PROBE_ROWS = 16
 class Blocks:
     """value = code * scale + min. ``fmt`` 4: codes 0..15 (Q4_0/Q4_1/Q4_K), scale and min per
     32 values; 8: int8 codes, a scale per 32, a min per 32 or None (Q8_0, Q5_0 without; Q5_1,
-    Q5_K with); 6: int8 codes, a scale per 16 (Q6_K), a min per 32 or None. ``codes`` (N, K)
+    Q5_K with); 6: int8 codes, a scale per 16 (Q3_K, Q6_K), a min per 32 or None. ``codes`` (N, K)
     int8, ``scale`` (N, K/32) or (N, K/16), ``min`` (N, K/32)."""
 
     fmt: int
@@ -88,7 +94,7 @@ def _q5_0(w: torch.Tensor) -> Blocks:
 
 
 def _q6_k(w: torch.Tensor) -> Blocks:
-    d, codes = _signed(w, 32, 16)  # int8 codes -32..31, a scale per 16 values
+    d, codes = _signed(w, 32, 16)  # int8 codes -32..31, a scale per 16 values (Q3_K's -4..3 too)
     return Blocks(6, codes, d, None)
 
 
@@ -123,10 +129,11 @@ def _q5(w: torch.Tensor) -> Blocks:
     return _affine(w, 32)  # Q5_1 and Q5_K: 5-bit codes in 8-bit tiles, with a min
 
 
-_RECOVERIES: tuple[Callable[[torch.Tensor], Blocks], ...] = (_q4_1, _q4_0, _q8_0, _q5_0, _q4_k, _q5, _q6_k)
+Recovery = Callable[[torch.Tensor], Blocks]
+_RECOVERIES: tuple[Recovery, ...] = (_q4_1, _q4_0, _q8_0, _q5_0, _q4_k, _q5, _q6_k)
 
 
-def _exact(recover: Callable[[torch.Tensor], Blocks], rows: torch.Tensor) -> Blocks | None:
+def _exact(recover: Recovery, rows: torch.Tensor) -> Blocks | None:
     blocks = recover(rows)
     return blocks if torch.equal(blocks.values(), rows) else None
 
@@ -143,35 +150,40 @@ def _concat(parts: list[Blocks]) -> Blocks:
     return Blocks(fmt, torch.cat([p.codes for p in parts]), torch.cat(scales), low)
 
 
-def _mixed(weight: torch.Tensor, step: int) -> list[Blocks] | None:
-    """``weight``'s rows in ranges of one type each: halves split down to ``step`` rows."""
-    for recover in _RECOVERIES:
-        if (blocks := _exact(recover, weight)) is not None:
-            return [blocks]
-    if weight.shape[0] <= step:
+def _ranges(rows: torch.Tensor, order: tuple[Recovery, ...], step: int) -> list[tuple[Recovery, Blocks]] | None:
+    """``rows`` in ranges of one type each, with the recovery that fits each: the whole if one
+    type fits, else halves, split down to ``step`` rows. Each type is tried on the range's first
+    rows before the whole range; when no type fits those, neither can any split."""
+    probe, fitted = rows[:_PROBE_ROWS], False
+    for recover in order:
+        if rows.shape[0] > _PROBE_ROWS and _exact(recover, probe) is None:
+            continue
+        fitted = True
+        if (blocks := _exact(recover, rows)) is not None:
+            return [(recover, blocks)]
+    if not fitted or rows.shape[0] <= step:
         return None
-    half = (weight.shape[0] // 2 + step - 1) // step * step
-    first = _mixed(weight[:half], step)
-    second = _mixed(weight[half:], step) if first is not None else None
+    half = (rows.shape[0] // 2 + step - 1) // step * step
+    first = _ranges(rows[:half], order, step)
+    second = None if first is None else _ranges(rows[half:], _last_first(order, first[-1][0]), step)
     return None if second is None else first + second
 
 
+def _last_first(order: tuple[Recovery, ...], last: Recovery) -> tuple[Recovery, ...]:
+    return (last, *(r for r in order if r is not last))
+
+
 def recover_blocks(weight: torch.Tensor, step: int = _PROBE_ROWS) -> Blocks | None:
-    """The blocks fp32 ``weight`` (N, K; K a multiple of 32) was widened from, or None: one GGUF
-    type for every row if one fits, else row ranges (multiples of ``step`` rows) of several."""
-    probe = weight[:_PROBE_ROWS]  # values of other origins fit no type here: a cheap no
-    fitting = [recover for recover in _RECOVERIES if _exact(recover, probe) is not None]
-    for recover in fitting:
-        parts = []
-        for start in range(0, weight.shape[0], CHUNK_ROWS):
-            if (part := _exact(recover, weight[start : start + CHUNK_ROWS])) is None:
-                break
-            parts.append(part)
-        else:
-            return _concat(parts)
-    parts = []
-    for start in range(0, weight.shape[0], CHUNK_ROWS) if fitting else ():
-        if (found := _mixed(weight[start : start + CHUNK_ROWS], step)) is None:
+    """The blocks fp32 ``weight`` (N, K; K a multiple of 32) was widened from, or None: chunk
+    by chunk, each in ranges (multiples of ``step`` rows) of one GGUF type, the type found last
+    tried first. A weight of one type comes out in that type's form."""
+    order, parts = _RECOVERIES, []
+    for start in range(0, weight.shape[0], CHUNK_ROWS):
+        found = _ranges(weight[start : start + CHUNK_ROWS], order, step)
+        if found is None:
+            if parts:  # GGUF blocks up to here: say why the weight stays wide
+                logger.info("a %s weight's rows from %d fit no GGUF type: kept in fp32", tuple(weight.shape), start)
             return None
-        parts += found
-    return _concat(parts) if parts else None
+        order = _last_first(order, found[-1][0])
+        parts += [blocks for _, blocks in found]
+    return _concat(parts)

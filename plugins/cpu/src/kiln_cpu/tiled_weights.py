@@ -39,7 +39,7 @@ class TiledWeight:
     a tile's values for one input position together; ``fmt`` 16: the same in bf16. ``fmt`` 4: value = nibble * scale + min
     (GGUF's Q4_1, Q4_K), ``q`` (N/16, K/32, 4, 16, 4) uint8; ``fmt`` 8: value = int8 * scale (Q8_0),
     + min if there is one (Q5_1, Q5_K), ``q`` (N/16, K/32, 8, 16, 4) int8; ``fmt`` 6: fmt 8 with a
-    scale per 16 inputs (Q6_K). A tile's block of 32 inputs lies as (group of 4 inputs, feature,
+    scale per 16 inputs (Q3_K, Q6_K), and a min per 32 if there is one (rows of mixed types). A tile's block of 32 inputs lies as (group of 4 inputs, feature,
     input): the layout of integer dot products (``csrc/int8_linear.c``); a 4-bit byte holds input
     4g + i low and 16 + 4g + i high. ``scale`` and ``min``: (N/16, K/32, 16) fp32, per 32 inputs
     per feature (fmt 6's scale: (N/16, K/16, 16))."""
@@ -107,8 +107,8 @@ def _tileable(weight: torch.Tensor) -> bool:
 def find_gguf_form(weight: torch.Tensor) -> TiledWeight | None:
     """The blocks ``weight`` (fp32, 2-D) was widened from (``gguf_blocks``) in tiles, or None if
     it holds other values: Q4_1 and Q8_0 as they are, Q4_0 and Q4_K as 4-bit codes with a min,
-    Q5_0 as 8-bit codes, Q5_1 and Q5_K as 8-bit codes with a min, Q6_K as 8-bit codes with a
-    scale per 16 values, rows of several types as 8-bit codes with a min."""
+    Q5_0 as 8-bit codes, Q5_1 and Q5_K as 8-bit codes with a min, Q3_K and Q6_K as 8-bit codes
+    with a scale per 16 values, rows of several types as 8-bit codes with a min."""
     if not _tileable(weight) or weight.shape[1] % BLOCK:
         return None
     weight = weight.detach()
@@ -117,8 +117,11 @@ def find_gguf_form(weight: torch.Tensor) -> TiledWeight | None:
         return None
     form = _tiles(blocks)
     for start in range(0, weight.shape[0], CHUNK_ROWS):  # the kernels' own widening gives every value back
-        chunk = weight[start : start + CHUNK_ROWS]
-        if not torch.equal(form.unpack(torch.arange(start, start + chunk.shape[0])), chunk):
+        tiles = slice(start // TILE, (start + CHUNK_ROWS) // TILE)
+        low = None if form.min is None else form.min[tiles]
+        if not torch.equal(
+            TiledWeight(form.fmt, form.scale[tiles], low, form.q[tiles]).unpack(), weight[start : start + CHUNK_ROWS]
+        ):
             return None
     return form
 

@@ -24,6 +24,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vec.h"
+
 #define TILE 16
 #define ROWS 8 /* rows of x per pass over a tile's blocks: 8 ran 1.2-1.3x as fast as 4 with AVX2 */
 #define ROW_CHUNK 64 /* rows whose quantized values stay in cache while every tile passes */
@@ -169,7 +171,7 @@ static inline __attribute__((always_inline)) void rows_times_tile(float *out, in
                                                                   const float *min, const void *q, int64_t t,
                                                                   int64_t K, const float *bias) {
     const int64_t nb = K / 32, bytes = fmt == 4 ? 256 : 512;
-    const int subs = fmt == 6 ? 2 : 1; /* scales per block */
+    const int subs = scales_per_block(fmt);
     __m256 f[ROWS][2];
     for (int i = 0; i < R; i++) f[i][0] = f[i][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
@@ -222,7 +224,7 @@ static inline __attribute__((always_inline)) void rows_times_tile_512(float *out
                                                                       const float *min, const void *q, int64_t t,
                                                                       int64_t K, const float *bias) {
     const int64_t nb = K / 32, bytes = fmt == 4 ? 256 : 512;
-    const int subs = fmt == 6 ? 2 : 1, groups = fmt == 6 ? 4 : 8; /* scales per block, Q8 groups per scale */
+    const int subs = scales_per_block(fmt), groups = 8 / subs; /* Q8 groups per scale */
     const __m512i low = _mm512_set1_epi8(15), ones = _mm512_set1_epi8(1);
     __m512 f[ROWS];
     for (int i = 0; i < R; i++) f[i] = _mm512_setzero_ps();
@@ -280,7 +282,7 @@ static void tile_rows(float *out, int64_t N, const int8_t *xq, const float *xd, 
     if (t + 1 < N / TILE) { /* the next tile's weights, while this one computes */
         const char *next = (const char *)q + (t + 1) * nb * bytes;
         for (int64_t i = 0; i < nb * bytes; i += 64) __builtin_prefetch(next + i);
-        const int64_t scales = nb * TILE * (fmt == 6 ? 2 : 1); /* of a tile */
+        const int64_t scales = nb * TILE * scales_per_block(fmt); /* of a tile */
         for (int64_t i = 0; i < scales * 4; i += 64) __builtin_prefetch((const char *)(scale + (t + 1) * scales) + i);
         for (int64_t i = 0; min && i < nb * TILE * 4; i += 64)
             __builtin_prefetch((const char *)(min + (t + 1) * nb * TILE) + i);
@@ -324,7 +326,7 @@ static void tile_rows(float *out, int64_t N, const int8_t *xq, const float *xd, 
                       int64_t r1, int fmt, const float *scale, const float *min, const void *q, int64_t t, int64_t K,
                       const float *bias) {
     const int64_t nb = K / 32;
-    const int subs = fmt == 6 ? 2 : 1;
+    const int subs = scales_per_block(fmt);
     for (int64_t r = r0; r < r1; r++)
         for (int f = 0; f < TILE; f++) {
             float acc = 0.0f;

@@ -14,7 +14,7 @@
  *           (Q8_0), + min where there is one (Q5_1, Q5_K); fmt 6: fmt 8 with a scale per
  *           16 inputs (Q6_K); their bytes lie as int8_linear.c describes.
  *   scale, min: (N/16, K/32, 16) fp32, one per 32 input positions per feature (fmt 6's
- *           scale: (N/16, K/16, 16); fmt 6 with a min: rows of mixed types, see tiled_weights.py).
+ *           scale: (N/16, K/16, 16); fmt 6 with a min: rows of mixed types, see gguf_blocks.py).
  * Needs N % 16 == 0, and K % 32 == 0 for the block formats (the caller checks).
  */
 #include <stdint.h>
@@ -30,7 +30,7 @@
 static void widen_tile(float *tile, int fmt, const float *scale, const float *min, const void *q, int64_t t,
                        int64_t K) {
     const int64_t nb = K / 32;
-    const int subs = fmt == 6 ? 2 : 1; /* scales per block */
+    const int subs = scales_per_block(fmt);
     for (int64_t b = 0; b < nb; b++) {
         float *blk = tile + b * 32 * TILE;
         for (int h = 0; h < 2; h++) {
@@ -159,7 +159,7 @@ void tiled_gather_rows(float *out, const int64_t *row_ids, int64_t n, int fmt, c
             for (int64_t c = 0; c < K; c++) row[c] = from_bf16(v[c * TILE]);
             continue;
         }
-        const int subs = fmt == 6 ? 2 : 1;
+        const int subs = scales_per_block(fmt);
         for (int64_t c = 0; c < K; c++) {
             const int64_t b = c / 32, in = c % 32, at = ((t * nb + b) * subs + in * subs / 32) * TILE + j;
             const float m = min ? min[(t * nb + b) * TILE + j] : 0.0f;

@@ -13,6 +13,10 @@ typedef int32_t i8 __attribute__((vector_size(32)));
 typedef uint16_t u16x8 __attribute__((vector_size(16)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
 
+/* Scales per 32-input block of a tiled weight's format: two for fmt 6 (Q6_K's, one per 16
+ * inputs), else one. */
+static inline int scales_per_block(int fmt) { return fmt == 6 ? 2 : 1; }
+
 static inline v8 splat(float x) { return (v8){x, x, x, x, x, x, x, x}; }
 
 static inline v8 load8_f32(const float *p) {
