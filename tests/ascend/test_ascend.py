@@ -361,10 +361,30 @@ def test_dense_families_on_the_ascend_path(tiny_model_dir, npu_plugins, model_ty
     assert tokens == run_tracking(make_engine(npu_plugins, device="cpu", **common), prompts, max_tokens=16)[0]
 
 
-def test_gemma2_refuses_a_backend_without_soft_caps(tiny_model_dir, npu_plugins):
-    """No Ascend attention op soft-caps scores: Gemma 2 says so at start-up, naming a backend that can."""
+@pytest.mark.parametrize("eager", [False, True], ids=["graph", "eager"])
+def test_gemma2_on_the_ascend_path(tiny_model_dir, npu_plugins, eager):
+    """Gemma 2's soft-capped scores (no torch_npu attention op takes a cap: torch ops on the same
+    cache, eagerly per request or as one padded batch in torchair graphs), with its 8-token
+    window on every other layer and a prefix-cache hit, give the CPU plugin's tokens (which
+    tests/core/test_dense_families.py matches to transformers)."""
     from kiln.testing.engine import make_engine
 
+    prompts = PROMPTS[3:]
+    model = tiny_model_dir("gemma2", attn_logit_softcapping=3.0, final_logit_softcapping=5.0)
+    common = dict(model=model, dtype="float32", max_num_seqs=4, block_size=64, max_num_batched_tokens=64)
+    engine = make_engine(npu_plugins, device="npu_emulated", enforce_eager=eager, **common)
+    tokens, _, cached = run_tracking(engine, prompts, max_tokens=16)
+    assert cached[-1] >= 64 and (engine.executor.runner.graph_steps > 0) != eager
+    assert tokens == run_tracking(make_engine(npu_plugins, device="cpu", **common), prompts, max_tokens=16)[0]
+
+
+def test_gemma2_refuses_a_backend_without_soft_caps(tiny_model_dir, npu_plugins, monkeypatch):
+    """A backend that does not declare soft caps (as a third party's may not): Gemma 2 says so at
+    start-up, naming a backend that can."""
+    from kiln.testing.engine import make_engine
+    from kiln_ascend.attention import AscendAttentionBackend
+
+    monkeypatch.setattr(AscendAttentionBackend, "supports_logit_softcap", False)
     model = tiny_model_dir("gemma2", attn_logit_softcapping=3.0, final_logit_softcapping=5.0)
     with pytest.raises(ValueError, match=r"soft-caps its attention scores at 3.0.*--attention-backend torch_ref"):
         make_engine(npu_plugins, model=model, device="npu_emulated", dtype="float32")

@@ -222,7 +222,15 @@ class AttentionBackendContract:
         """The decode-graph path with a window narrower than some of the requests."""
         self._check_decode_graph(self._window_block_size(), sliding_window=window)
 
-    def _check_decode_graph(self, block_size, sliding_window=None):
+    @pytest.mark.parametrize("window", [None, 4])
+    def test_decode_graph_path_logit_softcap(self, window):
+        """The decode-graph path with Gemma 2's soft cap, alone and under a window."""
+        if not self.backend_cls.supports_logit_softcap:
+            pytest.skip("no soft-cap support")
+        block_size = self._window_block_size() if window else self._smallest_block_size()
+        self._check_decode_graph(block_size, sliding_window=window, logit_softcap=1.5)
+
+    def _check_decode_graph(self, block_size, sliding_window=None, logit_softcap=None):
         heads, kv_heads, head_dim = 6, 2, 64
         if not self.backend_cls.supports_decode_graphs:
             pytest.skip("no decode-graph path")
@@ -232,7 +240,7 @@ class AttentionBackendContract:
         num_blocks, size, max_blocks = 16, 5, 8
         layout, n = random_layout(random.Random(block_size), block_size, num_blocks, BATCHES[1], self.device)
         ref, backend, ref_cache, cache, (q, k, v) = self._setup(heads, kv_heads, head_dim, block_size, num_blocks, size)
-        kwargs = forward_kwargs(0.125, sliding_window)
+        kwargs = forward_kwargs(0.125, sliding_window, logit_softcap)
         expected = ref.forward(q[:n], k[:n], v[:n], ref_cache, ref.build_metadata(layout), **kwargs)
         ids = torch.zeros(n, dtype=torch.int64, device=self.device)
         padded = DecodeGraphInputs.pad(ids, ids, layout, size, max_blocks)

@@ -14,6 +14,9 @@
   prefills pass FIA an explicit banded ``(Sq, Skv)`` mask (``sparse_mode=0``) over K/V gathered
   from the first block any query's window reaches. Out-of-window blocks are never freed.
 * Encoder steps (``forward_encoder``): FIA with no mask over the sequences padded into one batch.
+* Soft-capped scores (Gemma 2's ``logit_softcap``; no torch_npu attention op takes a cap): plain
+  torch ops on the same cache, ``kiln.interfaces.attention``'s reference per request when eager,
+  and in graphs one padded batch over each request's blocks (``capped_decode``).
 Precision arguments come from ``kiln_ascend.precision``.
 """
 
@@ -23,7 +26,15 @@ from dataclasses import dataclass
 
 import torch
 
-from kiln.interfaces.attention import AttentionBackend, BatchLayout, attend_mask, padded_rows, window_start
+from kiln.interfaces.attention import (
+    AttentionBackend,
+    BatchLayout,
+    attend_mask,
+    attention,
+    padded_rows,
+    paged_attention,
+    window_start,
+)
 from kiln_ascend.precision import PrecisionModes
 
 FULL_MASK = 0  # sparse_mode 0: the (Sq, Skv) atten_mask as given
@@ -53,6 +64,7 @@ class AscendAttentionBackend(AttentionBackend):
     name = "ascend"
     supports_decode_graphs = True
     supports_sliding_window = True
+    supports_logit_softcap = True
 
     def __init__(
         self,
@@ -84,14 +96,19 @@ class AscendAttentionBackend(AttentionBackend):
 
     def forward(
         self, q, k, v, kv_cache, metadata: AscendMetadata | AscendGraphMetadata, *, layer_idx, scale,
-        sliding_window=None,
+        sliding_window=None, logit_softcap=None,
     ):  # fmt: skip
         import torch_npu
 
+        if logit_softcap is not None and isinstance(metadata, AscendMetadata):
+            # the reference's writes are plain indexing too: one pass of torch ops per request
+            return paged_attention(q, k, v, kv_cache, metadata.layout, scale, sliding_window, logit_softcap)
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         bs = key_cache.shape[1]
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         torch_npu._npu_reshape_and_cache(k.contiguous(), v.contiguous(), key_cache, value_cache, metadata.slots)
+        if logit_softcap is not None:
+            return capped_decode(q, kv_cache, metadata, scale, sliding_window, logit_softcap)
         out = torch.empty_like(q)
         if isinstance(metadata, AscendGraphMetadata):
             keys, values, table, lens = key_cache, value_cache, metadata.block_table, metadata.seq_lens
@@ -191,6 +208,28 @@ class AscendAttentionBackend(AttentionBackend):
             index = padded_rows(layout.query_lens_cpu, width, layout.query_start_loc.device)
             self._encoder_index = (layout, index, width)
         return self._encoder_index[1], self._encoder_index[2]
+
+
+def capped_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AscendGraphMetadata,
+    scale: float,
+    window: int | None,
+    cap: float,
+) -> torch.Tensor:
+    """A graph step's decodes with soft-capped scores, tensors only: every request's blocks of
+    its table gathered into one padded batch, keys past its length (or before its window)
+    masked out."""
+    table, lens = metadata.block_table.long(), metadata.seq_lens.long()
+    reqs = table.shape[0]
+    keys, values = (kv_cache[i][table].flatten(1, 2).transpose(1, 2) for i in (0, 1))  # (reqs, kv_heads, len, dim)
+    pos = torch.arange(keys.shape[2], device=q.device)
+    mask = pos < lens[:, None]
+    if window is not None:
+        mask &= pos >= (lens - window)[:, None]
+    out = attention(q.view(reqs, -1, 1, q.shape[-1]), keys, values, mask[:, None, None, :], scale, cap)
+    return out.view(q.shape)
 
 
 def window_cache(
