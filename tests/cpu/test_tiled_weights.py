@@ -192,21 +192,24 @@ def test_rows_of_several_types(kinds, fmt):
 @pytest.mark.parametrize(
     ("kind", "fmt"),
     [(GGMLQuantizationType.Q4_K, 4), (GGMLQuantizationType.Q5_K, 8), (GGMLQuantizationType.Q6_K, 6),
-     (GGMLQuantizationType.Q3_K, 6)],
+     (GGMLQuantizationType.Q3_K, 6), (GGMLQuantizationType.IQ4_NL, 8), (GGMLQuantizationType.IQ4_XS, 8)],
 )  # fmt: skip
-def test_k_quant_blocks_of_any_codes_and_scales(kind, fmt):
-    """Random bytes are valid K-quant blocks: codes that need not span their range and sub-block
-    scales and mins of any value, as llama.cpp's search may leave them (``kiln.testing.kquants``
-    maps each range onto the full codes); only the fp16 super-block scales are set to sizes a
-    file has. Q3_K (3-bit codes, a scale per 16 values) comes back in Q6_K's form."""
+def test_blocks_of_any_codes_and_scales(kind, fmt):
+    """Random bytes are valid K-quant and IQ4 blocks: codes that need not span their range and
+    sub-block scales and mins of any value, as llama.cpp's search may leave them
+    (``kiln.testing.kquants`` maps each range onto the full codes); only the fp16 (super-)block
+    scales are set to sizes a file has. Q3_K (3-bit codes, a scale per 16 values) comes back in
+    Q6_K's form, IQ4_NL and IQ4_XS (indices into 16 int8 values) as those int8 values."""
     rng = np.random.default_rng(int(kind))
-    size = GGML_QUANT_SIZES[kind][1]  # bytes per 256 values
-    raw = rng.integers(0, 256, (64, 2, size), dtype=np.uint8)
-    scales = (rng.random((64, 2, 2)) * 0.01 + 1e-3).astype(np.float16).view(np.uint8)  # (64, 2, 4) bytes
+    values, size = GGML_QUANT_SIZES[kind]  # per block, and its bytes
+    raw = rng.integers(0, 256, (64, 512 // values, size), dtype=np.uint8)
+    scales = (rng.random((*raw.shape[:2], 2)) * 0.01 + 1e-3).astype(np.float16).view(np.uint8)  # 4 bytes a block
     if kind in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K):
         raw[..., :4] = scales  # d, dmin lead the block
-    else:
+    elif kind in (GGMLQuantizationType.Q3_K, GGMLQuantizationType.Q6_K):
         raw[..., -2:] = scales[..., :2]  # d ends it
+    else:
+        raw[..., :2] = scales[..., :2]  # d leads it
     w = torch.from_numpy(dequantize(raw.reshape(64, -1), kind).astype(np.float32))
     form = find_gguf_form(w)
     assert form is not None and form.fmt == fmt and torch.equal(form.unpack(), w)

@@ -31,8 +31,8 @@ _PROBE_ROWS = 16
 @dataclass(slots=True, eq=False)
 class Blocks:
     """value = code * scale + min. ``fmt`` 4: codes 0..15 (Q4_0/Q4_1/Q4_K), scale and min per
-    32 values; 8: int8 codes, a scale per 32, a min per 32 or None (Q8_0, Q5_0 without; Q5_1,
-    Q5_K with); 6: int8 codes, a scale per 16 (Q3_K, Q6_K), a min per 32 or None. ``codes`` (N, K)
+    32 values; 8: int8 codes, a scale per 32, a min per 32 or None (Q8_0, Q5_0, IQ4_NL, IQ4_XS
+    without; Q5_1, Q5_K with); 6: int8 codes, a scale per 16 (Q3_K, Q6_K), a min per 32 or None. ``codes`` (N, K)
     int8, ``scale`` (N, K/32) or (N, K/16), ``min`` (N, K/32)."""
 
     fmt: int
@@ -62,25 +62,33 @@ def _q8_0(w: torch.Tensor) -> Blocks:
     return Blocks(8, q.round().clamp(-127, 127).to(torch.int8).view(w.shape), scale, None)
 
 
-def _signed(w: torch.Tensor, half: int, size: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scales and codes of GGUF's Q4_0 (``half`` 8), Q5_0 (16) or, per 16 values (``size``),
-    Q6_K (32): value = c * d, c in -half..half-1. ggml's reference quantizer gives the block's
-    value of largest magnitude c = -half; with an importance matrix llama.cpp fits d, and that
-    value may take any code. So each block takes the first code k (from -half) for which
-    d = value / k gives every value a whole code."""
+def _scaled_codes(
+    w: torch.Tensor, tries: list[int], lo: int, hi: int, size: int = BLOCK
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scales and codes lo..hi with value = c * d per ``size`` values: each block takes the first
+    code k of ``tries`` for which d = (its value of largest magnitude) / k gives every value a
+    whole code in range."""
     blocks = w.view(w.shape[0], -1, size)
     top = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True))  # (rows, blocks, 1)
     d, codes = torch.zeros_like(top), torch.zeros_like(blocks)
     found = top == 0  # an all-zero block: d 0, codes 0
-    for k in [*range(-half, 0), *range(half - 1, 0, -1)]:
+    for k in tries:
         trial = top / k
         c = (blocks / trial).round()
-        fits = ~found & (c * trial == blocks).all(-1, keepdim=True) & (c >= -half).all(-1, keepdim=True)
-        fits &= (c < half).all(-1, keepdim=True)
+        fits = ~found & (c * trial == blocks).all(-1, keepdim=True) & (c >= lo).all(-1, keepdim=True)
+        fits &= (c <= hi).all(-1, keepdim=True)
         d, codes, found = torch.where(fits, trial, d), torch.where(fits, c, codes), found | fits
         if found.all():
             break
-    return d.squeeze(-1), codes.clamp(-half, half - 1).to(torch.int8).view(w.shape)
+    return d.squeeze(-1), codes.clamp(lo, hi).to(torch.int8).view(w.shape)
+
+
+def _signed(w: torch.Tensor, half: int, size: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF's Q4_0 (``half`` 8), Q5_0 (16) or, per 16 values (``size``), Q6_K (32): value = c * d,
+    c in -half..half-1. ggml's reference quantizer gives the block's value of largest magnitude
+    c = -half; with an importance matrix llama.cpp fits d, and that value may take any code: so
+    the codes from -half on are tried in turn."""
+    return _scaled_codes(w, [*range(-half, 0), *range(half - 1, 0, -1)], -half, half - 1, size)
 
 
 def _q4_0(w: torch.Tensor) -> Blocks:
@@ -96,6 +104,15 @@ def _q5_0(w: torch.Tensor) -> Blocks:
 def _q6_k(w: torch.Tensor) -> Blocks:
     d, codes = _signed(w, 32, 16)  # int8 codes -32..31, a scale per 16 values (Q3_K's -4..3 too)
     return Blocks(6, codes, d, None)
+
+
+# IQ4_NL's and IQ4_XS's 16 values (int8): a code indexes them, times the block's scale
+_IQ4_VALUES = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113]
+
+
+def _iq4(w: torch.Tensor) -> Blocks:
+    d, codes = _scaled_codes(w, _IQ4_VALUES, -127, 127)  # the looked-up values are the int8 codes
+    return Blocks(8, codes, d, None)
 
 
 def _affine(w: torch.Tensor, levels: int) -> Blocks:
@@ -130,7 +147,7 @@ def _q5(w: torch.Tensor) -> Blocks:
 
 
 Recovery = Callable[[torch.Tensor], Blocks]
-_RECOVERIES: tuple[Recovery, ...] = (_q4_1, _q4_0, _q8_0, _q5_0, _q4_k, _q5, _q6_k)
+_RECOVERIES: tuple[Recovery, ...] = (_q4_1, _q4_0, _q8_0, _q5_0, _q4_k, _q5, _q6_k, _iq4)
 
 
 def _exact(recover: Recovery, rows: torch.Tensor) -> Blocks | None:
