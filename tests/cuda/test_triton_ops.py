@@ -89,6 +89,11 @@ class TritonOnCpuPlatform:
             def process_weights(self, model, config) -> None:
                 pass
 
+            def linear_method(self, scheme):
+                from kiln_cuda.quant import linear_method
+
+                return linear_method(scheme)
+
         return Platform()
 
 
@@ -121,6 +126,46 @@ def test_engine_through_triton_kernels_matches_the_cpu_plugin(tiny_model_dir, ki
     common = dict(model=tiny_model_dir("llama"), dtype="float32", block_size=16)
     triton_run = greedy_tokens(kiln_plugins, prompts, device="cpu_triton", **common)
     assert triton_run == greedy_tokens(kiln_plugins, prompts, device="cpu", **common)
+
+
+FP8_CHANNELS = {
+    "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+    "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+        "num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel", "dynamic": False}}},
+}  # fmt: skip
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the interpreter path on CPU")
+@pytest.mark.parametrize(
+    ("config", "kept"),
+    [
+        ({"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [16, 32]}, True),
+        (FP8_CHANNELS, True),
+        ({"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [48, 48]}, False),
+    ],
+    ids=["blocks", "channels", "blocks-off-the-layers"],
+)  # fmt: skip
+def test_fp8_checkpoints_through_triton_kernels_match_the_cpu_plugin(tiny_model_dir, kiln_plugins, tmp_path, config,
+                                                                     kept):  # fmt: skip
+    """An fp8 checkpoint's weights stay fp8 on the Triton platform (its dequantizing GEMM reads them;
+    blocks of 48 inputs, which do not tile the 64-input layers, are widened at load) and give the
+    tokens the CPU plugin gives from them widened at load (tests/quantization/test_fp8_checkpoints.py
+    matches those to transformers)."""
+    import kiln_cpu.plugin
+    import kiln_cuda.plugin
+    from kiln.interfaces.quantization import QuantLinear
+    from kiln.testing.engine import make_engine, run_greedy
+    from kiln.testing.quantization import fp8_copy
+
+    for module, name in ((kiln_cpu.plugin, "cpu"), (kiln_cuda.plugin, "cuda"), (sys.modules[__name__], "test")):
+        kiln_plugins.register(module, name=name)
+    folder, _ = fp8_copy(tiny_model_dir("llama"), tmp_path / "fp8", config)
+    prompts, common = [[1000, 7, 9], list(range(100, 119))], dict(model=str(folder), dtype="float32", block_size=16)
+    engines = {device: make_engine(kiln_plugins, device=device, **common) for device in ("cpu_triton", "cpu")}
+    layers = {d: [m for m in e.executor.runner.model.modules() if isinstance(m, QuantLinear)] for d, e in engines.items()}
+    assert not layers["cpu"] and bool(layers["cpu_triton"]) == kept
+    assert all(layer.qweight.dtype == torch.float8_e4m3fn for layer in layers["cpu_triton"])
+    assert run_greedy(engines["cpu_triton"], prompts) == run_greedy(engines["cpu"], prompts)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the interpreter path on CPU")

@@ -1,6 +1,6 @@
 """The CUDA plugin's quantized linear kernels (kiln_cuda.quant) against ``ReferenceLinearMethod``:
-W8A8, W8A16 per channel, W4A16 with zero points (groups of 32 and 128), symmetric W4A16 and GPTQ
-act-order, at 1, 16, 64 and 1000 rows, plus the per-token int8 kernel against
+W8A8, W8A16 per channel, W4A16 with zero points (groups of 32 and 128), symmetric W4A16, GPTQ
+act-order and fp8 weights (per channel and in blocks), at 1, 16, 64 and 1000 rows, plus the per-token int8 kernel against
 ``quantize_per_token`` bit for bit. On GPU where one is present, else under Triton's interpreter
 on CPU tensors (fp32 and fp16: the interpreter's bf16 arithmetic is broken); the tests marked
 ``cuda`` add bf16, larger layers and CUDA graph capture on a real GPU."""
@@ -18,7 +18,11 @@ from kiln_cuda import quant
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
-SCHEMES = {**quant_testing.SCHEMES, "w4a16-g32-zero": QuantScheme(4, 32, False)}
+SCHEMES = {
+    **quant_testing.SCHEMES, "w4a16-g32-zero": QuantScheme(4, 32, False),
+    "fp8-channel": QuantScheme(8, None, True, float_weights=True),  # fp8 checkpoints: float8 weights,
+    "fp8-block": QuantScheme(8, 64, True, float_weights=True),  # per row, or per (row, 64-input) block
+}  # fmt: skip
 # fp32 activations: the same widened weights, IEEE fp32 products, another summation order.
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-4), torch.float16: dict(rtol=2e-3, atol=2e-3)}
 
@@ -77,8 +81,10 @@ def test_matches_reference_fp16(name, rows):
         (QuantScheme(4, 40, False), 120, 64),  # groups no tile divides: each input reads its group
         (QuantScheme(8, 64, False), 128, 32),  # 8-bit with zero points: signed int8 codes
         (QuantScheme(8, None, True, activation_bits=8), 200, 72),
+        (QuantScheme(8, None, True, float_weights=True), 200, 72),
+        (QuantScheme(8, 40, True, float_weights=True), 120, 72),  # fp8 blocks of 40 inputs: per input
     ],
-    ids=["w8-tails", "w4-pad", "w4-g48", "w4-g40", "w8-zero", "w8a8-tails"],
+    ids=["w8-tails", "w4-pad", "w4-g48", "w4-g40", "w8-zero", "w8a8-tails", "fp8-tails", "fp8-g40"],
 )
 def test_odd_shapes(scheme, in_features, out_features):
     layer = random_layer(scheme, in_features, out_features, seed=3, bias=True)
@@ -170,7 +176,7 @@ def test_platform_offers_the_methods():
 
     platform = CudaPlatform()
     assert isinstance(platform.linear_method(SCHEMES["w8a8"]), quant.TritonInt8Method)
-    for name in ("w8a16", "w4a16-awq", "w4a16-actorder"):
+    for name in ("w8a16", "w4a16-awq", "w4a16-actorder", "fp8-channel", "fp8-block"):
         assert isinstance(platform.linear_method(SCHEMES[name]), quant.TritonDequantMethod)
     assert platform.linear_method(QuantScheme(4, 128, True, activation_bits=8)) is None
     assert platform.linear_method(QuantScheme(3, 128, True)) is None

@@ -4,19 +4,16 @@ scales, served by Kiln after widening, token for token against transformers on t
 
 from __future__ import annotations
 
-import json
-import shutil
-from pathlib import Path
-
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from kiln.quantization.config import Fp8Layout, fp8_layout, resolve
-from kiln.quantization.fp8 import widen, widen_fp8
+from kiln.interfaces.quantization import QuantLinear, dequantize
+from kiln.quantization.config import Fp8Layout, QuantConfig, QuantScheme, fp8_layout, fp8_scheme, resolve
+from kiln.quantization.fp8 import fp8_weights, widen, widen_fp8
 from kiln.testing.models import FAMILY_TOKENS, assert_generates, hf_greedy
+from kiln.testing.quantization import fp8_copy, fp8_quantize
 
-FP8_MAX = 448.0  # the largest float8 e4m3 value
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [40, 41, 42, 100, 7]]
 BLOCK_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [48, 48]}
 TENSOR_CONFIG = {"quant_method": "fp8", "activation_scheme": "static"}
@@ -33,49 +30,6 @@ CHANNEL_CONFIG = {
 LAYOUTS = {"block": BLOCK_CONFIG, "tensor": TENSOR_CONFIG, "channel": CHANNEL_CONFIG}
 
 
-def quantize(weight: torch.Tensor, block: tuple[int, int] | None, per_row: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """float8 values and their scales (amax / 448 per block, row or tensor)."""
-    rows, cols = weight.shape
-    if block is not None:
-        br, bc = block
-        padded = torch.zeros(-(-rows // br) * br, -(-cols // bc) * bc)
-        padded[:rows, :cols] = weight
-        blocks = padded.unflatten(0, (-1, br)).unflatten(2, (-1, bc))  # (R, br, C, bc)
-        scale = blocks.abs().amax(dim=(1, 3)) / FP8_MAX
-    elif per_row:
-        scale = weight.abs().amax(dim=1, keepdim=True) / FP8_MAX
-    else:
-        scale = weight.abs().amax() / FP8_MAX
-    grid = widen(torch.ones(rows, cols), scale, block)  # the scale of each value
-    return (weight / grid).to(torch.float8_e4m3fn), scale
-
-
-def fp8_copy(source: str, folder: Path, config: dict) -> tuple[Path, Path]:
-    """``source`` with its decoder projections in fp8 (``folder``), and the same model with those
-    weights widened back to fp32 (``folder``-widened: transformers' reference)."""
-    layout = fp8_layout(config)
-    widened = folder.parent / f"{folder.name}-widened"
-    for target in (folder, widened):
-        shutil.copytree(source, target)
-    tensors = load_file(str(Path(source) / "model.safetensors"))
-    quantized, plain = {}, {}
-    for name, tensor in tensors.items():
-        if name.endswith("_proj.weight"):
-            q, scale = quantize(tensor.float(), layout.block, per_row=config is CHANNEL_CONFIG)
-            layer = name.removesuffix(".weight")
-            quantized[name], quantized[f"{layer}.{layout.scale_name}"] = q, scale
-            if config is TENSOR_CONFIG:
-                quantized[f"{layer}.input_scale"] = torch.tensor(0.02)
-            plain[name] = widen(q, scale, layout.block)
-        else:
-            quantized[name] = plain[name] = tensor
-    save_file(quantized, str(folder / "model.safetensors"))
-    save_file(plain, str(widened / "model.safetensors"))
-    hf_config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**hf_config, "quantization_config": config}))
-    return folder, widened
-
-
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_fp8_checkpoints_generate_as_their_widened_weights(tiny_model_dir, tmp_path, layout):
     folder, widened = fp8_copy(tiny_model_dir("llama"), tmp_path / f"fp8-{layout}", LAYOUTS[layout])
@@ -90,7 +44,7 @@ def test_fp8_checkpoints_generate_as_their_widened_weights(tiny_model_dir, tmp_p
 def test_block_scales_cover_partial_blocks():
     """Blocks of 32 rows by 48 columns (not square: rows and columns cannot be swapped unseen)."""
     weight = torch.randn(100, 70)
-    q, scale = quantize(weight, (32, 48), per_row=False)
+    q, scale = fp8_quantize(weight, (32, 48), per_row=False)
     assert scale.shape == (4, 2)
     back = widen(q, scale, (32, 48))
     for (r, c), s in zip([(0, 0), (99, 69), (40, 10), (70, 50)], [scale[0, 0], scale[3, 1], scale[1, 0], scale[2, 1]]):
@@ -100,7 +54,7 @@ def test_block_scales_cover_partial_blocks():
 
 def test_fp8_stream_pairs_weights_with_scales_in_any_order():
     w = torch.randn(4, 8)
-    q, scale = quantize(w, None, per_row=False)
+    q, scale = fp8_quantize(w, None, per_row=False)
     assert scale.dim() == 0
     one = torch.tensor(1.0)
     kv_scales = [("k_proj.output_scale", one), ("attn.kv_scale", one), ("attn.k_scale", one), ("attn.v_scale", one)]
@@ -111,8 +65,34 @@ def test_fp8_stream_pairs_weights_with_scales_in_any_order():
         list(widen_fp8([("b.weight", q)], Fp8Layout("weight_scale")))
 
 
+def test_fp8_weights_in_canonical_form():
+    """What a platform with an fp8 kernel loads: each weight as stored, its scale (a scalar, one per
+    row, or a grid of 32 x 48 blocks, the last partial) repeated to one per row and group of 48
+    inputs, which the canonical widening turns into each value times its own scale."""
+    w = torch.randn(100, 96)
+    for block, per_row in ((None, False), (None, True), ((32, 48), False)):
+        q, scale = fp8_quantize(w, block, per_row=per_row)
+        if block is None:
+            grid = scale.reshape(-1, 1) if per_row else scale
+        else:
+            grid = scale[torch.arange(100) // 32][:, torch.arange(96) // 48]
+        stream = [("a.weight", q), ("a.weight_scale", scale), ("a.input_scale", torch.tensor(1.0))]
+        out = dict(fp8_weights(stream, Fp8Layout("weight_scale", block)))
+        assert set(out) == {"a.weight", "a.weight_scale"} and out["a.weight"] is q
+        assert out["a.weight_scale"].shape == (100, 1 if block is None else 2)
+        layer = QuantLinear(96, 100, False, fp8_scheme(Fp8Layout("weight_scale", block)), act_order=False)
+        layer.weight.data.copy_(out["a.weight"])
+        layer.weight_scale.data.copy_(out["a.weight_scale"])
+        assert torch.equal(dequantize(layer), q.float() * grid)
+    with pytest.raises(ValueError, match="fp8 checkpoint: b.weight is torch.float8_e5m2"):
+        list(fp8_weights([("b.weight", q.to(torch.float8_e5m2)), ("b.weight_scale", scale)], Fp8Layout("weight_scale")))
+
+
 def test_fp8_flag_resolution():
-    assert resolve(None, BLOCK_CONFIG) is None and resolve("fp8", CHANNEL_CONFIG) is None
+    """fp8 checkpoints resolve to fp8 weights (a platform without an fp8 kernel widens them)."""
+    block = QuantConfig("fp8", QuantScheme(8, 48, True, float_weights=True), ("lm_head",))
+    assert resolve(None, BLOCK_CONFIG) == block and block.label == "fp8 fp8a16 (group 48, symmetric)"
+    assert resolve("fp8", CHANNEL_CONFIG) == QuantConfig("fp8", QuantScheme(8, None, True, float_weights=True))
     with pytest.raises(ValueError, match="--quantization awq: the checkpoint's weights are fp8"):
         resolve("awq", BLOCK_CONFIG)
     with pytest.raises(ValueError, match="fp8: format 'e5m2'"):

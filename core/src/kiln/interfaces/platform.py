@@ -135,11 +135,13 @@ class Platform(ABC):
     def linear_method(self, scheme: QuantScheme) -> LinearMethod | None:
         """How this device computes quantized linear layers of ``scheme`` (``w8a8``: int8
         weights per channel and int8 activations per token; ``w8a16``/``w4a16``: integer
-        weights widened to the activations' dtype), or None if it cannot: serving such a
-        checkpoint is then a start-up error. Default: ``ReferenceLinearMethod`` (plain torch)."""
+        weights widened to the activations' dtype; ``fp8a16``: float8 weights, the same), or
+        None if it cannot: serving such a checkpoint is then a start-up error, except fp8,
+        whose weights are then widened at load. Default: ``ReferenceLinearMethod`` (plain
+        torch), and None for fp8 (widening once beats widening per call)."""
         from kiln.interfaces.quantization import ReferenceLinearMethod
 
-        return ReferenceLinearMethod()
+        return None if scheme.float_weights else ReferenceLinearMethod()
 
     def graph_runner(self, config: EngineConfig) -> GraphRunner | None:
         """A graph runner for decode steps, or None for eager execution (the default).

@@ -5,7 +5,8 @@ A model builds a ``QuantLinear`` wherever its checkpoint quantizes a linear laye
 whatever the checkpoint's format (AWQ, GPTQ, compressed-tensors):
 
 - ``weight``: int8 (out, in). Symmetric schemes hold signed values; schemes with zero
-  points hold the unsigned codes (0..15 for 4-bit).
+  points hold the unsigned codes (0..15 for 4-bit). float8 (e4m3) for ``float_weights``
+  schemes (fp8 checkpoints).
 - ``weight_scale``: fp32 (out, groups), one per ``group_size`` inputs, or (out, 1).
 - ``weight_zero``: int8 (out, groups), only for schemes with zero points.
 - ``g_idx``: int32 (in,), only for GPTQ act-order checkpoints: the group of each input.
@@ -53,7 +54,8 @@ class QuantLinear(nn.Module):
         groups = in_features // scheme.group_size if scheme.group_size else 1
         if scheme.group_size and in_features % scheme.group_size:
             raise ValueError(f"{in_features} inputs are not a multiple of the group size {scheme.group_size}")
-        self.weight = nn.Parameter(torch.zeros(out_features, in_features, dtype=torch.int8), requires_grad=False)
+        codes = torch.float8_e4m3fn if scheme.float_weights else torch.int8
+        self.weight = nn.Parameter(torch.zeros(out_features, in_features, dtype=codes), requires_grad=False)
         self.weight_scale = nn.Parameter(torch.ones(out_features, groups, dtype=torch.float32), requires_grad=False)
         zero = None if scheme.symmetric else torch.zeros(out_features, groups, dtype=torch.int8)
         self.weight_zero = None if zero is None else nn.Parameter(zero, requires_grad=False)

@@ -23,16 +23,18 @@ class QuantScheme:
     Weights are integers ``q`` with a scale per ``group_size`` inputs of each output
     feature (one per feature when ``group_size`` is None) and, unless ``symmetric``, a
     zero point: ``w = (q - zero) * scale``. With ``activation_bits`` 8 the layer's input is
-    quantized to int8 per token at run time (W8A8) and the product is an integer GEMM."""
+    quantized to int8 per token at run time (W8A8) and the product is an integer GEMM.
+    ``float_weights``: ``q`` is float8 (e4m3) rather than an integer (fp8 checkpoints)."""
 
     weight_bits: int
     group_size: int | None
     symmetric: bool
     activation_bits: int | None = None
+    float_weights: bool = False
 
     @property
     def name(self) -> str:
-        return f"w{self.weight_bits}a{self.activation_bits or 16}"
+        return f"{'fp' if self.float_weights else 'w'}{self.weight_bits}a{self.activation_bits or 16}"
 
     def describe(self) -> str:
         groups = f"group {self.group_size}" if self.group_size else "per channel"
@@ -41,6 +43,12 @@ class QuantScheme:
 
 W8A8 = QuantScheme(8, None, True, activation_bits=8)
 W8A16 = QuantScheme(8, None, True)
+
+
+def fp8_scheme(layout: Fp8Layout) -> QuantScheme:
+    """fp8 weights with a scale per output feature (a per-tensor scale repeats down them), or per
+    block: a group of ``block[1]`` inputs (the block's rows repeat its scale)."""
+    return QuantScheme(8, layout.block[1] if layout.block else None, True, float_weights=True)
 
 
 @dataclass(frozen=True)
@@ -76,11 +84,13 @@ class QuantConfig:
 class Fp8Layout:
     """An fp8 checkpoint: each quantized linear layer ``X`` stores ``X.weight`` in float8 (e4m3)
     and ``X.<scale_name>``, one fp32 scale per tensor, per output feature or per ``block`` of
-    (rows, columns): ``w = fp8 * scale``. Kiln widens these weights once at load
-    (``kiln.quantization.fp8``): no platform computes in fp8."""
+    (rows, columns): ``w = fp8 * scale``. Platforms with an fp8 kernel (``linear_method`` of
+    ``fp8_scheme``) keep them; on others they are widened once at load (``kiln.quantization.fp8``).
+    ``ignore``: the linear layers the checkpoint left unquantized."""
 
     scale_name: str
     block: tuple[int, int] | None = None
+    ignore: tuple[str, ...] = ("lm_head",)
 
 
 def fp8_layout(qc: dict | None) -> Fp8Layout | None:
@@ -91,7 +101,8 @@ def fp8_layout(qc: dict | None) -> Fp8Layout | None:
         if qc.get("fmt", "e4m3") != "e4m3":
             raise ValueError(f"fp8: format {qc.get('fmt')!r} (Kiln reads e4m3 checkpoints)")
         block = qc.get("weight_block_size")
-        return Fp8Layout("weight_scale_inv", tuple(block)) if block else Fp8Layout("weight_scale")
+        ignore = tuple(qc.get("modules_to_not_convert") or qc.get("ignored_layers") or ()) + ("lm_head",)
+        return Fp8Layout("weight_scale_inv", tuple(block), ignore) if block else Fp8Layout("weight_scale", None, ignore)
     if method != "compressed-tensors":
         return None
     groups = list((qc.get("config_groups") or {}).values())
@@ -104,7 +115,7 @@ def fp8_layout(qc: dict | None) -> Fp8Layout | None:
     block = weights.get("block_structure") if strategy == "block" else None
     if strategy == "block" and not (isinstance(block, list) and len(block) == 2 and all(type(n) is int for n in block)):
         raise ValueError(f"compressed-tensors: block strategy needs block_structure [rows, columns], got {block!r}")
-    return Fp8Layout("weight_scale", tuple(block) if block else None)
+    return Fp8Layout("weight_scale", tuple(block) if block else None, tuple(qc.get("ignore") or ("lm_head",)))
 
 
 def normalize_flag(flag: str | None) -> str | None:
@@ -202,15 +213,15 @@ def resolve(flag: str | None, hf_quant_config: dict | None) -> QuantConfig | Non
         if hf_quant_config:
             raise ValueError("--quantization none: the checkpoint is quantized; serve it with its own method")
         return None
-    if fp8_layout(hf_quant_config) is not None:  # widened at load: served unquantized
+    fp8 = fp8_layout(hf_quant_config)
+    if fp8 is not None:  # kept in fp8 where the platform has a kernel for it, else widened at load
         if name not in (None, "fp8", "compressed-tensors"):
             raise ValueError(f"--quantization {flag}: the checkpoint's weights are fp8 (--quantization fp8)")
-        return None
+        return QuantConfig("fp8", fp8_scheme(fp8), fp8.ignore)
     if name == "fp8":
         raise ValueError(
-            "--quantization fp8: needs an fp8 checkpoint (quant_method fp8, or compressed-tensors float8 weights), "
-            "whose weights Kiln widens at load; no Kiln platform computes in fp8, so quantizing other weights to "
-            "fp8 would only lose accuracy: use weight_only_int8 or smoothquant"
+            "--quantization fp8: needs an fp8 checkpoint (quant_method fp8, or compressed-tensors float8 weights); "
+            "Kiln does not quantize other weights to fp8: use weight_only_int8 or smoothquant"
         )
     if not hf_quant_config:
         if name is None:

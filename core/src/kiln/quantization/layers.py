@@ -40,13 +40,18 @@ def load_linear_tensor(params: dict[str, nn.Parameter], name: str, tensor: torch
     """Copy ``tensor`` into the parameter ``name``; returns the parameters it filled.
 
     A float weight for an int8 parameter is quantized here (``--quantization
-    weight_only_int8`` on an unquantized checkpoint), filling its scale too."""
+    weight_only_int8`` on an unquantized checkpoint), filling its scale too; so is one for an
+    fp8 parameter (a layer an fp8 checkpoint left in 16 bits without listing it), to fp8 per row."""
     if name not in params:
         raise ValueError(f"unexpected weight {name!r} in checkpoint")
     param = params[name]
     values = {name: tensor}
     if param.dtype == torch.int8 and tensor.is_floating_point():
         values = dict(zip((name, name + "_scale"), int8_per_channel(tensor)))
+    elif param.dtype == torch.float8_e4m3fn and tensor.dtype != param.dtype:
+        scale = tensor.float().abs().amax(1, keepdim=True).clamp(min=1e-12) / torch.finfo(param.dtype).max
+        codes = (tensor.float() / scale).to(param.dtype)
+        values = {name: codes, name + "_scale": scale.expand(params[name + "_scale"].shape)}
     for key, value in values.items():
         target = params[key]
         if target.shape != value.shape:

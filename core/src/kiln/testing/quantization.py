@@ -1,10 +1,12 @@
-"""Random quantized layers for the kernel tests of every platform, and a quantized checkpoint's
-weights dequantized into its original model (the reference transformers runs)."""
+"""Random quantized layers for the kernel tests of every platform, a quantized checkpoint's
+weights dequantized into its original model (the reference transformers runs), and fp8 copies
+of a model."""
 
 from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import torch
 
@@ -76,3 +78,63 @@ def dequantized_copy(quantized: str, original: str, target: str) -> str:
                 module.weight.copy_(dequantize(layer))
     model.save_pretrained(target)
     return target
+
+
+FP8_MAX = 448.0  # the largest float8 e4m3 value
+
+
+def fp8_quantize(
+    weight: torch.Tensor, block: tuple[int, int] | None, per_row: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float8 values and their scales (amax / 448 per block, row or tensor)."""
+    from kiln.quantization.fp8 import widen
+
+    rows, cols = weight.shape
+    if block is not None:
+        br, bc = block
+        padded = torch.zeros(-(-rows // br) * br, -(-cols // bc) * bc)
+        padded[:rows, :cols] = weight
+        blocks = padded.unflatten(0, (-1, br)).unflatten(2, (-1, bc))  # (R, br, C, bc)
+        scale = blocks.abs().amax(dim=(1, 3)) / FP8_MAX
+    elif per_row:
+        scale = weight.abs().amax(dim=1, keepdim=True) / FP8_MAX
+    else:
+        scale = weight.abs().amax() / FP8_MAX
+    grid = widen(torch.ones(rows, cols), scale, block)  # the scale of each value
+    return (weight / grid).to(torch.float8_e4m3fn), scale
+
+
+def fp8_copy(source: str, folder: Path, config: dict) -> tuple[Path, Path]:
+    """``source`` with its decoder projections in fp8 as ``config`` (a ``quantization_config``)
+    lays them out (``folder``), and the same model with those weights widened back to fp32
+    (``folder``-widened: transformers' reference). A static activation scheme gets (unused)
+    input scales, as such checkpoints carry."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from kiln.quantization.config import fp8_layout
+    from kiln.quantization.fp8 import widen
+
+    layout = fp8_layout(config)
+    per_row = config.get("quant_method") == "compressed-tensors" and layout.block is None
+    widened = folder.parent / f"{folder.name}-widened"
+    for target in (folder, widened):
+        shutil.copytree(source, target)
+    tensors = load_file(str(Path(source) / "model.safetensors"))
+    quantized, plain = {}, {}
+    for name, tensor in tensors.items():
+        if name.endswith("_proj.weight"):
+            q, scale = fp8_quantize(tensor.float(), layout.block, per_row=per_row)
+            layer = name.removesuffix(".weight")
+            quantized[name], quantized[f"{layer}.{layout.scale_name}"] = q, scale
+            if config.get("activation_scheme") == "static":
+                quantized[f"{layer}.input_scale"] = torch.tensor(0.02)
+            plain[name] = widen(q, scale, layout.block)
+        else:
+            quantized[name] = plain[name] = tensor
+    save_file(quantized, str(folder / "model.safetensors"))
+    save_file(plain, str(widened / "model.safetensors"))
+    hf_config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**hf_config, "quantization_config": config}))
+    return folder, widened

@@ -21,8 +21,8 @@ from kiln.lora.slots import build_lora_slots
 from kiln.models.loader import iter_weights, load_hf_config
 from kiln.quantization import config as quant_config
 from kiln.quantization.checkpoint import canonical_weights
-from kiln.quantization.config import QuantConfig
-from kiln.quantization.fp8 import widen_fp8
+from kiln.quantization.config import QuantConfig, QuantScheme
+from kiln.quantization.fp8 import fp8_weights, widen_fp8
 from kiln.registry import Registry, load_ref
 from kiln.worker.model_runner import ModelRunner
 
@@ -135,7 +135,7 @@ def build_model(
         )
     else:
         cls = load_ref(models[arch])
-    quant, method = resolve_quantization(config, platform, hf_config, tp)
+    quant, method = resolve_quantization(config, platform, hf_config, tp, cls)
     ops = resolve_ops(platform.custom_ops())
     torch.manual_seed(config.seed)  # dummy weights: the same on every rank and every run
     # Build straight in the target dtype: no full-size fp32 copy on the way.
@@ -151,14 +151,13 @@ def build_model(
         fmt = "auto" if config.load_format == "gguf" else config.load_format  # a GGUF file was converted
         weights = iter_weights(model_path, fmt, progress=tp.rank == 0)
         fp8 = quant_config.fp8_layout(getattr(hf_config, "quantization_config", None))
-        if fp8 is not None:
-            logger.info("fp8 checkpoint: weights widened to %s at load (no platform computes in fp8)", dtype)
+        if fp8 is not None and quant is None:
             weights = widen_fp8(weights, fp8)
-        in_turn(
-            config.max_parallel_loading_workers,
-            tp,
-            lambda: model.load_weights(weights if quant is None else canonical_weights(weights, quant)),
-        )
+        elif fp8 is not None:
+            weights = fp8_weights(weights, fp8)
+        elif quant is not None:
+            weights = canonical_weights(weights, quant)
+        in_turn(config.max_parallel_loading_workers, tp, lambda: model.load_weights(weights))
     model.eval()
     if config.enable_expert_parallel and not any(hasattr(m, "load_expert") for m in model.modules()):
         logger.warning("--enable-expert-parallel changes nothing: the model has no experts")
@@ -182,19 +181,40 @@ def _process_weights(platform: Platform, model: torch.nn.Module, config: EngineC
 
 
 def resolve_quantization(
-    config: EngineConfig, platform: Platform, hf_config, tp: TensorParallel
+    config: EngineConfig, platform: Platform, hf_config, tp: TensorParallel, model_cls: type
 ) -> tuple[QuantConfig | None, LinearMethod | None]:
     """The model's ``QuantConfig`` and the platform's method for it (None, None: unquantized); a
-    method the device cannot run, or a split it cannot take, is refused here, before any weight is read."""
+    method the device cannot run, or a split it cannot take, is refused here, before any weight is
+    read. fp8 weights without a kernel on the platform, or in a model without quantized layers
+    (the mixtures of experts), are widened at load instead."""
     quant = quant_config.resolve(config.quantization, getattr(hf_config, "quantization_config", None))
     if quant is None:
         return None, None
     method = platform.linear_method(quant.scheme)
+    if quant.scheme.float_weights:
+        why = _fp8_widened(quant.scheme, method, model_cls, hf_config, tp)
+        if why:
+            logger.info("fp8 checkpoint: weights widened at load (%s)", why)
+            return None, None
     if method is None:
         raise ValueError(f"quantization: {quant.label} cannot run on {platform.name}")
     if quant.desc_act and tp.size > 1:
         raise ValueError("--tensor-parallel-size: GPTQ act-order (desc_act) checkpoints are served on one rank")
     return quant, method
+
+
+def _fp8_widened(scheme: QuantScheme, method: LinearMethod | None, model_cls: type, hf_config, tp) -> str | None:
+    """Why an fp8 checkpoint's weights are widened at load rather than kept, or None."""
+    if method is None:
+        return "the platform has no fp8 kernel"
+    if not getattr(model_cls, "supports_quantization", False):
+        return f"{model_cls.__name__} has no quantized layers"
+    hidden, heads = getattr(hf_config, "hidden_size", 0), getattr(hf_config, "num_attention_heads", 1)
+    attention = heads * (getattr(hf_config, "head_dim", None) or hidden // heads)
+    inputs = [hidden, attention // tp.size, getattr(hf_config, "intermediate_size", 0) // tp.size]  # q/k/v, o, down
+    if scheme.group_size and any(n % scheme.group_size for n in inputs if n):
+        return f"blocks of {scheme.group_size} inputs do not tile layers of {inputs} inputs on a rank"
+    return None
 
 
 def build_runner(

@@ -10,6 +10,8 @@
   with that constant as the zero point. The GEMM widens a (BK, BN) tile in registers,
   ``(code - zero) * scale`` rounded to the activations' dtype, and multiplies in that dtype with
   fp32 accumulation (fp32 activations: IEEE fp32 products, not TF32).
+- fp8 weights (fp8 checkpoints): the same GEMM reads them (in, out) as float8, one per input,
+  scaled per output feature and group of inputs (a block's scale repeats down its rows).
 - GPTQ act-order: the inputs are sorted by group (``argsort(g_idx)``) once, and each call gathers
   the activations' columns in the same order. When the sorted groups are contiguous and equal in
   size (GPTQ's) the kernel reads one scale row per K tile, as without act-order; otherwise it
@@ -101,7 +103,7 @@ def k_block(group: int) -> int | None:
 
 
 class TritonDequantMethod(LinearMethod):
-    """W4A16 / W8A16: packed integer weights widened tile by tile inside the GEMM."""
+    """W4A16 / W8A16 / fp8 weights: packed integer (or fp8) weights widened tile by tile inside the GEMM."""
 
     def process(self, layer: QuantLinear) -> None:
         bits, k = layer.scheme.weight_bits, layer.in_features
@@ -121,8 +123,9 @@ class TritonDequantMethod(LinearMethod):
         bk = 64 if groups == 1 else (k_block(size) if uniform else None)
         # Unsigned codes: 4-bit schemes with zero points hold them already; signed weights
         # (symmetric, or 8-bit with zero points in int8) move up by 2**(bits-1), and so does the zero.
-        offset = 0 if bits == 4 and layer.weight_zero is not None else 1 << (bits - 1)
-        layer.qweight = pack_codes(weight.to(torch.int32) + offset, bits)
+        floats = layer.scheme.float_weights
+        offset = 0 if floats or (bits == 4 and layer.weight_zero is not None) else 1 << (bits - 1)
+        layer.qweight = weight.T.contiguous() if floats else pack_codes(weight.to(torch.int32) + offset, bits)
         layer.qscale = layer.weight_scale.data.float().T.contiguous()  # (groups, out)
         layer.qzero = None
         if layer.weight_zero is not None:
@@ -146,7 +149,7 @@ class TritonDequantMethod(LinearMethod):
             kernels.dequant_gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
                 rows, layer.qweight, layer.qscale, qzero, gidx, bias, out, m, n, k, rows.stride(0), out.stride(0),
                 BITS=layer.scheme.weight_bits, GROUP=group, ZERO=zero, HAS_ZERO=layer.qzero is not None,
-                HAS_GIDX=layer.qgidx is not None, HAS_BIAS=layer.bias is not None,
+                HAS_GIDX=layer.qgidx is not None, HAS_BIAS=layer.bias is not None, FLOAT=layer.scheme.float_weights,
                 PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BM=bm, BN=bn, BK=bk, num_warps=warps,
             )  # fmt: skip
         return out.view(*x.shape[:-1], n)

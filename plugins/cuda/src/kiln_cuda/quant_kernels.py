@@ -1,6 +1,6 @@
 """Triton kernels for quantized linear layers (``kiln_cuda.quant`` launches them): per-token int8
 activation quantization, the W8A8 int8 GEMM, and the W4A16/W8A16 GEMM that widens packed integer
-weights a tile at a time. Results round where ``kiln.interfaces.quantization.ReferenceLinearMethod``
+(or fp8) weights a tile at a time. Results round where ``kiln.interfaces.quantization.ReferenceLinearMethod``
 rounds. They run on GPUs, and on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``).
 
 Every ``tl.dot`` tile is at least 16 x 16 x 16 (int8: K tiles of 32 and more)."""
@@ -84,13 +84,14 @@ def int8_gemm_kernel(
 def dequant_gemm_kernel(
     x_ptr, qw_ptr, scale_ptr, zero_ptr, gidx_ptr, bias_ptr, out_ptr, M, N, K, x_stride, o_stride,
     BITS: tl.constexpr, GROUP: tl.constexpr, ZERO: tl.constexpr, HAS_ZERO: tl.constexpr,
-    HAS_GIDX: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_GIDX: tl.constexpr, HAS_BIAS: tl.constexpr, FLOAT: tl.constexpr, PRECISION: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
     """Grid (cdiv(M, BM), cdiv(N, BN)): out = x @ w (+ bias) with w widened tile by tile in registers.
 
     ``qw`` (ceil(K / (32 / BITS)), N) int32: word j of column n holds the unsigned codes of inputs
-    8j..8j+7 (4-bit) or 4j..4j+3 (8-bit), input 8j + i in bits 4i..4i+3. ``scale``/``zero``
+    8j..8j+7 (4-bit) or 4j..4j+3 (8-bit), input 8j + i in bits 4i..4i+3; with ``FLOAT``, (K, N)
+    float8 codes, one per input (fp8 checkpoints). ``scale``/``zero``
     (groups, N) fp32; w = (code - zero) * scale, rounded to x's dtype, then multiplied with fp32
     accumulation. Without ``HAS_ZERO`` the zero point is the constant ``ZERO``. The group of input
     k is ``k // GROUP`` (BK divides GROUP: one scale row per tile), or with ``HAS_GIDX``
@@ -109,8 +110,11 @@ def dequant_gemm_kernel(
         k_mask = k < K
         tile_mask = k_mask[:, None] & n_mask[None, :]
         a = tl.load(x_rows + k[None, :], mask=(rm < M)[:, None] & k_mask[None, :], other=0.0)
-        words = tl.load(qw_ptr + (k // PACK)[:, None] * N + rn[None, :], mask=tile_mask, other=0)
-        codes = ((words >> ((k % PACK) * BITS)[:, None]) & CODE_MASK).to(tl.float32)
+        if FLOAT:
+            codes = tl.load(qw_ptr + k[:, None] * N + rn[None, :], mask=tile_mask, other=0.0).to(tl.float32)
+        else:
+            words = tl.load(qw_ptr + (k // PACK)[:, None] * N + rn[None, :], mask=tile_mask, other=0)
+            codes = ((words >> ((k % PACK) * BITS)[:, None]) & CODE_MASK).to(tl.float32)
         if HAS_GIDX:
             group = tl.load(gidx_ptr + k, mask=k_mask, other=0)
             at = group[:, None] * N + rn[None, :]
