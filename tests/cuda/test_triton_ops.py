@@ -141,9 +141,10 @@ FP8_CHANNELS = {
     [
         ({"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [16, 32]}, True),
         (FP8_CHANNELS, True),
+        ({"quant_method": "fp8", "activation_scheme": "static"}, True),  # a scale per tensor: q, k, v their own
         ({"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [48, 48]}, False),
     ],
-    ids=["blocks", "channels", "blocks-off-the-layers"],
+    ids=["blocks", "channels", "tensors", "blocks-off-the-layers"],
 )  # fmt: skip
 def test_fp8_checkpoints_through_triton_kernels_match_the_cpu_plugin(tiny_model_dir, kiln_plugins, tmp_path, config,
                                                                      kept):  # fmt: skip

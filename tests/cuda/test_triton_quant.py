@@ -179,7 +179,19 @@ def test_platform_offers_the_methods():
     for name in ("w8a16", "w4a16-awq", "w4a16-actorder", "fp8-channel", "fp8-block"):
         assert isinstance(platform.linear_method(SCHEMES[name]), quant.TritonDequantMethod)
     assert platform.linear_method(QuantScheme(4, 128, True, activation_bits=8)) is None
+    assert platform.linear_method(SCHEMES["fp8-block"]).takes_float_weights
     assert platform.linear_method(QuantScheme(3, 128, True)) is None
+
+
+def test_fp8_weights_only_where_triton_reads_fp8(monkeypatch):
+    """Triton reads float8 e4m3 from compute capability 8.9: older GPUs get no fp8 method (their
+    fp8 checkpoints are widened at load)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (8, 0))
+    assert quant.linear_method(SCHEMES["fp8-channel"]) is None
+    assert isinstance(quant.linear_method(SCHEMES["w4a16-awq"]), quant.TritonDequantMethod)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (9, 0))
+    assert isinstance(quant.linear_method(SCHEMES["fp8-channel"]), quant.TritonDequantMethod)
 
 
 # ---------------------------------------------------------------- real GPUs only

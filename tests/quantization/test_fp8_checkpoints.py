@@ -93,6 +93,10 @@ def test_fp8_flag_resolution():
     block = QuantConfig("fp8", QuantScheme(8, 48, True, float_weights=True), ("lm_head",))
     assert resolve(None, BLOCK_CONFIG) == block and block.label == "fp8 fp8a16 (group 48, symmetric)"
     assert resolve("fp8", CHANNEL_CONFIG) == QuantConfig("fp8", QuantScheme(8, None, True, float_weights=True))
+    skipped = resolve(None, {**BLOCK_CONFIG, "modules_to_not_convert": ["model.layers.0.self_attn", "mlp.gate_proj"]})
+    assert not skipped.quantizes("model.layers.0.self_attn.q_proj")  # a module's prefix, as transformers reads it
+    assert not skipped.quantizes("model.layers.1.mlp.gate_proj") and not skipped.quantizes("lm_head")
+    assert skipped.quantizes("model.layers.1.self_attn.q_proj") and skipped.quantizes("model.layers.0.mlp.up_proj")
     with pytest.raises(ValueError, match="--quantization awq: the checkpoint's weights are fp8"):
         resolve("awq", BLOCK_CONFIG)
     with pytest.raises(ValueError, match="fp8: format 'e5m2'"):
@@ -107,3 +111,29 @@ def test_fp8_flag_resolution():
     assert fp8_layout({"quant_method": "compressed-tensors", "config_groups": groups}) == Fp8Layout(
         "weight_scale", (128, 64)
     )
+
+
+def test_fp8_weights_only_where_a_method_takes_them():
+    """fp8 weights stay fp8 only with a platform method that says it computes them, in a model with
+    quantized layers, and with blocks that tile every layer's inputs on a rank; else widened."""
+    from types import SimpleNamespace
+
+    from kiln.interfaces.quantization import ReferenceLinearMethod
+    from kiln.models.llama import LlamaForCausalLM
+    from kiln.models.moe import MixtralForCausalLM
+    from kiln.worker.builder import _fp8_widened
+
+    class IntegersOnly(ReferenceLinearMethod):  # a plugin's method written before fp8 weights
+        takes_float_weights = False
+
+    cfg = SimpleNamespace(hidden_size=64, num_attention_heads=4, intermediate_size=192)  # head_dim 16
+    one, two = SimpleNamespace(size=1), SimpleNamespace(size=2)
+    scheme = fp8_scheme(Fp8Layout("weight_scale_inv", (32, 32)))
+    assert _fp8_widened(scheme, ReferenceLinearMethod(), LlamaForCausalLM, cfg, one) is None
+    assert _fp8_widened(scheme, IntegersOnly(), LlamaForCausalLM, cfg, one) == "the platform has no fp8 kernel"
+    assert _fp8_widened(scheme, None, LlamaForCausalLM, cfg, one) == "the platform has no fp8 kernel"
+    assert "no quantized layers" in _fp8_widened(scheme, ReferenceLinearMethod(), MixtralForCausalLM, cfg, one)
+    # two ranks: the down projection's 96 inputs per rank are 3 blocks, o_proj's 32 one
+    assert _fp8_widened(scheme, ReferenceLinearMethod(), LlamaForCausalLM, cfg, two) is None
+    wide = fp8_scheme(Fp8Layout("weight_scale_inv", (64, 64)))
+    assert "blocks of 64 inputs" in _fp8_widened(wide, ReferenceLinearMethod(), LlamaForCausalLM, cfg, two)

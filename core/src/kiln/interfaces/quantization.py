@@ -32,7 +32,11 @@ __all__ = [
 
 
 class LinearMethod(ABC):
-    """How a platform computes quantized linear layers of one scheme."""
+    """How a platform computes quantized linear layers of one scheme. ``takes_float_weights``:
+    it computes fp8 checkpoints' float8 weights (``QuantScheme.float_weights``); a method that
+    does not say so is never handed them (they are widened at load instead)."""
+
+    takes_float_weights: bool = False
 
     @abstractmethod
     def process(self, layer: QuantLinear) -> None:
@@ -108,6 +112,8 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class ReferenceLinearMethod(LinearMethod):
     """Plain torch on the canonical tensors: the weight widened per call, and for W8A8 an
     exact int32 product of per-token int8 activations. Correct on any device; slow."""
+
+    takes_float_weights = True
 
     def process(self, layer: QuantLinear) -> None:
         pass

@@ -54,7 +54,7 @@ def fp8_scheme(layout: Fp8Layout) -> QuantScheme:
 @dataclass(frozen=True)
 class QuantConfig:
     """A model's quantization: the checkpoint ``method`` (``compressed-tensors``, ``awq``,
-    ``gptq``, or ``online`` for weights quantized at load), the scheme of its linear
+    ``gptq``, ``fp8``, or ``online`` for weights quantized at load), the scheme of its linear
     layers, and the layers it leaves alone (``ignore``: names or ``re:`` patterns, as
     compressed-tensors writes them). ``packed``: compressed-tensors' ``pack-quantized``
     format (codes packed into int32) rather than plain int8."""
@@ -72,6 +72,8 @@ class QuantConfig:
                 if re.fullmatch(pattern[3:], module):
                     return False
             elif module == pattern or module.endswith("." + pattern) or fnmatch.fnmatch(module, pattern):
+                return False
+            elif module.startswith(pattern + "."):  # a whole block or attention left alone, as transformers reads it
                 return False
         return True
 

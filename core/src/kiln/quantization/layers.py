@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
 from kiln.interfaces.quantization import QuantLinear
 from kiln.quantization.config import QuantConfig
 from kiln.quantization.rtn import int8_per_channel
+
+logger = logging.getLogger("kiln")
 
 
 def make_linear(
@@ -49,6 +53,8 @@ def load_linear_tensor(params: dict[str, nn.Parameter], name: str, tensor: torch
     if param.dtype == torch.int8 and tensor.is_floating_point():
         values = dict(zip((name, name + "_scale"), int8_per_channel(tensor)))
     elif param.dtype == torch.float8_e4m3fn and tensor.dtype != param.dtype:
+        logger.warning("%s: %s in an fp8 checkpoint that does not list it as unquantized: rounded to fp8 per row",
+                       name, tensor.dtype)  # fmt: skip
         scale = tensor.float().abs().amax(1, keepdim=True).clamp(min=1e-12) / torch.finfo(param.dtype).max
         codes = (tensor.float() / scale).to(param.dtype)
         values = {name: codes, name + "_scale": scale.expand(params[name + "_scale"].shape)}

@@ -42,7 +42,10 @@ def random_quant_layer(
     top = 2 ** (scheme.weight_bits - 1)
     low, high = (-top + 1, top) if scheme.symmetric else (0, 2 * top)
     with torch.no_grad():
-        layer.weight.copy_(torch.randint(low, high, layer.weight.shape, generator=gen))
+        if scheme.float_weights:  # fp8: every magnitude e4m3 has, subnormals among them
+            layer.weight.copy_((torch.randn(layer.weight.shape, generator=gen) * 64).to(layer.weight.dtype))
+        else:
+            layer.weight.copy_(torch.randint(low, high, layer.weight.shape, generator=gen))
         layer.weight_scale.copy_(torch.rand(layer.weight_scale.shape, generator=gen) * 0.02 + 0.001)
         if layer.weight_zero is not None:
             layer.weight_zero.copy_(torch.randint(0, 16, layer.weight_zero.shape, generator=gen))

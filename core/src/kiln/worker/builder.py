@@ -205,7 +205,7 @@ def resolve_quantization(
 
 def _fp8_widened(scheme: QuantScheme, method: LinearMethod | None, model_cls: type, hf_config, tp) -> str | None:
     """Why an fp8 checkpoint's weights are widened at load rather than kept, or None."""
-    if method is None:
+    if method is None or not method.takes_float_weights:
         return "the platform has no fp8 kernel"
     if not getattr(model_cls, "supports_quantization", False):
         return f"{model_cls.__name__} has no quantized layers"

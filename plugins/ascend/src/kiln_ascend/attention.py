@@ -30,7 +30,6 @@ from kiln.interfaces.attention import (
     AttentionBackend,
     BatchLayout,
     attend_mask,
-    attention,
     padded_rows,
     paged_attention,
     window_start,
@@ -218,18 +217,21 @@ def capped_decode(
     window: int | None,
     cap: float,
 ) -> torch.Tensor:
-    """A graph step's decodes with soft-capped scores, tensors only: every request's blocks of
-    its table gathered into one padded batch, keys past its length (or before its window)
-    masked out."""
-    table, lens = metadata.block_table.long(), metadata.seq_lens.long()
-    reqs = table.shape[0]
-    keys, values = (kv_cache[i][table].flatten(1, 2).transpose(1, 2) for i in (0, 1))  # (reqs, kv_heads, len, dim)
-    pos = torch.arange(keys.shape[2], device=q.device)
-    mask = pos < lens[:, None]
+    """A graph step's decodes with soft-capped scores, tensors only: every request's blocks
+    gathered into one padded batch (under a window only its last ``window`` keys, through
+    ``window_cache``), keys past its length masked out, each group of query heads multiplied
+    with its key/value head as it is (no copy per query head)."""
+    keys, values, table, lens = kv_cache[0], kv_cache[1], metadata.block_table, metadata.seq_lens
     if window is not None:
-        mask &= pos >= (lens - window)[:, None]
-    out = attention(q.view(reqs, -1, 1, q.shape[-1]), keys, values, mask[:, None, None, :], scale, cap)
-    return out.view(q.shape)
+        keys, values, table, lens = window_cache(keys, values, table, lens, window)
+    table, lens = table.long(), lens.long()
+    reqs, kv_heads, dim = table.shape[0], keys.shape[2], keys.shape[3]
+    keys, values = (c[table].flatten(1, 2).transpose(1, 2) for c in (keys, values))  # (reqs, kv_heads, len, dim)
+    queries = q.view(reqs, kv_heads, -1, dim)  # query head h reads key/value head h // group
+    scores = torch.tanh(queries @ keys.transpose(-1, -2) * scale / cap) * cap
+    valid = torch.arange(keys.shape[2], device=q.device) < lens[:, None]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    return (torch.softmax(scores.float(), dim=-1).to(q.dtype) @ values).view(q.shape)
 
 
 def window_cache(

@@ -105,6 +105,8 @@ def k_block(group: int) -> int | None:
 class TritonDequantMethod(LinearMethod):
     """W4A16 / W8A16 / fp8 weights: packed integer (or fp8) weights widened tile by tile inside the GEMM."""
 
+    takes_float_weights = True
+
     def process(self, layer: QuantLinear) -> None:
         bits, k = layer.scheme.weight_bits, layer.in_features
         weight, device = layer.weight.data, layer.weight.device
@@ -160,6 +162,14 @@ def linear_method(scheme: QuantScheme) -> LinearMethod | None:
     if scheme.activation_bits == 8:
         ok = scheme.weight_bits == 8 and scheme.group_size is None and scheme.symmetric
         return TritonInt8Method() if ok else None
+    if scheme.float_weights and not fp8_loads():
+        return None  # widened at load
     if scheme.activation_bits is None and scheme.weight_bits in (4, 8):
         return TritonDequantMethod()
     return None
+
+
+def fp8_loads() -> bool:
+    """Whether Triton reads float8 e4m3 here: from compute capability 8.9 (Ada, Hopper) on a GPU,
+    and always under the interpreter (no GPU)."""
+    return not torch.cuda.is_available() or torch.cuda.get_device_capability() >= (8, 9)
