@@ -220,7 +220,7 @@ class AscendLinearMethod(LinearMethod):
 def linear_method(scheme: QuantScheme) -> LinearMethod | None:
     """The Ascend method for ``scheme``; None for schemes no torch_npu kernel computes (int8 activations
     with other than per-channel symmetric int8 weights, weights other than 4- or 8-bit)."""
-    if scheme.weight_bits not in (4, 8) or scheme.float_weights:  # fp8: widened at load
+    if scheme.weight_bits not in (4, 8):
         return None
     if scheme.activation_bits == 8 and (scheme.weight_bits != 8 or scheme.group_size or not scheme.symmetric):
         return None

@@ -32,8 +32,8 @@ _PROBE_ROWS = 16
 class Blocks:
     """value = code * scale + min. ``fmt`` 4: codes 0..15 (Q4_0/Q4_1/Q4_K), scale and min per
     32 values; 8: int8 codes, a scale per 32, a min per 32 or None (Q8_0, Q5_0, IQ4_NL, IQ4_XS
-    without; Q5_1, Q5_K with); 6: int8 codes, a scale per 16 (Q3_K, Q6_K), a min per 32 or None. ``codes`` (N, K)
-    int8, ``scale`` (N, K/32) or (N, K/16), ``min`` (N, K/32)."""
+    without; Q5_1, Q5_K with); 6: int8 codes, a scale per 16 (Q3_K, Q6_K), a min per 32 or None.
+    ``codes`` (N, K) int8, ``scale`` (N, K/32) or (N, K/16), ``min`` (N, K/32)."""
 
     fmt: int
     codes: torch.Tensor

@@ -129,5 +129,5 @@ class CpuLinearMethod(LinearMethod):
         return layer.cpu_method.apply(layer, x)
 
 
-def linear_method(scheme: QuantScheme) -> LinearMethod | None:
-    return None if scheme.float_weights else CpuLinearMethod(scheme)  # fp8: widened at load
+def linear_method(scheme: QuantScheme) -> LinearMethod:
+    return CpuLinearMethod(scheme)

@@ -39,10 +39,11 @@ class TiledWeight:
     a tile's values for one input position together; ``fmt`` 16: the same in bf16. ``fmt`` 4: value = nibble * scale + min
     (GGUF's Q4_1, Q4_K), ``q`` (N/16, K/32, 4, 16, 4) uint8; ``fmt`` 8: value = int8 * scale (Q8_0),
     + min if there is one (Q5_1, Q5_K), ``q`` (N/16, K/32, 8, 16, 4) int8; ``fmt`` 6: fmt 8 with a
-    scale per 16 inputs (Q3_K, Q6_K), and a min per 32 if there is one (rows of mixed types). A tile's block of 32 inputs lies as (group of 4 inputs, feature,
-    input): the layout of integer dot products (``csrc/int8_linear.c``); a 4-bit byte holds input
-    4g + i low and 16 + 4g + i high. ``scale`` and ``min``: (N/16, K/32, 16) fp32, per 32 inputs
-    per feature (fmt 6's scale: (N/16, K/16, 16))."""
+    scale per 16 inputs (Q3_K, Q6_K), and a min per 32 if there is one (rows of mixed types).
+    A tile's block of 32 inputs lies as (group of 4 inputs, feature, input): the layout of
+    integer dot products (``csrc/int8_linear.c``); a 4-bit byte holds input 4g + i low and
+    16 + 4g + i high. ``scale`` and ``min``: (N/16, K/32, 16) fp32, per 32 inputs per feature
+    (fmt 6's scale: (N/16, K/16, 16))."""
 
     fmt: int
     scale: torch.Tensor | None
