@@ -126,9 +126,41 @@ def fused_experts(
 ) -> torch.Tensor:
     """``kiln.interfaces.model.fused_experts`` through the matmul kernels of the experts' packed
     form (``kiln_cpu.experts``), else the reference."""
-    if not isinstance(w13, PackedExperts):
-        return reference.fused_experts(x, w13, w2, weights, ids)
-    return reference.route_to_experts(x, weights, ids, lambda e, rows: w2(e, silu_and_mul(w13(e, rows))))
+    if isinstance(w13, PackedExperts):
+        return reference.route_to_experts(x, weights, ids, lambda e, rows: w2(e, silu_and_mul(w13(e, rows))))
+    if _bf16_experts_kernel_takes(x, w13, w2):
+        return _fused_experts_bf16(x, w13, w2, weights, ids)
+    return reference.fused_experts(x, w13, w2, weights, ids)
+
+
+# Tokens up to which the bf16 experts kernel runs; more go to the reference's per-expert
+# matmuls, where oneDNN's blocked GEMM is faster and the torch ops around them cost little.
+BF16_EXPERTS_MAX_TOKENS = 64
+
+
+def _bf16_experts_kernel_takes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    multiple = native.load_kernels().fused_experts_bf16_multiple()
+    return (
+        x.dim() == 2 and x.shape[0] <= BF16_EXPERTS_MAX_TOKENS
+        and x.dtype == w13.dtype == w2.dtype == torch.bfloat16
+        and x.shape[1] % multiple == 0 and w2.shape[2] % multiple == 0
+        and x.is_contiguous() and w13.is_contiguous() and w2.is_contiguous()
+    )  # fmt: skip
+
+
+def _fused_experts_bf16(x, w13, w2, weights, ids) -> torch.Tensor:
+    tokens, hidden = x.shape
+    experts, inter = w2.shape[0], w2.shape[2]
+    ids = ids.to(torch.int64).contiguous()
+    weights = weights.to(torch.float32).contiguous()
+    out = torch.empty_like(x)
+    failed = native.load_kernels().fused_experts_bf16(
+        out.data_ptr(), x.data_ptr(), tokens, hidden, inter, ids.data_ptr(), weights.data_ptr(), ids.shape[1],
+        experts, w13.data_ptr(), w2.data_ptr(),
+    )  # fmt: skip
+    if failed:
+        raise MemoryError("fused_experts_bf16: no memory for its buffers")
+    return out
 
 
 def fused_ops() -> dict[str, Callable]:

@@ -35,6 +35,7 @@ SOURCES = [
         "int8_linear.c",
         "decode_layer.c",
         "lora.c",
+        "experts.c",
     )
 ]
 FLAGS = ["-O3", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c11", f"-I{CSRC}"]
@@ -116,6 +117,9 @@ def load_kernels() -> ctypes.CDLL | None:
     lib.tiled_unpack.restype = ctypes.c_int
     lib.tiled_gather_rows.argtypes = [ptr, ptr, i64, fmt, ptr, ptr, ptr, i64]
     lib.tiled_gather_rows.restype = None
+    lib.fused_experts_bf16.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, i64, i64, ptr, ptr]
+    lib.fused_experts_bf16.restype = ctypes.c_int
+    lib.fused_experts_bf16_multiple.restype = ctypes.c_int
     return lib
 
 

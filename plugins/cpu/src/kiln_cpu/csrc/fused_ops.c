@@ -21,21 +21,7 @@
 #define PARALLEL_MIN_ELEMS 65536
 
 static inline float id_f32(float x) { return x; }
-static inline float round_bf16(float x) { return from_bf16(to_bf16(x)); }
 
-static inline v8 vselect(i8 mask, v8 a, v8 b) { return (v8)(((i8)a & mask) | ((i8)b & ~mask)); }
-
-/* silu(g) = g * sigmoid(g), with exp taken of -|g| only (no overflow). */
-static inline v8 silu8(v8 g) {
-    const i8 positive = g >= splat(0.0f);
-    const v8 e = exp8_nonpositive(vselect(positive, -g, g));
-    return g * vselect(positive, splat(1.0f), e) / (splat(1.0f) + e);
-}
-
-static inline float silu1(float g) {
-    const float e = expf(-fabsf(g));
-    return g * (g >= 0.0f ? 1.0f : e) / (1.0f + e);
-}
 
 /* Sum of squares of n floats (n a multiple of 8) read through LOAD8. */
 #define SUMSQ(LOAD8, x, n)                                                         \

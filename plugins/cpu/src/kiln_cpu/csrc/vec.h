@@ -77,6 +77,20 @@ static inline float hsum8(v8 a) { return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4
 
 DEFINE_VMAX_EXP(vmax, exp8_nonpositive, v8, i8, splat)
 
+static inline v8 vselect(i8 mask, v8 a, v8 b) { return (v8)(((i8)a & mask) | ((i8)b & ~mask)); }
+
+/* silu(g) = g * sigmoid(g), with exp taken of -|g| only (no overflow). */
+static inline v8 silu8(v8 g) {
+    const i8 positive = g >= splat(0.0f);
+    const v8 e = exp8_nonpositive(vselect(positive, -g, g));
+    return g * vselect(positive, splat(1.0f), e) / (splat(1.0f) + e);
+}
+
+static inline float silu1(float g) {
+    const float e = expf(-fabsf(g));
+    return g * (g >= 0.0f ? 1.0f : e) / (1.0f + e);
+}
+
 /* VL-float vectors: sixteen lanes where the build targets AVX-512, else eight. */
 #if defined(__AVX512F__)
 #define VL 16
@@ -102,6 +116,8 @@ static inline float from_bf16(uint16_t h) {
     memcpy(&x, &u, sizeof x);
     return x;
 }
+
+static inline float round_bf16(float x) { return from_bf16(to_bf16(x)); }
 
 /* Round each lane to bf16 precision (nearest even), keeping it an fp32. */
 static inline v8 round8_bf16(v8 v) {

@@ -1,0 +1,166 @@
+/*
+ * A mixture-of-experts layer's experts for a decode-sized batch of bf16 tokens, in one call:
+ * kiln.interfaces.model.fused_experts on the stacked bf16 weights as the checkpoint holds them
+ * (w13 (E, 2I, H): gate rows then up rows; w2 (E, H, I)), with no packed copy. At a few rows
+ * per expert, the torch ops around each expert's two matmuls cost more than the matmuls.
+ *
+ * It rounds to bf16 where the reference does (each matmul's output, silu(gate), the MLP's
+ * output, its product with the routing weight, and the running sum, expert by expert in
+ * ascending order), so only the order of each dot product's sum differs from the reference.
+ *
+ * Each output is a dot product of a row of x (or of the MLP's hidden rows) with a weight row,
+ * over blocks of ROWS rows x FEATS weight rows so that a loaded vector serves several products.
+ * With AVX512-BF16 a vdpbf16ps multiplies 32 bf16 pairs at once; otherwise a word of two bf16
+ * is split into its even (shifted) and odd (masked) halves as fp32.
+ *   phase 1: items (expert, 16 intermediate features): hidden = bf16(bf16(silu(gate)) * up)
+ *   phase 2: items (16 output features), experts in ascending order within each:
+ *            out = bf16(out + bf16(weight * bf16(hidden . w2)))
+ * Needs H and I to be multiples of 2 * VL (32 with AVX-512, 16 otherwise: of BLOCK either way);
+ * the caller checks.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "vec.h"
+
+#define ROWS 4
+#define FEATS 4 /* ROWS * FEATS: a multiple of VL */
+#define BLOCK 16 /* features per work item: a multiple of FEATS and of 8 */
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+static inline vf dot_step(vf acc, const uint16_t *x, const uint16_t *w) {
+    return (vf)_mm512_dpbf16_ps((__m512)acc, (__m512bh)_mm512_loadu_si512(x), (__m512bh)_mm512_loadu_si512(w));
+}
+#else
+typedef uint32_t vu __attribute__((vector_size(4 * VL)));
+static inline vf dot_step(vf acc, const uint16_t *x, const uint16_t *w) {
+    vu xw, ww;
+    memcpy(&xw, x, sizeof xw);
+    memcpy(&ww, w, sizeof ww);
+    const vu even_x = xw << 16, odd_x = xw & 0xffff0000u, even_w = ww << 16, odd_w = ww & 0xffff0000u;
+    return acc + (vf)even_x * (vf)even_w + (vf)odd_x * (vf)odd_w;
+}
+#endif
+
+/* Lanes j < VL/2 of the result: pair sums of a's lanes; the rest: b's. */
+static inline vf hadd(vf a, vf b) {
+#if VL == 16
+    return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#else
+    return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14) +
+           __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15);
+#endif
+}
+
+/* Lane i of the result: the sum of v[i]'s lanes, for VL vectors (v is overwritten). A tree of
+ * pairwise sums: VL - 1 shuffle-and-add steps where one sum each would take VL steps. */
+static inline vf sum_each(vf *v) {
+    for (int n = VL; n > 1; n /= 2)
+        for (int i = 0; i < n / 2; i++) v[i] = hadd(v[2 * i], v[2 * i + 1]);
+    return v[0];
+}
+
+/* out[r * FEATS + f] = rows[r] . w[f * K ...] over K, for ROWS rows and FEATS weight rows. */
+static void dots(float *out, const uint16_t *const rows[ROWS], const uint16_t *w, int64_t K) {
+    vf acc[ROWS * FEATS];
+    for (int i = 0; i < ROWS * FEATS; i++) acc[i] = splatf(0.0f);
+    for (int64_t c = 0; c < K; c += 2 * VL)
+        for (int r = 0; r < ROWS; r++)
+            for (int f = 0; f < FEATS; f++) acc[r * FEATS + f] = dot_step(acc[r * FEATS + f], rows[r] + c, w + f * K + c);
+    for (int i = 0; i < ROWS * FEATS; i += VL) {
+        const vf sums = sum_each(acc + i);
+        memcpy(out + i, &sums, sizeof sums);
+    }
+}
+
+/* d[r * BLOCK + j] = bf16(rows[r] . w[j]) for n <= ROWS rows (missing ones repeat the last, and
+ * are not stored) and BLOCK weight rows. */
+static void block_dots(float *d, const uint16_t *const *rows, int64_t n, const uint16_t *w, int64_t K) {
+    const uint16_t *rr[ROWS];
+    float part[ROWS * FEATS];
+    for (int r = 0; r < ROWS; r++) rr[r] = rows[r < n ? r : n - 1];
+    for (int f = 0; f < BLOCK; f += FEATS) {
+        dots(part, rr, w + f * K, K);
+        for (int64_t r = 0; r < n; r++)
+            for (int j = 0; j < FEATS; j++) d[r * BLOCK + f + j] = round_bf16(part[r * FEATS + j]);
+    }
+}
+
+/* out (T, H) bf16 = the experts of ids (T, top_k; -1: none here) weighted by weights, on x
+ * (T, H) bf16. Returns nonzero when out of memory. */
+int fused_experts_bf16(uint16_t *out, const uint16_t *x, int64_t T, int64_t H, int64_t I, const int64_t *ids,
+                       const float *weights, int64_t top_k, int64_t E, const uint16_t *w13, const uint16_t *w2) {
+    const int64_t pairs = T * top_k;
+    int64_t *start = calloc(E + 1, sizeof(int64_t)), *pair = malloc(pairs * sizeof(int64_t));
+    uint16_t *hidden = malloc(pairs * I * sizeof(uint16_t));
+    int64_t *items = malloc(E * sizeof(int64_t));
+    if (start == NULL || pair == NULL || hidden == NULL || items == NULL) {
+        free(start), free(pair), free(hidden), free(items);
+        return 1;
+    }
+    /* (token, slot) pairs sorted by expert, tokens ascending within one: a counting sort */
+    for (int64_t p = 0; p < pairs; p++)
+        if (ids[p] >= 0) start[ids[p] + 1]++;
+    for (int64_t e = 0; e < E; e++) start[e + 1] += start[e];
+    int64_t active = 0;
+    for (int64_t e = 0; e < E; e++)
+        if (start[e + 1] > start[e]) items[active++] = e;
+    {
+        int64_t *fill = malloc(E * sizeof(int64_t));
+        if (fill == NULL) {
+            free(start), free(pair), free(hidden), free(items);
+            return 1;
+        }
+        memcpy(fill, start, E * sizeof(int64_t));
+        for (int64_t p = 0; p < pairs; p++)
+            if (ids[p] >= 0) pair[fill[ids[p]]++] = p;
+        free(fill);
+    }
+    memset(out, 0, T * H * sizeof(uint16_t));
+    const int64_t iblocks = I / BLOCK, hblocks = H / BLOCK;
+    _Pragma("omp parallel") {
+        float g[ROWS * BLOCK], u[ROWS * BLOCK];
+        const uint16_t *rows[ROWS];
+        _Pragma("omp for schedule(static)") for (int64_t it = 0; it < active * iblocks; it++) {
+            const int64_t e = items[it / iblocks], f0 = it % iblocks * BLOCK;
+            const uint16_t *gate = w13 + (e * 2 * I + f0) * H, *up = gate + I * H;
+            for (int64_t p0 = start[e]; p0 < start[e + 1]; p0 += ROWS) {
+                const int64_t n = start[e + 1] - p0 < ROWS ? start[e + 1] - p0 : ROWS;
+                for (int64_t r = 0; r < n; r++) rows[r] = x + pair[p0 + r] / top_k * H;
+                block_dots(g, rows, n, gate, H);
+                block_dots(u, rows, n, up, H);
+                for (int64_t r = 0; r < n; r++) {
+                    uint16_t *h = hidden + (p0 + r) * I + f0;
+                    const float *gr = g + r * BLOCK, *ur = u + r * BLOCK;
+                    for (int j = 0; j < BLOCK; j += 8)
+                        store8_bf16(h + j, round8_bf16(silu8(load8_f32(gr + j))) * load8_f32(ur + j));
+                }
+            }
+        }
+        _Pragma("omp for schedule(static)") for (int64_t it = 0; it < hblocks; it++) {
+            const int64_t n0 = it * BLOCK;
+            for (int64_t a = 0; a < active; a++) {
+                const int64_t e = items[a];
+                for (int64_t p0 = start[e]; p0 < start[e + 1]; p0 += ROWS) {
+                    const int64_t n = start[e + 1] - p0 < ROWS ? start[e + 1] - p0 : ROWS;
+                    for (int64_t r = 0; r < n; r++) rows[r] = hidden + (p0 + r) * I;
+                    block_dots(g, rows, n, w2 + (e * H + n0) * I, I);
+                    for (int64_t r = 0; r < n; r++) {
+                        const int64_t p = pair[p0 + r];
+                        uint16_t *o = out + p / top_k * H + n0;
+                        for (int j = 0; j < BLOCK; j++)
+                            o[j] = to_bf16(from_bf16(o[j]) + round_bf16(g[r * BLOCK + j] * weights[p]));
+                    }
+                }
+            }
+        }
+    }
+    free(start), free(pair), free(hidden), free(items);
+    return 0;
+}
+
+/* What H and I must be multiples of. */
+int fused_experts_bf16_multiple(void) { return 2 * VL; }

@@ -1,0 +1,157 @@
+"""The CPU plugin's mixtures of experts: fp32 experts tiled for the C matmul kernel
+(``kiln_cpu.experts``) and bf16 experts read as loaded by the decode kernel (``csrc/experts.c``);
+the plugin's ``fused_experts`` equals the reference, including another rank's experts (id -1), on
+every instruction-set path."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from kiln.interfaces.model import REFERENCE_OPS
+from kiln_cpu import native
+from kiln_cpu.experts import PackedExperts, use_packed_experts
+from kiln_cpu.fused_ops import BF16_EXPERTS_MAX_TOKENS, _bf16_experts_kernel_takes, fused_experts
+
+pytestmark = pytest.mark.skipif(native.load_kernels() is None, reason="the C kernels did not build")
+
+
+class Experts(nn.Module):
+    def __init__(self, experts: int, hidden: int, inter: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.w13 = nn.Parameter((torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden**-0.5).to(dtype))
+        self.w2 = nn.Parameter((torch.randn(experts, hidden, inter, generator=gen) * inter**-0.5).to(dtype))
+
+
+def routed(tokens: int, experts: int, top_k: int, hidden: int, dtype: torch.dtype, seed: int = 1):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    weights, ids = REFERENCE_OPS["moe_route"](torch.randn(tokens, experts, generator=gen), top_k, True)
+    ids[0, 1] = -1  # another rank's expert
+    if tokens > 2:
+        ids[2] = -1  # a token none of whose experts are here: a zero row
+    return x, weights, ids
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 40])
+def test_tiled_fp32_experts_match_the_reference(tokens):
+    module = Experts(8, 64, 96, torch.float32)
+    w13, w2 = module.w13.detach().clone(), module.w2.detach().clone()
+    assert use_packed_experts(module) == 1
+    assert isinstance(module.w13, PackedExperts) and not list(module.parameters())  # the originals are freed
+    x, weights, ids = routed(tokens, 8, 2, 64, torch.float32)
+    expected = REFERENCE_OPS["fused_experts"](x, w13, w2, weights, ids)
+    torch.testing.assert_close(fused_experts(x, module.w13, module.w2, weights, ids), expected, atol=1e-5, rtol=1e-5)
+
+
+# (experts, top_k, hidden, intermediate): Mixtral-like top 2; Qwen-MoE-like top 4, with sizes
+# that are odd multiples of 32 (the AVX-512 kernel's step).
+BF16_SHAPES = [(8, 2, 64, 96), (16, 4, 96, 160)]
+
+
+def bf16_cases():
+    for shape in BF16_SHAPES:
+        experts, top_k, hidden, inter = shape
+        module = Experts(experts, hidden, inter, torch.bfloat16)
+        for tokens in (1, 5, 33, BF16_EXPERTS_MAX_TOKENS):
+            yield (
+                f"{shape}-{tokens}",
+                module.w13.detach(),
+                module.w2.detach(),
+                routed(tokens, experts, top_k, hidden, torch.bfloat16),
+            )
+
+
+def assert_close_in_bf16(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """The kernel rounds where the reference does; only the order of each dot product's sum
+    differs, which moves a few outputs by an ulp of bf16 (2**-8 relative) or two."""
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2**-7, atol=1e-3)
+    assert (got == expected).float().mean() > 0.9
+
+
+def test_bf16_experts_run_in_the_decode_kernel_as_loaded():
+    module = Experts(8, 64, 96, torch.bfloat16)
+    assert use_packed_experts(module) == 0 and isinstance(module.w13, nn.Parameter)  # no copy
+    x = torch.zeros(16, 64, dtype=torch.bfloat16)
+    assert _bf16_experts_kernel_takes(x, module.w13, module.w2)
+    assert not _bf16_experts_kernel_takes(
+        torch.zeros(BF16_EXPERTS_MAX_TOKENS + 1, 64, dtype=torch.bfloat16), module.w13, module.w2
+    )  # fmt: skip  (a prefill: oneDNN's GEMM)
+    narrow = Experts(8, 48, 96, torch.bfloat16)  # rows the kernel's vectors do not divide
+    assert not _bf16_experts_kernel_takes(torch.zeros(4, 48, dtype=torch.bfloat16), narrow.w13, narrow.w2)
+    assert not _bf16_experts_kernel_takes(x.float(), module.w13.float(), module.w2.float())
+
+
+@pytest.mark.parametrize("case", list(bf16_cases()), ids=lambda c: c[0])
+def test_the_bf16_decode_kernel_matches_the_reference(case):
+    _, w13, w2, (x, weights, ids) = case
+    assert _bf16_experts_kernel_takes(x, w13, w2)
+    got = fused_experts(x, w13, w2, weights, ids)
+    assert_close_in_bf16(got, REFERENCE_OPS["fused_experts"](x, w13, w2, weights, ids))
+    if x.shape[0] > 2:
+        assert not got[2].any()
+
+
+_BF16_RESULTS = """
+import json, sys, torch
+sys.path.insert(0, {here!r})
+from test_cpu_experts import bf16_cases
+from kiln_cpu.fused_ops import fused_experts
+print(json.dumps({{name: fused_experts(x, w13, w2, w, ids).float().tolist() for name, w13, w2, (x, w, ids) in bf16_cases()}}))
+"""
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction-set levels")
+@pytest.mark.parametrize("march", ["x86-64-v4", "x86-64-v3", "x86-64"])  # AVX-512 without BF16; AVX2; SSE2
+def test_every_instruction_set_path_of_the_bf16_kernel_matches_the_reference(march, tmp_path):
+    env = {**os.environ, "KILN_CPU_MARCH": march, "KILN_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", _BF16_RESULTS.format(here=os.path.dirname(__file__))], env=env,
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    assert list(tmp_path.glob("cpu-kernels/*.so"))  # built for that level, not this machine's cached library
+    got = json.loads(done.stdout)
+    for name, w13, w2, (x, weights, ids) in bf16_cases():
+        expected = REFERENCE_OPS["fused_experts"](x, w13, w2, weights, ids)
+        assert_close_in_bf16(torch.tensor(got[name]).bfloat16(), expected)
+
+
+def test_without_the_c_kernels_the_experts_stay_stacked(tiny_model_dir):
+    """KILN_CPU_NATIVE=0 (or no compiler): no plugin fused_experts to read packed experts, so the
+    platform leaves them as they are and the reference runs them."""
+    code = (
+        "from kiln import LLM, SamplingParams\n"
+        f"llm = LLM({tiny_model_dir('mixtral')!r}, max_model_len=128)\n"
+        "out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))\n"
+        "moe = next(m for m in llm.engine.executor.runner.model.modules() if hasattr(m, 'load_expert'))\n"
+        "print(type(moe.w13).__name__, len(out[0].outputs[0].token_ids))\n"
+    )
+    env = {**os.environ, "KILN_CPU_NATIVE": "0"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-2:] == ["Parameter", "4"]
+
+
+def test_a_bf16_moe_model_decodes_through_the_kernel(tiny_model_dir, monkeypatch):
+    """A bf16 Mixtral's decode steps (and short prefills) run the kernel, and greedy output
+    equals the reference's."""
+    from kiln import LLM, SamplingParams
+    from kiln_cpu import fused_ops
+
+    calls = []
+    kernel = fused_ops._fused_experts_bf16
+    monkeypatch.setattr(fused_ops, "_fused_experts_bf16", lambda *a: calls.append(a[0].shape[0]) or kernel(*a))
+    llm = LLM(tiny_model_dir("mixtral"), dtype="bfloat16", max_model_len=128)
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13], [40, 41]]
+    params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert calls.count(len(prompts)) >= 7 * 2  # the layers of the decode steps of all three
+    monkeypatch.setattr(fused_ops, "BF16_EXPERTS_MAX_TOKENS", 0)  # every step through the reference
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == got
