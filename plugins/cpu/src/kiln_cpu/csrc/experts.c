@@ -9,7 +9,7 @@
  * ascending order), so only the order of each dot product's sum differs from the reference.
  *
  * Each output is a dot product of a row of x (or of the MLP's hidden rows) with a weight row,
- * over blocks of ROWS rows x FEATS weight rows so that a loaded vector serves several products.
+ * over blocks of up to 4 rows x 4 weight rows so that a loaded vector serves several products.
  * With AVX512-BF16 a vdpbf16ps multiplies 32 bf16 pairs at once; otherwise a word of two bf16
  * is split into its even (shifted) and odd (masked) halves as fp32.
  *   phase 1: items (expert, 16 intermediate features): hidden = bf16(bf16(silu(gate)) * up)
@@ -25,8 +25,7 @@
 #include "vec.h"
 
 #define ROWS 4
-#define FEATS 4 /* ROWS * FEATS: a multiple of VL */
-#define BLOCK 16 /* features per work item: a multiple of FEATS and of 8 */
+#define BLOCK 16 /* features per work item */
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -63,30 +62,39 @@ static inline vf sum_each(vf *v) {
     return v[0];
 }
 
-/* out[r * FEATS + f] = rows[r] . w[f * K ...] over K, for ROWS rows and FEATS weight rows. */
-static void dots(float *out, const uint16_t *const rows[ROWS], const uint16_t *w, int64_t K) {
-    vf acc[ROWS * FEATS];
-    for (int i = 0; i < ROWS * FEATS; i++) acc[i] = splatf(0.0f);
-    for (int64_t c = 0; c < K; c += 2 * VL)
-        for (int r = 0; r < ROWS; r++)
-            for (int f = 0; f < FEATS; f++) acc[r * FEATS + f] = dot_step(acc[r * FEATS + f], rows[r] + c, w + f * K + c);
-    for (int i = 0; i < ROWS * FEATS; i += VL) {
-        const vf sums = sum_each(acc + i);
-        memcpy(out + i, &sums, sizeof sums);
+/* dots_RxF: out[r * F + f] = rows[r] . w[f * K ...] over K, for R rows and F weight rows (R * F
+ * = 16 accumulators: enough to hide vdpbf16ps's latency, few enough for AVX2's registers). */
+#define DEFINE_DOTS(R, F)                                                                             \
+    static void dots_##R##x##F(float *out, const uint16_t *const *rows, const uint16_t *w, int64_t K) { \
+        vf acc[R * F];                                                                                \
+        for (int i = 0; i < R * F; i++) acc[i] = splatf(0.0f);                                        \
+        for (int64_t c = 0; c < K; c += 2 * VL)                                                       \
+            for (int r = 0; r < R; r++)                                                               \
+                for (int f = 0; f < F; f++) acc[r * F + f] = dot_step(acc[r * F + f], rows[r] + c, w + f * K + c); \
+        for (int i = 0; i < R * F; i += VL) {                                                         \
+            const vf sums = sum_each(acc + i);                                                        \
+            memcpy(out + i, &sums, sizeof sums);                                                      \
+        }                                                                                             \
     }
-}
+DEFINE_DOTS(1, 16)
+DEFINE_DOTS(2, 8)
+DEFINE_DOTS(4, 4)
 
-/* d[r * BLOCK + j] = bf16(rows[r] . w[j]) for n <= ROWS rows (missing ones repeat the last, and
- * are not stored) and BLOCK weight rows. */
+/* d[r * BLOCK + j] = bf16(rows[r] . w[j]) for n <= ROWS rows and BLOCK weight rows: one row, two,
+ * or four at a time (three: the last repeated, its sums not stored). */
+#define BLOCK_DOTS(R, F)                                                                       \
+    for (int f = 0; f < BLOCK; f += F) {                                                       \
+        float part[R * F];                                                                     \
+        dots_##R##x##F(part, rr, w + f * K, K);                                                \
+        for (int64_t r = 0; r < n; r++)                                                        \
+            for (int j = 0; j < F; j++) d[r * BLOCK + f + j] = round_bf16(part[r * F + j]);    \
+    }
 static void block_dots(float *d, const uint16_t *const *rows, int64_t n, const uint16_t *w, int64_t K) {
     const uint16_t *rr[ROWS];
-    float part[ROWS * FEATS];
     for (int r = 0; r < ROWS; r++) rr[r] = rows[r < n ? r : n - 1];
-    for (int f = 0; f < BLOCK; f += FEATS) {
-        dots(part, rr, w + f * K, K);
-        for (int64_t r = 0; r < n; r++)
-            for (int j = 0; j < FEATS; j++) d[r * BLOCK + f + j] = round_bf16(part[r * FEATS + j]);
-    }
+    if (n == 1) BLOCK_DOTS(1, 16)
+    else if (n == 2) BLOCK_DOTS(2, 8)
+    else BLOCK_DOTS(4, 4)
 }
 
 /* out (T, H) bf16 = the experts of ids (T, top_k; -1: none here) weighted by weights, on x
