@@ -132,7 +132,7 @@ def test_fp8_weights_only_where_a_method_takes_them():
     assert _fp8_widened(scheme, ReferenceLinearMethod(), LlamaForCausalLM, cfg, one) is None
     assert _fp8_widened(scheme, IntegersOnly(), LlamaForCausalLM, cfg, one) == "the platform has no fp8 kernel"
     assert _fp8_widened(scheme, None, LlamaForCausalLM, cfg, one) == "the platform has no fp8 kernel"
-    assert "no quantized layers" in _fp8_widened(scheme, ReferenceLinearMethod(), MixtralForCausalLM, cfg, one)
+    assert "experts have no fp8 kernel" in _fp8_widened(scheme, ReferenceLinearMethod(), MixtralForCausalLM, cfg, one)
     # two ranks: the down projection's 96 inputs per rank are 3 blocks, o_proj's 32 one
     assert _fp8_widened(scheme, ReferenceLinearMethod(), LlamaForCausalLM, cfg, two) is None
     wide = fp8_scheme(Fp8Layout("weight_scale_inv", (64, 64)))

@@ -19,21 +19,10 @@ from kiln.quantization.checkpoint import checkpoint_tensors
 from kiln.quantization.config import from_hf
 from kiln.quantization.tool import hf_quantization_config
 from kiln.testing.models import FAMILY_TOKENS, assert_generates, hf_greedy
-from kiln.testing.quantization import dequantized_copy
+from kiln.testing.quantization import dequantized_copy, gptq_act_order
 
 GROUP = 32
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [40, 41, 42, 100, 7]]
-
-
-def gptq_act_order(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, torch.Tensor]:
-    """Symmetric 4-bit codes in groups of shuffled inputs, and the g_idx naming them: one order
-    per input width, so projections of one input (q/k/v, gate/up) share it, as GPTQ's do."""
-    perm = torch.randperm(w.shape[1], generator=torch.Generator().manual_seed(w.shape[1]))
-    g = w[:, perm].reshape(w.shape[0], -1, GROUP)
-    scale = (g.abs().amax(-1) / 7.5).half().float()
-    codes = torch.clamp(torch.round(g / scale[..., None]), -8, 7).reshape(w.shape)
-    inverse = torch.argsort(perm)
-    return codes[:, inverse].to(torch.int8), scale, None, (inverse // GROUP).to(torch.int32)
 
 
 def rounded_checkpoint(source: str, out: Path, method: str) -> str:
@@ -49,7 +38,7 @@ def rounded_checkpoint(source: str, out: Path, method: str) -> str:
         module, _, leaf = name.rpartition(".")
         if ".layers." in module and leaf == "weight" and isinstance(model.get_submodule(module), torch.nn.Linear):
             w = tensor.float()
-            parts = (*rtn.int4_asymmetric(w, GROUP), None) if method == "awq" else gptq_act_order(w)
+            parts = (*rtn.int4_asymmetric(w, GROUP), None) if method == "awq" else gptq_act_order(w, GROUP)
             tensors |= {f"{module}.{k}": v for k, v in checkpoint_tensors(quant, *parts, torch.float16).items()}
         elif not (name == "lm_head.weight" and model.config.tie_word_embeddings):
             tensors[name] = tensor

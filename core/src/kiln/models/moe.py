@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from kiln.distributed import TensorParallel
+from kiln.interfaces.quantization import widen
 from kiln.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from kiln.quantization.config import QuantConfig
 
@@ -35,6 +36,7 @@ class FusedMoE(nn.Module):
         ops: SimpleNamespace,
         tp: TensorParallel,
         shared_expert: nn.Module | None = None,
+        quant: QuantConfig | None = None,
     ) -> None:
         super().__init__()
         if tp.expert_parallel:
@@ -57,6 +59,9 @@ class FusedMoE(nn.Module):
             "w13": {(e, p) for e in range(self.num_local) for p in GATE_UP},
             "w2": set(range(self.num_local)),
         }
+        # A quantized expert projection's canonical tensors, and the (expert, projection) parts so far.
+        self._quant_leaves = set() if quant is None else quantized_leaves(quant)
+        self._parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's experts and their weights (tokens, top_k); families with another rule
@@ -75,14 +80,25 @@ class FusedMoE(nn.Module):
 
     def load_expert(self, expert: int, proj: str, leaf: str, tensor: torch.Tensor) -> list[str]:
         """Copy one expert's checkpoint projection (``gate_proj``, ``up_proj`` or ``down_proj``)
-        into this rank's stacked weights; returns the parameters it completed."""
-        if leaf != "weight":
-            raise ValueError(f"expert {proj}.{leaf}: quantized or biased experts are not supported yet")
+        into this rank's stacked weights; returns the parameters it completed. A quantized
+        projection's canonical tensors (``kiln.quantization.checkpoint``) are widened to the
+        model's dtype once all have arrived: no platform has a quantized experts kernel yet."""
+        quantized = leaf != "weight" or not tensor.is_floating_point() or tensor.element_size() == 1  # int8, fp8
+        if quantized and leaf not in self._quant_leaves:
+            what = "biased experts" if leaf == "bias" else f"quantized experts without a quantization_config ({leaf})"
+            raise ValueError(f"expert {expert} {proj}.{leaf}: {what} are not supported")
         local = expert - self.first
         if not 0 <= local < self.num_local:
             if self.tp.expert_parallel and 0 <= expert < self.num_experts:
                 return []  # another rank's expert
             raise ValueError(f"checkpoint has expert {expert}; the model has {self.num_experts}")
+        if quantized:
+            parts = self._parts.setdefault((expert, proj), {})
+            parts[leaf] = tensor
+            if len(parts) < len(self._quant_leaves):
+                return []
+            del self._parts[(expert, proj)]
+            tensor = widen(*(parts.get(k) for k in ("weight", "weight_scale", "weight_zero", "g_idx")), self.w2.dtype)
         slice_of = (lambda t, dim: t) if self.tp.expert_parallel else self.tp.slice
         if proj == "down_proj":
             name, key, target, tensor = "w2", local, self.w2.data[local], slice_of(tensor, 1)
@@ -94,6 +110,16 @@ class FusedMoE(nn.Module):
         pending = self._pending[name]
         pending.discard(key)
         return [name] if not pending else []
+
+
+def quantized_leaves(quant: QuantConfig) -> set[str]:
+    """The canonical tensors of one of ``quant``'s layers."""
+    leaves = {"weight", "weight_scale"}
+    if not quant.scheme.symmetric:
+        leaves.add("weight_zero")
+    if quant.desc_act:
+        leaves.add("g_idx")
+    return leaves
 
 
 class MoEDecoderLayer(LlamaDecoderLayer):
@@ -112,13 +138,13 @@ class MoEDecoderLayer(LlamaDecoderLayer):
         inter = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
         # Mixtral always renormalises its top-k weights; the Qwen MoEs say whether in their config.
         renormalize = getattr(cfg, "norm_topk_prob", True)
-        return FusedMoE(cfg.hidden_size, experts, cfg.num_experts_per_tok, inter, renormalize, ops, tp, shared)
+        return FusedMoE(cfg.hidden_size, experts, cfg.num_experts_per_tok, inter, renormalize, ops, tp, shared, quant)
 
 
 class Qwen2MoeForCausalLM(LlamaForCausalLM):
     lora_modules = {}  # adapters on experts are not mapped yet
     decoder_layer = MoEDecoderLayer
-    supports_quantization = False
+    widens_quantized_experts = True  # see FusedMoE.load_expert
 
 
 class Qwen3MoeForCausalLM(Qwen2MoeForCausalLM):

@@ -59,6 +59,18 @@ def random_quant_layer(
     return layer
 
 
+def gptq_act_order(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, None, torch.Tensor]:
+    """Symmetric 4-bit codes of ``w`` rounded to nearest in groups of shuffled inputs, and the
+    g_idx naming them (canonical tensors, as a GPTQ act-order checkpoint holds them): one order per
+    input width, so projections of one input (q/k/v, gate/up) share it, as GPTQ's do."""
+    perm = torch.randperm(w.shape[1], generator=torch.Generator().manual_seed(w.shape[1]))
+    g = w[:, perm].reshape(w.shape[0], -1, group)
+    scale = (g.abs().amax(-1) / 7.5).half().float()
+    codes = torch.clamp(torch.round(g / scale[..., None]), -8, 7).reshape(w.shape)
+    inverse = torch.argsort(perm)
+    return codes[:, inverse].to(torch.int8), scale, None, (inverse // group).to(torch.int32)
+
+
 def dequantized_copy(quantized: str, original: str, target: str) -> str:
     """The original fp32 model with the quantized checkpoint's tensors: its quantized linears
     dequantized, and the ones the algorithm rescaled (norms) as written."""

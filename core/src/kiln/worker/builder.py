@@ -186,7 +186,7 @@ def resolve_quantization(
     """The model's ``QuantConfig`` and the platform's method for it (None, None: unquantized); a
     method the device cannot run, or a split it cannot take, is refused here, before any weight is
     read. fp8 weights without a kernel on the platform, or in a model without quantized layers
-    (the mixtures of experts), are widened at load instead."""
+    or whose experts would be widened anyway (the mixtures of experts), are widened at load instead."""
     quant = quant_config.resolve(config.quantization, getattr(hf_config, "quantization_config", None))
     if quant is None:
         return None, None
@@ -209,6 +209,8 @@ def _fp8_widened(scheme: QuantScheme, method: LinearMethod | None, model_cls: ty
         return "the platform has no fp8 kernel"
     if not getattr(model_cls, "supports_quantization", False):
         return f"{model_cls.__name__} has no quantized layers"
+    if getattr(model_cls, "widens_quantized_experts", False):
+        return f"{model_cls.__name__}'s experts have no fp8 kernel"
     hidden, heads = getattr(hf_config, "hidden_size", 0), getattr(hf_config, "num_attention_heads", 1)
     attention = heads * (getattr(hf_config, "head_dim", None) or hidden // heads)
     inputs = [hidden, attention // tp.size, getattr(hf_config, "intermediate_size", 0) // tp.size]  # q/k/v, o, down

@@ -1,0 +1,113 @@
+"""Quantized mixtures of experts: AWQ, GPTQ act-order and compressed-tensors int8 checkpoints
+of Mixtral and Qwen2-MoE (attention, dense and shared-expert projections and every expert
+quantized, the router left in full precision, as AutoAWQ, AutoGPTQ and llm-compressor write
+them). The experts are widened to the model's dtype at load, the other layers stay quantized,
+and Kiln serves exactly what transformers serves from the dequantized weights, on one rank and
+on two."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kiln.interfaces.quantization import widen
+from kiln.quantization import rtn
+from kiln.quantization.checkpoint import canonical_weights, checkpoint_tensors
+from kiln.quantization.config import from_hf
+from kiln.quantization.tool import hf_quantization_config
+from kiln.testing.models import FAMILY_TOKENS, assert_generates, hf_greedy
+from kiln.testing.quantization import gptq_act_order
+
+GROUP = 16  # divides Qwen2-MoE's tiny experts (32) and shared expert (48)
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [40, 41, 42, 100, 7]]
+# Every decoder projection, the experts' included; not the routers (mlp.gate, shared_expert_gate).
+PROJECTION = re.compile(r"(_proj|experts\.\d+\.w[123])$")
+
+
+def round_weight(method: str, w: torch.Tensor) -> tuple:
+    if method == "awq":
+        return (*rtn.int4_asymmetric(w, GROUP), None)
+    if method == "gptq":
+        return gptq_act_order(w, GROUP)
+    return (*rtn.int8_per_channel(w), None, None)
+
+
+def quantized_and_dequantized(source: str, tmp: Path, method: str) -> tuple[str, str]:
+    """``source`` with its projections rounded and written as ``method`` checkpoints are, and the
+    same model with those weights dequantized (what transformers can run)."""
+    qc = hf_quantization_config(method, GROUP, act_order=method == "gptq")
+    quant = from_hf(qc)
+    tensors = load_file(str(Path(source) / "model.safetensors"))
+    written = {}
+    for name, tensor in tensors.items():
+        module, _, leaf = name.rpartition(".")
+        if leaf == "weight" and ".layers." in module and PROJECTION.search(module):
+            parts = round_weight(method, tensor.float())
+            written |= {f"{module}.{k}": v for k, v in checkpoint_tensors(quant, *parts, torch.float16).items()}
+        else:
+            written[name] = tensor
+    canonical: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in canonical_weights(iter(written.items()), quant):
+        module, _, leaf = name.rpartition(".")
+        canonical.setdefault(module, {})[leaf] = tensor
+    dequantized = dict(tensors)
+    for module, parts in canonical.items():
+        if "weight_scale" in parts:
+            dequantized[f"{module}.weight"] = widen(
+                *(parts.get(k) for k in ("weight", "weight_scale", "weight_zero", "g_idx"))
+            )
+    folders = []
+    for folder, state, config in (("q", written, {"quantization_config": qc}), ("deq", dequantized, {})):
+        out = tmp / folder
+        shutil.copytree(source, out)
+        save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"))
+        base = json.loads((out / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps({**base, **config}))
+        folders.append(str(out))
+    return folders[0], folders[1]
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq", "weight_only_int8"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_quantized_moe_serves_its_dequantized_weights(tiny_model_dir, tmp_path, monkeypatch, family, method):
+    monkeypatch.setenv("KILN_CPU_INT8_ACTIVATIONS", "0")  # the exact products of the dequantized weights
+    source = tiny_model_dir(family)
+    quantized, dequantized = quantized_and_dequantized(source, tmp_path, method)
+    expected = hf_greedy(dequantized, PROMPTS, FAMILY_TOKENS)
+    assert expected != hf_greedy(source, PROMPTS, FAMILY_TOKENS)  # the rounding moved the outputs
+    llm = assert_generates(quantized, PROMPTS, expected)
+    model = llm.engine.executor.runner.model
+    assert type(model.layers[0].self_attn.qkv_proj).__name__ != "Linear"  # attention stays quantized
+    moe = next(m for m in model.modules() if hasattr(m, "load_expert"))
+    assert not moe._parts  # every expert's parts arrived and were widened
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["sliced-experts", "expert-parallel"])
+def test_quantized_experts_split_over_two_ranks(tiny_model_dir, cpu_plugins, tmp_path, monkeypatch, expert_parallel):
+    from kiln.testing.engine import run_and_shut_down
+
+    monkeypatch.setenv("KILN_CPU_INT8_ACTIVATIONS", "0")
+    source = tiny_model_dir("mixtral")
+    quantized, dequantized = quantized_and_dequantized(source, tmp_path, "awq")
+    split, _ = run_and_shut_down(
+        cpu_plugins, PROMPTS, model=quantized, device="cpu", dtype="float32", tensor_parallel_size=2,
+        enable_expert_parallel=expert_parallel,
+    )  # fmt: skip
+    assert split == hf_greedy(dequantized, PROMPTS, 8)
+
+
+def test_quantized_experts_without_a_quantization_config_are_refused(tiny_model_dir, tmp_path):
+    from kiln import LLM
+
+    quantized, _ = quantized_and_dequantized(tiny_model_dir("mixtral"), tmp_path, "weight_only_int8")
+    config = json.loads((Path(quantized) / "config.json").read_text())
+    del config["quantization_config"]
+    (Path(quantized) / "config.json").write_text(json.dumps(config))
+    with pytest.raises(Exception, match="without a quantization_config"):
+        LLM(quantized, max_model_len=128)
