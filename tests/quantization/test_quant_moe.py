@@ -111,3 +111,24 @@ def test_quantized_experts_without_a_quantization_config_are_refused(tiny_model_
     (Path(quantized) / "config.json").write_text(json.dumps(config))
     with pytest.raises(Exception, match="without a quantization_config"):
         LLM(quantized, max_model_len=128)
+
+
+def test_w8a8_experts_are_their_dequantized_weights(tiny_model_dir, tmp_path):
+    """SmoothQuant (W8A8) checkpoints keep int8 weights unpacked: the experts widen from them to
+    exactly the dequantized weights, while attention multiplies int8 activations."""
+    from kiln import LLM
+
+    source = tiny_model_dir("mixtral")
+    quantized, dequantized = quantized_and_dequantized(source, tmp_path, "smooth_quant")
+    llm = LLM(quantized, max_model_len=128)
+    model = llm.engine.executor.runner.model
+    assert model.layers[0].self_attn.qkv_proj.scheme.activation_bits == 8
+    expected = load_file(str(Path(dequantized) / "model.safetensors"))
+    moe = model.layers[1].mlp
+    for e in range(4):
+        w13 = moe.w13.experts[e].unpack()  # the CPU plugin's tiles of the fp32 experts
+        names = (f"model.layers.1.block_sparse_moe.experts.{e}.{w}.weight" for w in ("w1", "w3"))
+        assert torch.equal(w13, torch.cat([expected[n] for n in names]))
+        assert torch.equal(
+            moe.w2.experts[e].unpack(), expected[f"model.layers.1.block_sparse_moe.experts.{e}.w2.weight"]
+        )
