@@ -213,3 +213,24 @@ def test_blocks_of_any_codes_and_scales(kind, fmt):
     w = torch.from_numpy(dequantize(raw.reshape(64, -1), kind).astype(np.float32))
     form = find_gguf_form(w)
     assert form is not None and form.fmt == fmt and torch.equal(form.unpack(), w)
+
+
+@pytest.mark.parametrize("per_code", [127, 127.5], ids=["absmax-127", "absmax-127.5"])
+def test_per_channel_int8_rows(per_code):
+    """Per-channel int8 weights widened at load (a quantized mixture's experts) come back as int8
+    codes with each row's scale, under both quantizers' conventions: scale = absmax / 127, or
+    absmax / 127.5 (llm-compressor's symmetric min-max: codes down to -128, inexact quotients)."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(1104, 256, generator=gen)
+    w[5] = 0.0  # a row of zeros: scale 0
+    scale = w.abs().amax(1, keepdim=True) / per_code
+    codes = torch.clamp(torch.round(w / torch.where(scale > 0, scale, 1.0)), -128, 127)
+    widened = codes * scale
+    form = tiled_form(widened)
+    assert form.fmt == 8 and form.min is None
+    assert torch.equal(form.unpack(), widened)
+    assert form.q.nbytes + form.scale.nbytes < widened.nbytes / 3
+    if per_code == 127.5:
+        assert (codes == -128).any()
+    widened[7, 3] += 1e-4  # one value off a whole code: not int8 rows
+    assert tiled_form(widened).fmt == 32

@@ -28,6 +28,7 @@ GROUP = 16  # divides Qwen2-MoE's tiny experts (32) and shared expert (48)
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [40, 41, 42, 100, 7]]
 # Every decoder projection, the experts' included; not the routers (mlp.gate, shared_expert_gate).
 PROJECTION = re.compile(r"(_proj|experts\.\d+\.w[123])$")
+EXPERT_FORMATS = {"awq": 6, "gptq": 32, "weight_only_int8": 8}  # TiledWeight.fmt on the CPU
 
 
 def round_weight(method: str, w: torch.Tensor) -> tuple:
@@ -86,6 +87,10 @@ def test_quantized_moe_serves_its_dequantized_weights(tiny_model_dir, tmp_path, 
     assert type(model.layers[0].self_attn.qkv_proj).__name__ != "Linear"  # attention stays quantized
     moe = next(m for m in model.modules() if hasattr(m, "load_expert"))
     assert not moe._parts  # every expert's parts arrived and were widened
+    # The CPU plugin finds the integer codes back in the widened fp32 experts: int8 rows; AWQ's
+    # 4-bit groups of 16 as 8-bit codes with a scale per 16 (groups of 32 or more: 4-bit blocks);
+    # GPTQ act-order's groups of shuffled inputs fit no block and stay fp32.
+    assert {w.fmt for w in moe.w13.experts + moe.w2.experts} == {EXPERT_FORMATS[method]}
 
 
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["sliced-experts", "expert-parallel"])
@@ -123,6 +128,7 @@ def test_w8a8_experts_are_their_dequantized_weights(tiny_model_dir, tmp_path):
     llm = LLM(quantized, max_model_len=128)
     model = llm.engine.executor.runner.model
     assert model.layers[0].self_attn.qkv_proj.scheme.activation_bits == 8
+    assert {w.fmt for w in model.layers[1].mlp.w13.experts} == {8}  # int8 codes on the CPU
     expected = load_file(str(Path(dequantized) / "model.safetensors"))
     moe = model.layers[1].mlp
     for e in range(4):

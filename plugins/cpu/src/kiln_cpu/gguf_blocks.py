@@ -10,7 +10,8 @@ min, and a K-quant block whose min is so much larger than its scale that this ro
 seen in llama.cpp's files) keeps its weight in fp32. No file format or tensor name is
 involved: a weight from other sources fails on its first rows. A weight whose rows come from tensors of several
 types (a fused q/k/v projection of a Q4_K_M file) is recovered in row ranges and held as 8-bit
-codes with a min, the one form every type fits.
+codes with a min, the one form every type fits. Rows of int8 codes with one scale each (the
+experts of a per-channel int8 checkpoint, which the core widens at load) are recovered too.
 """
 
 from __future__ import annotations
@@ -147,7 +148,26 @@ def _q5(w: torch.Tensor) -> Blocks:
 
 
 Recovery = Callable[[torch.Tensor], Blocks]
-_RECOVERIES: tuple[Recovery, ...] = (_q4_1, _q4_0, _q8_0, _q5_0, _q4_k, _q5, _q6_k, _iq4)
+
+
+def _int8_rows(w: torch.Tensor) -> Blocks:
+    """int8 codes with one scale per row (per-channel int8 checkpoints: their quantizers give
+    each row's largest magnitude the code 127, or -128), as Q8_0's form with the row's scale in
+    every block. The scale is that value over its code, or the fp32 next to that quotient (the
+    value was rounded when the checkpoint's scale was not a whole fraction of it)."""
+    top = w.gather(-1, w.abs().argmax(-1, keepdim=True))
+    scale, codes, found = torch.zeros_like(top), torch.zeros_like(w), top == 0
+    for k in (127, -128):
+        near = top / k
+        for trial in (near, torch.nextafter(near, torch.full_like(near, torch.inf)), torch.nextafter(near, -near * 2)):
+            c = (w / torch.where(trial == 0, 1.0, trial)).round()
+            fits = ~found & (c * trial == w).all(-1, keepdim=True) & (c >= -128).all(-1, keepdim=True)
+            fits &= (c <= 127).all(-1, keepdim=True)
+            scale, codes, found = torch.where(fits, trial, scale), torch.where(fits, c, codes), found | fits
+    return Blocks(8, codes.to(torch.int8), scale.expand(-1, w.shape[1] // BLOCK).contiguous(), None)
+
+
+_RECOVERIES: tuple[Recovery, ...] = (_q4_1, _q4_0, _q8_0, _q5_0, _q4_k, _q5, _q6_k, _iq4, _int8_rows)
 
 
 def _exact(recover: Recovery, rows: torch.Tensor) -> Blocks | None:
