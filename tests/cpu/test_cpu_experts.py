@@ -1,5 +1,5 @@
-"""The CPU plugin's mixtures of experts: fp32 experts tiled for the C matmul kernel
-(``kiln_cpu.experts``) and bf16 experts read as loaded by the decode kernel (``csrc/experts.c``);
+"""The CPU plugin's mixtures of experts: fp32 experts tiled (``kiln_cpu.experts``) and bf16
+experts as loaded, each layer in one C call (``csrc/experts.c``);
 the plugin's ``fused_experts`` equals the reference, including another rank's experts (id -1), on
 every instruction-set path."""
 
@@ -41,15 +41,39 @@ def routed(tokens: int, experts: int, top_k: int, hidden: int, dtype: torch.dtyp
     return x, weights, ids
 
 
+def int8_rows(w: torch.Tensor) -> torch.Tensor:
+    """``w`` rounded to int8 codes with a scale per row, widened (a per-channel int8 checkpoint)."""
+    scale = w.abs().amax(-1, keepdim=True) / 127
+    return torch.round(w / scale) * scale
+
+
+# The experts' values: any fp32; bf16-exact (tiled as bf16); int8 rows (tiled as int8 codes).
+KINDS = {"fp32": (lambda w: w, 32), "bf16-exact": (lambda w: w.bfloat16().float(), 16), "int8-rows": (int8_rows, 8)}
+
+
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("tokens", [1, 7, 40])
-def test_tiled_fp32_experts_match_the_reference(tokens):
+def test_tiled_fp32_experts_match_the_reference(tokens, kind):
+    rounding, fmt = KINDS[kind]
     module = Experts(8, 64, 96, torch.float32)
+    with torch.no_grad():
+        for p in (module.w13, module.w2):
+            p.copy_(torch.stack([rounding(w) for w in p]))
     w13, w2 = module.w13.detach().clone(), module.w2.detach().clone()
     assert use_packed_experts(module) == 1
     assert isinstance(module.w13, PackedExperts) and not list(module.parameters())  # the originals are freed
+    assert {w.fmt for w in module.w13.experts + module.w2.experts} == {fmt}
     x, weights, ids = routed(tokens, 8, 2, 64, torch.float32)
     expected = REFERENCE_OPS["fused_experts"](x, w13, w2, weights, ids)
-    torch.testing.assert_close(fused_experts(x, module.w13, module.w2, weights, ids), expected, atol=1e-5, rtol=1e-5)
+    got = fused_experts(x, module.w13, module.w2, weights, ids)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    if tokens > 2:
+        assert not got[2].any()
+
+
+def test_an_intermediate_size_off_the_tiles_stays_stacked():
+    module = Experts(4, 64, 40, torch.float32)  # gate tile 2 would hold up rows
+    assert use_packed_experts(module) == 0 and isinstance(module.w13, nn.Parameter)
 
 
 # (experts, top_k, hidden, intermediate): Mixtral-like top 2; Qwen-MoE-like top 4, with sizes

@@ -124,10 +124,11 @@ def add_lora(
 def fused_experts(
     x: torch.Tensor, w13: torch.Tensor | PackedExperts, w2: torch.Tensor | PackedExperts, weights, ids
 ) -> torch.Tensor:
-    """``kiln.interfaces.model.fused_experts`` through the matmul kernels of the experts' packed
-    form (``kiln_cpu.experts``), else the reference."""
+    """``kiln.interfaces.model.fused_experts`` in one C call (``csrc/experts.c``): fp32 experts
+    in their tiles (``kiln_cpu.experts``), bf16 ones as loaded at decode batch sizes; else the
+    reference."""
     if isinstance(w13, PackedExperts):
-        return reference.route_to_experts(x, weights, ids, lambda e, rows: w2(e, silu_and_mul(w13(e, rows))))
+        return _fused_experts_tiled(x, w13, w2, weights, ids)
     if _bf16_experts_kernel_takes(x, w13, w2):
         return _fused_experts_bf16(x, w13, w2, weights, ids)
     return reference.fused_experts(x, w13, w2, weights, ids)
@@ -146,6 +147,19 @@ def _bf16_experts_kernel_takes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Ten
         and x.shape[1] % multiple == 0 and w2.shape[2] % multiple == 0
         and x.is_contiguous() and w13.is_contiguous() and w2.is_contiguous()
     )  # fmt: skip
+
+
+def _fused_experts_tiled(x, w13: PackedExperts, w2: PackedExperts, weights, ids) -> torch.Tensor:
+    x, ids, weights = x.contiguous(), ids.to(torch.int64).contiguous(), weights.to(torch.float32).contiguous()
+    experts, hidden, inter = w2.shape
+    out = torch.empty_like(x)
+    failed = native.load_kernels().fused_experts_tiled(
+        out.data_ptr(), x.data_ptr(), x.shape[0], hidden, inter, ids.data_ptr(), weights.data_ptr(), ids.shape[1],
+        experts, w13.kernel_args, w2.kernel_args,
+    )  # fmt: skip
+    if failed:
+        raise MemoryError("fused_experts_tiled: no memory for its buffers")
+    return out
 
 
 def _fused_experts_bf16(x, w13, w2, weights, ids) -> torch.Tensor:

@@ -68,7 +68,7 @@ def load_kernels() -> ctypes.CDLL | None:
     # KILN_CPU_MARCH: compile for an older instruction set than this CPU's (e.g. x86-64-v3,
     # AVX2 without VNNI), to run and test the kernels' other paths here.
     flags = [*FLAGS, f"-march={os.environ.get('KILN_CPU_MARCH') or 'native'}"]
-    sources = b"".join(p.read_bytes() for p in [*SOURCES, CSRC / "vec.h", CSRC / "prefill_items.h"])
+    sources = b"".join(p.read_bytes() for p in [*SOURCES, CSRC / "vec.h", CSRC / "tiled.h", CSRC / "prefill_items.h"])
     key = hashlib.sha256(sources + " ".join(flags).encode() + _cpu_flags().encode())
     target = _cache_dir() / f"kiln-cpu-{key.hexdigest()[:16]}.so"
     if not target.exists():
@@ -120,6 +120,8 @@ def load_kernels() -> ctypes.CDLL | None:
     lib.fused_experts_bf16.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, i64, i64, ptr, ptr]
     lib.fused_experts_bf16.restype = ctypes.c_int
     lib.fused_experts_bf16_multiple.restype = ctypes.c_int
+    lib.fused_experts_tiled.argtypes = lib.fused_experts_bf16.argtypes
+    lib.fused_experts_tiled.restype = ctypes.c_int
     return lib
 
 

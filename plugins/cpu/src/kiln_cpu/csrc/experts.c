@@ -22,6 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "tiled.h"
 #include "vec.h"
 
 #define ROWS 4
@@ -97,37 +98,52 @@ static void block_dots(float *d, const uint16_t *const *rows, int64_t n, const u
     else BLOCK_DOTS(4, 4)
 }
 
+/* A step's (token, slot) pairs sorted by expert, tokens ascending within one: pair[start[e] ..
+ * start[e + 1]) are expert e's; items[0 .. active) the experts with any, ascending. */
+typedef struct {
+    int64_t *start, *pair, *items, active;
+} Routing;
+
+static void free_routing(Routing *rt) { free(rt->start), free(rt->pair), free(rt->items); }
+
+/* Returns nonzero when out of memory. ids (T * top_k): the slots' experts, -1 for none here. */
+static int sort_pairs(Routing *rt, const int64_t *ids, int64_t pairs, int64_t E) {
+    rt->start = calloc(E + 1, sizeof(int64_t));
+    rt->pair = malloc((pairs > 0 ? pairs : 1) * sizeof(int64_t));
+    rt->items = malloc(E * sizeof(int64_t));
+    int64_t *fill = malloc(E * sizeof(int64_t));
+    if (rt->start == NULL || rt->pair == NULL || rt->items == NULL || fill == NULL) {
+        free(fill);
+        free_routing(rt);
+        return 1;
+    }
+    for (int64_t p = 0; p < pairs; p++)
+        if (ids[p] >= 0) rt->start[ids[p] + 1]++;
+    rt->active = 0;
+    for (int64_t e = 0; e < E; e++) {
+        rt->start[e + 1] += rt->start[e];
+        if (rt->start[e + 1] > rt->start[e]) rt->items[rt->active++] = e;
+    }
+    memcpy(fill, rt->start, E * sizeof(int64_t));
+    for (int64_t p = 0; p < pairs; p++)
+        if (ids[p] >= 0) rt->pair[fill[ids[p]]++] = p;
+    free(fill);
+    return 0;
+}
+
 /* out (T, H) bf16 = the experts of ids (T, top_k; -1: none here) weighted by weights, on x
  * (T, H) bf16. Returns nonzero when out of memory. */
 int fused_experts_bf16(uint16_t *out, const uint16_t *x, int64_t T, int64_t H, int64_t I, const int64_t *ids,
                        const float *weights, int64_t top_k, int64_t E, const uint16_t *w13, const uint16_t *w2) {
-    const int64_t pairs = T * top_k;
-    int64_t *start = calloc(E + 1, sizeof(int64_t)), *pair = malloc(pairs * sizeof(int64_t));
-    uint16_t *hidden = malloc(pairs * I * sizeof(uint16_t));
-    int64_t *items = malloc(E * sizeof(int64_t));
-    if (start == NULL || pair == NULL || hidden == NULL || items == NULL) {
-        free(start), free(pair), free(hidden), free(items);
+    Routing rt;
+    if (sort_pairs(&rt, ids, T * top_k, E)) return 1;
+    uint16_t *hidden = malloc((T * top_k > 0 ? T * top_k : 1) * I * sizeof(uint16_t));
+    if (hidden == NULL) {
+        free_routing(&rt);
         return 1;
     }
-    /* (token, slot) pairs sorted by expert, tokens ascending within one: a counting sort */
-    for (int64_t p = 0; p < pairs; p++)
-        if (ids[p] >= 0) start[ids[p] + 1]++;
-    for (int64_t e = 0; e < E; e++) start[e + 1] += start[e];
-    int64_t active = 0;
-    for (int64_t e = 0; e < E; e++)
-        if (start[e + 1] > start[e]) items[active++] = e;
-    {
-        int64_t *fill = malloc(E * sizeof(int64_t));
-        if (fill == NULL) {
-            free(start), free(pair), free(hidden), free(items);
-            return 1;
-        }
-        memcpy(fill, start, E * sizeof(int64_t));
-        for (int64_t p = 0; p < pairs; p++)
-            if (ids[p] >= 0) pair[fill[ids[p]]++] = p;
-        free(fill);
-    }
     memset(out, 0, T * H * sizeof(uint16_t));
+    const int64_t *start = rt.start, *pair = rt.pair, *items = rt.items, active = rt.active;
     const int64_t iblocks = I / BLOCK, hblocks = H / BLOCK;
     _Pragma("omp parallel") {
         float g[ROWS * BLOCK], u[ROWS * BLOCK];
@@ -166,9 +182,77 @@ int fused_experts_bf16(uint16_t *out, const uint16_t *x, int64_t T, int64_t H, i
             }
         }
     }
-    free(start), free(pair), free(hidden), free(items);
+    free(hidden);
+    free_routing(&rt);
     return 0;
 }
 
 /* What H and I must be multiples of. */
 int fused_experts_bf16_multiple(void) { return 2 * VL; }
+
+/* One expert's (N, K) weight in tiles (tiled_linear.c's formats). */
+typedef struct {
+    int64_t fmt;
+    const float *scale, *min;
+    const void *q;
+} Tiled;
+
+/* out (T, H) fp32 = the experts of ids (T, top_k; -1: none here) weighted by weights, on x (T, H)
+ * fp32, each expert's w13 (2I, H) and w2 (H, I) in tiles: tiled_linear's products (each output
+ * summed over its inputs in order), silu(gate) * up, and out += weight * expert output in
+ * ascending expert order, as the reference adds them. Items: (expert, 16 intermediate features)
+ * with its gate and up tiles, then 16 output features over every expert. H and I: multiples of
+ * TILE. Returns nonzero when out of memory. */
+int fused_experts_tiled(float *out, const float *x, int64_t T, int64_t H, int64_t I, const int64_t *ids,
+                        const float *weights, int64_t top_k, int64_t E, const Tiled *w13, const Tiled *w2) {
+    Routing rt;
+    if (sort_pairs(&rt, ids, T * top_k, E)) return 1;
+    const int64_t pairs = rt.start[E] > 0 ? rt.start[E] : 1, widest = H > I ? H : I;
+    float *rows = malloc(pairs * H * sizeof(float)), *hidden = malloc(pairs * I * sizeof(float));
+    int failed = rows == NULL || hidden == NULL;
+    if (failed) goto done;
+    for (int64_t p = 0; p < rt.start[E]; p++) memcpy(rows + p * H, x + rt.pair[p] / top_k * H, H * sizeof(float));
+    memset(out, 0, T * H * sizeof(float));
+    const int64_t ntiles = I / TILE, active = rt.active;
+    _Pragma("omp parallel") {
+        float *gate_buf = malloc(2 * widest * TILE * sizeof(float)), *up_buf = gate_buf + widest * TILE;
+        float g[TILE_ROWS * TILE], u[TILE_ROWS * TILE];
+        if (gate_buf == NULL) failed = 1;
+        _Pragma("omp for schedule(static)") for (int64_t it = 0; it < active * ntiles; it++) {
+            if (gate_buf == NULL) continue;
+            const int64_t e = rt.items[it / ntiles], t = it % ntiles, p0 = rt.start[e], n = rt.start[e + 1] - p0;
+            const Tiled *w = w13 + e;
+            const float *gate = tile_of(gate_buf, w->fmt, w->scale, w->min, w->q, t, H);
+            const float *up = tile_of(up_buf, w->fmt, w->scale, w->min, w->q, ntiles + t, H);
+            for (int64_t r = 0; r < n; r += TILE_ROWS) {
+                rows_times_tile(g, rows + (p0 + r) * H, n - r, H, 0, gate, NULL, 0, H, TILE);
+                rows_times_tile(u, rows + (p0 + r) * H, n - r, H, 0, up, NULL, 0, H, TILE);
+                for (int64_t i = 0; i < TILE_ROWS && r + i < n; i++)
+                    for (int j = 0; j < TILE; j += 8)
+                        store8(hidden + (p0 + r + i) * I + t * TILE + j,
+                               silu8(load8_f32(g + i * TILE + j)) * load8_f32(u + i * TILE + j));
+            }
+        }
+        _Pragma("omp for schedule(static)") for (int64_t t = 0; t < H / TILE; t++) {
+            if (gate_buf == NULL) continue;
+            for (int64_t a = 0; a < active; a++) {
+                const int64_t e = rt.items[a], p0 = rt.start[e], n = rt.start[e + 1] - p0;
+                const Tiled *w = w2 + e;
+                const float *tile = tile_of(gate_buf, w->fmt, w->scale, w->min, w->q, t, I);
+                for (int64_t r = 0; r < n; r += TILE_ROWS) {
+                    rows_times_tile(g, hidden + (p0 + r) * I, n - r, I, 0, tile, NULL, 0, I, TILE);
+                    for (int64_t i = 0; i < TILE_ROWS && r + i < n; i++) {
+                        const int64_t p = rt.pair[p0 + r + i];
+                        float *o = out + p / top_k * H + t * TILE;
+                        for (int j = 0; j < TILE; j++) o[j] += g[i * TILE + j] * weights[p];
+                    }
+                }
+            }
+        }
+        free(gate_buf);
+    }
+done:
+    free(rows), free(hidden);
+    free_routing(&rt);
+    return failed;
+}

@@ -20,10 +20,10 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "tiled.h"
 #include "vec.h"
 
-#define TILE 16
-#define ROWS 6
+#define ROWS TILE_ROWS
 
 /* Tile t of a block-format W as fp32, (K, 16): tile[c * 16 + j] = W[16 t + j, c]. Lane j
  * of a 32-byte load holds 4 inputs of feature j (of 8); shifts pick out byte i. */
@@ -54,8 +54,7 @@ static void widen_tile(float *tile, int fmt, const float *scale, const float *mi
     }
 }
 
-/* Tile t as fp32 (K, 16): in place for fmt 32, else widened into buf. */
-static const float *tile_of(float *buf, int fmt, const float *scale, const float *min, const void *q, int64_t t,
+const float *tile_of(float *buf, int fmt, const float *scale, const float *min, const void *q, int64_t t,
                             int64_t K) {
     if (fmt == 32) return (const float *)q + t * K * TILE;
     if (fmt == 16) {
@@ -67,8 +66,7 @@ static const float *tile_of(float *buf, int fmt, const float *scale, const float
     return buf;
 }
 
-/* out[r, n..n+16] for up to ROWS rows from r; missing rows repeat row r and are not stored. */
-static void rows_times_tile(float *out, const float *x, int64_t rows, int64_t x_stride, int64_t r,
+void rows_times_tile(float *out, const float *x, int64_t rows, int64_t x_stride, int64_t r,
                             const float *tile, const float *bias, int64_t n, int64_t K, int64_t N) {
     const float *xr[ROWS];
     for (int i = 0; i < ROWS; i++) xr[i] = x + (r + i < rows ? r + i : r) * x_stride;

@@ -1,0 +1,21 @@
+/*
+ * The tile kernels of tiled_linear.c that other kernels of this library build on (see there
+ * for the weight formats).
+ */
+#ifndef KILN_TILED_H
+#define KILN_TILED_H
+#include <stdint.h>
+
+#define TILE 16     /* output features per tile */
+#define TILE_ROWS 6 /* rows of x per pass over a tile */
+
+/* Tile t of a weight as fp32 (K, 16): in place for fmt 32, else widened into buf (K * 16 floats). */
+const float *tile_of(float *buf, int fmt, const float *scale, const float *min, const void *q, int64_t t,
+                     int64_t K);
+
+/* out[r + i, n..n+16] (row stride N) = x[r + i] . tile (+ bias[n..]) for up to TILE_ROWS rows from
+ * r of rows; missing rows repeat row r and are not stored. */
+void rows_times_tile(float *out, const float *x, int64_t rows, int64_t x_stride, int64_t r, const float *tile,
+                     const float *bias, int64_t n, int64_t K, int64_t N);
+
+#endif
