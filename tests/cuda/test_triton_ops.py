@@ -4,6 +4,7 @@ tiny model through the plugin's kernels matching the CPU plugin token for token.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -167,6 +168,41 @@ def test_fp8_checkpoints_through_triton_kernels_match_the_cpu_plugin(tiny_model_
     assert not layers["cpu"] and bool(layers["cpu_triton"]) == kept
     assert all(layer.qweight.dtype == torch.float8_e4m3fn for layer in layers["cpu_triton"])
     assert run_greedy(engines["cpu_triton"], prompts) == run_greedy(engines["cpu"], prompts)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the interpreter path on CPU")
+def test_a_16_bit_part_of_a_fused_fp8_layer_is_rounded_to_fp8(tiny_model_dir, kiln_plugins, tmp_path, caplog):
+    """An fp8 checkpoint that left k_proj in 16 bits without listing it: on the Triton platform the
+    merged q/k/v still loads in fp8, k's rows rounded per row (with a warning), q's and v's as stored."""
+    from safetensors.torch import load_file, save_file
+
+    import kiln_cpu.plugin
+    import kiln_cuda.plugin
+    from kiln.testing.engine import make_engine, run_greedy
+    from kiln.testing.quantization import fp8_copy
+
+    for module, name in ((kiln_cpu.plugin, "cpu"), (kiln_cuda.plugin, "cuda"), (sys.modules[__name__], "test")):
+        kiln_plugins.register(module, name=name)
+    source = tiny_model_dir("llama")
+    folder, widened = fp8_copy(source, tmp_path / "fp8", FP8_CHANNELS)
+    tensors, original = load_file(str(folder / "model.safetensors")), load_file(str(Path(source) / "model.safetensors"))
+    k = "model.layers.0.self_attn.k_proj"
+    tensors[f"{k}.weight"] = original[f"{k}.weight"].bfloat16()
+    del tensors[f"{k}.weight_scale"]
+    save_file(tensors, str(folder / "model.safetensors"))
+    engine = make_engine(kiln_plugins, device="cpu_triton", model=str(folder), dtype="float32", block_size=16)
+    assert "k_proj.weight: torch.bfloat16 in an fp8 checkpoint" in caplog.text
+    qkv = engine.executor.runner.model.layers[0].self_attn.qkv_proj
+    assert qkv.qweight.dtype == torch.float8_e4m3fn
+    rows = load_file(str(widened / "model.safetensors"))
+    weight = qkv.qweight.T.float() * qkv.qscale.T  # the Triton method's (in, out) fp8, (1, out) scales
+    q_rows = rows["model.layers.0.self_attn.q_proj.weight"].shape[0]
+    torch.testing.assert_close(weight[:q_rows], rows["model.layers.0.self_attn.q_proj.weight"], rtol=0, atol=0)
+    k_bf16 = original[f"{k}.weight"].bfloat16().float()
+    k_rows = weight[q_rows : q_rows + k_bf16.shape[0]]
+    assert not torch.equal(k_rows, k_bf16)  # rounded to fp8 ...
+    torch.testing.assert_close(k_rows, k_bf16, rtol=0.07, atol=1e-3)  # ... per row (e4m3: 3 mantissa bits)
+    assert len(run_greedy(engine, [[1000, 7, 9]])[0]) == 8
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the interpreter path on CPU")

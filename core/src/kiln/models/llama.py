@@ -25,7 +25,7 @@ from kiln.interfaces.model import PRE_NORM_LAYER, StepContext
 from kiln.models.rope import FULL_ATTENTION, cos_sin_cache, rotary_dim, rotary_permutation
 from kiln.models.sliding_window import check_backend, layer_types, sliding_windows
 from kiln.quantization.config import QuantConfig
-from kiln.quantization.layers import load_linear_tensor, make_linear, row_parallel_dim
+from kiln.quantization.layers import load_linear_tensor, make_linear, row_parallel_dim, widened_for
 
 
 class RMSNorm(nn.Module):
@@ -314,14 +314,17 @@ class LlamaForCausalLM(nn.Module):
             if len(parts) >= 2 and parts[-2] in merges:
                 tensor = self.tp.slice(tensor, 0)  # column-parallel: output rows split
                 target, order = merges[parts[-2]]
+                # Each part as the merged parameter takes it: a 16-bit part of an fp8 layer, say,
+                # comes with the scale the other parts' weights bring.
                 merged = ".".join(parts[:-2] + [target, parts[-1]])
-                group = pending.setdefault(merged, {})
-                group[parts[-2]] = tensor
-                if len(group) == len(order):
-                    name, tensor = merged, merge_shards([group[p] for p in order], parts[-1])
-                    del pending[merged]
-                else:
-                    continue
+                for key, value in widened_for(params, merged, tensor, name).items():
+                    group = pending.setdefault(key, {})
+                    group[parts[-2]] = value
+                    if len(group) == len(order):
+                        del pending[key]
+                        whole = merge_shards([group[p] for p in order], key.rpartition(".")[2])
+                        loaded.update(load_linear_tensor(params, key, whole))
+                continue
             loaded.update(load_linear_tensor(params, name, tensor))
         missing = set(params) - loaded - set(self.optional_weights)
         if pending or missing:

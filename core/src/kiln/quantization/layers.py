@@ -40,24 +40,33 @@ def row_parallel_dim(leaf: str, tensor: torch.Tensor) -> int | None:
     return None
 
 
-def load_linear_tensor(params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> list[str]:
-    """Copy ``tensor`` into the parameter ``name``; returns the parameters it filled.
-
-    A float weight for an int8 parameter is quantized here (``--quantization
-    weight_only_int8`` on an unquantized checkpoint), filling its scale too; so is one for an
-    fp8 parameter (a layer an fp8 checkpoint left in 16 bits without listing it), to fp8 per row."""
-    if name not in params:
+def widened_for(
+    params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor, part: str | None = None
+) -> dict[str, torch.Tensor]:
+    """The values a checkpoint tensor (``part`` of ``name``, merged) gives the parameter ``name``
+    (and its scale): as it is,
+    except a float weight for an int8 parameter, quantized here per channel (``--quantization
+    weight_only_int8`` on an unquantized checkpoint), and a 16-bit weight for an fp8 parameter (a
+    layer, or part of a fused one, an fp8 checkpoint left in 16 bits without listing it), rounded
+    to fp8 per row with a warning."""
+    param = params.get(name)
+    if param is None:
         raise ValueError(f"unexpected weight {name!r} in checkpoint")
-    param = params[name]
-    values = {name: tensor}
     if param.dtype == torch.int8 and tensor.is_floating_point():
-        values = dict(zip((name, name + "_scale"), int8_per_channel(tensor)))
-    elif param.dtype == torch.float8_e4m3fn and tensor.dtype != param.dtype:
+        return dict(zip((name, name + "_scale"), int8_per_channel(tensor)))
+    if param.dtype == torch.float8_e4m3fn and tensor.dtype != param.dtype:
         logger.warning("%s: %s in an fp8 checkpoint that does not list it as unquantized: rounded to fp8 per row",
-                       name, tensor.dtype)  # fmt: skip
+                       part or name, tensor.dtype)  # fmt: skip
         scale = tensor.float().abs().amax(1, keepdim=True).clamp(min=1e-12) / torch.finfo(param.dtype).max
-        codes = (tensor.float() / scale).to(param.dtype)
-        values = {name: codes, name + "_scale": scale.expand(params[name + "_scale"].shape)}
+        groups = params[name + "_scale"].shape[1]
+        return {name: (tensor.float() / scale).to(param.dtype), name + "_scale": scale.expand(-1, groups)}
+    return {name: tensor}
+
+
+def load_linear_tensor(params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> list[str]:
+    """Copy ``tensor`` into the parameter ``name`` (``widened_for`` says how); returns the
+    parameters it filled."""
+    values = widened_for(params, name, tensor)
     for key, value in values.items():
         target = params[key]
         if target.shape != value.shape:
