@@ -431,3 +431,21 @@ def test_a_fused_projection_the_model_does_not_fuse_is_refused(tiny_model_dir, t
     llm = LLM(tiny_model_dir("llama"), dtype="float32", enable_lora=True, max_model_len=256)
     with pytest.raises(ValueError, match="qkv_proj adapts a module the model lacks"):
         llm.generate([{"prompt_token_ids": [1, 2, 3]}], GREEDY, lora_request=LoRARequest("a", 1, path))
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe"])
+def test_mixture_of_experts_attention_adapters_match_peft(tiny_model_dir, tmp_path, varied_prompts, model_type):
+    """Adapters on a mixture of experts' attention projections apply as on Llama; one that also
+    adapts an MLP projection (Qwen2-MoE's shared expert and dense layer) is refused, not run in part."""
+    base = tiny_model_dir(model_type)
+    attention = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    check_matches_peft(base, build_lora_adapter(base, tmp_path / "attention", rank=8, seed=7, targets=attention),
+                       varied_prompts)  # fmt: skip
+    if model_type == "qwen2_moe":
+        path = build_lora_adapter(base, tmp_path / "mlp", rank=8, targets=[*attention, "down_proj"])
+        llm = LLM(base, dtype="float32", enable_lora=True, max_model_len=256)
+        with pytest.raises(
+            ValueError,
+            match=r"down_proj.* adapts a module the model lacks .* supported: q_proj, k_proj, v_proj, o_proj of",
+        ):
+            llm.generate([{"prompt_token_ids": [1, 2, 3]}], GREEDY, lora_request=LoRARequest("a", 1, path))

@@ -77,6 +77,9 @@ class BaseModelShape:
             "q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
             "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden),
         }  # fmt: skip
+        targets = getattr(model, "lora_modules", None)
+        if targets:  # only the projections the model wraps: an update for another is refused, not dropped
+            dims = {p: dims[p] for projections in targets.values() for p in projections}
         return cls(hf_config.num_hidden_layers, dims, getattr(model, "adapter_rows", _as_is))
 
 
@@ -167,7 +170,7 @@ def load_adapter(name: str, path: str, base: BaseModelShape, max_rank: int, enab
         if match is None or match.group(3) not in (*TARGETS, *FUSED_TARGETS):
             raise ValueError(
                 f"LoRA adapter {name!r}: tensor {key!r} adapts a module the model lacks or Kiln cannot adapt; "
-                f"supported: {', '.join(TARGETS)} of each layer"
+                f"supported: {', '.join(base.dims)} of each layer"
             )
         layer, block, module, ab, leaf = int(match.group(1)), *match.group(2, 3, 4, 5)
         if layer >= base.num_layers:

@@ -142,7 +142,9 @@ class MoEDecoderLayer(LlamaDecoderLayer):
 
 
 class Qwen2MoeForCausalLM(LlamaForCausalLM):
-    lora_modules = {}  # adapters on experts are not mapped yet
+    # Adapters on the attention projections; ones on experts, routers, shared experts or dense
+    # layers are refused (not mapped yet).
+    lora_modules = {k: v for k, v in LlamaForCausalLM.lora_modules.items() if k.startswith("self_attn.")}
     decoder_layer = MoEDecoderLayer
     widens_quantized_experts = True  # see FusedMoE.load_expert
 
