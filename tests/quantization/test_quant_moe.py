@@ -3,7 +3,7 @@ of Mixtral and Qwen2-MoE (attention, dense and shared-expert projections and eve
 quantized, the router left in full precision, as AutoAWQ, AutoGPTQ and llm-compressor write
 them). The experts are widened to the model's dtype at load, the other layers stay quantized,
 and Kiln serves exactly what transformers serves from the dequantized weights, on one rank and
-on two."""
+on two. Models without quantized layers (DeepSeek, the transformers fallback) widen every layer."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from kiln.testing.quantization import gptq_act_order
 GROUP = 16  # divides Qwen2-MoE's tiny experts (32) and shared expert (48)
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [40, 41, 42, 100, 7]]
 # Every decoder projection, the experts' included; not the routers (mlp.gate, shared_expert_gate).
-PROJECTION = re.compile(r"(_proj|experts\.\d+\.w[123])$")
+PROJECTION = re.compile(r"(_proj|_proj_with_mqa|experts\.\d+\.w[123])$")
 EXPERT_FORMATS = {"awq": 6, "gptq": 32, "weight_only_int8": 8}  # TiledWeight.fmt on the CPU
 
 
@@ -138,3 +138,24 @@ def test_w8a8_experts_are_their_dequantized_weights(tiny_model_dir, tmp_path):
         assert torch.equal(
             moe.w2.experts[e].unpack(), expected[f"model.layers.1.block_sparse_moe.experts.{e}.w2.weight"]
         )
+
+
+@pytest.mark.parametrize("method", ["awq", "weight_only_int8"])
+@pytest.mark.parametrize(("family", "impl"), [("deepseek_v2", "auto"), ("opt", "transformers")])
+def test_a_model_without_quantized_layers_widens_its_checkpoint(
+    tiny_model_dir, tmp_path, monkeypatch, caplog, method, family, impl
+):
+    """DeepSeek-V2 (latent attention: its kv_b_proj is split into per-head halves at load) and
+    ``--model-impl transformers`` (OPT) have no quantized layers: a quantized checkpoint's layers
+    are widened as they are read, and serve what transformers serves from the dequantized weights."""
+    from kiln.interfaces.quantization import QuantLinear
+
+    monkeypatch.setenv("KILN_CPU_INT8_ACTIVATIONS", "0")
+    source = tiny_model_dir(family)
+    quantized, dequantized = quantized_and_dequantized(source, tmp_path, method)
+    expected = hf_greedy(dequantized, PROMPTS, FAMILY_TOKENS)
+    assert expected != hf_greedy(source, PROMPTS, FAMILY_TOKENS)  # the rounding moved the outputs
+    with caplog.at_level("INFO", logger="kiln"):
+        llm = assert_generates(quantized, PROMPTS, expected, model_impl=impl)
+    assert "has no quantized layers: the" in caplog.text
+    assert not any(isinstance(m, QuantLinear) for m in llm.engine.executor.runner.model.modules())

@@ -20,6 +20,7 @@ from torch import nn
 from kiln.distributed import TensorParallel
 from kiln.interfaces.quantization import widen
 from kiln.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from kiln.quantization.checkpoint import quantized_leaves
 from kiln.quantization.config import QuantConfig
 
 GATE_UP = ("gate_proj", "up_proj")  # the halves of w13 (and of a dense MLP's merged gate_up_proj)
@@ -110,16 +111,6 @@ class FusedMoE(nn.Module):
         pending = self._pending[name]
         pending.discard(key)
         return [name] if not pending else []
-
-
-def quantized_leaves(quant: QuantConfig) -> set[str]:
-    """The canonical tensors of one of ``quant``'s layers."""
-    leaves = {"weight", "weight_scale"}
-    if not quant.scheme.symmetric:
-        leaves.add("weight_zero")
-    if quant.desc_act:
-        leaves.add("g_idx")
-    return leaves
 
 
 class MoEDecoderLayer(LlamaDecoderLayer):

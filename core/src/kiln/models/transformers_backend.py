@@ -9,7 +9,8 @@ attention backend on Kiln's flattened token stream (one "batch" row holding ever
 step) and cache. The step's context reaches it through the forward's keyword arguments, which
 transformers passes down to attention; the model is asked for no masks (Kiln's backend applies
 causality per sequence) and no cache of its own. Slower than Kiln's own classes (no fused ops, no
-decode graphs), one rank only, unquantized; ropes that change with the batch's longest sequence
+decode graphs), one rank only, a quantized checkpoint widened at load (the builder's
+``widen_quantized``); ropes that change with the batch's longest sequence
 (``dynamic``, ``longrope``) are refused, as they would make one request's output depend on another's."""
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ class TransformersForCausalLM(nn.Module):
         if tp.size > 1:
             raise ValueError("--model-impl transformers runs on one rank: drop --tensor-parallel-size")
         if quant_config is not None:
-            raise ValueError("--model-impl transformers serves unquantized checkpoints only")
+            raise ValueError("--model-impl transformers has no quantized layers (the builder widens quantized weights)")
         for what, value in (("sliding_window", getattr(cfg, "sliding_window", None)),
                             ("logit_softcap", getattr(cfg, "attn_logit_softcapping", None))):  # fmt: skip
             supported = getattr(backend, f"supports_{what}")

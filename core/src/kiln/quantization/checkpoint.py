@@ -102,6 +102,39 @@ def canonical_weights(
         raise ValueError(f"checkpoint is missing {', '.join(f'{module}.{m}' for m in missing)}")
 
 
+def quantized_leaves(quant: QuantConfig) -> set[str]:
+    """The canonical tensors of one of ``quant``'s layers."""
+    leaves = {"weight", "weight_scale"}
+    if not quant.scheme.symmetric:
+        leaves.add("weight_zero")
+    if quant.desc_act:
+        leaves.add("g_idx")
+    return leaves
+
+
+def widen_quantized(
+    weights: Iterable[tuple[str, torch.Tensor]], quant: QuantConfig
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A quantized checkpoint's stream with each quantized layer widened to an fp32 ``X.weight``
+    (for a model without quantized layers); other tensors pass through."""
+    from kiln.interfaces.quantization import widen
+
+    leaves, pending = quantized_leaves(quant), {}
+    for name, tensor in canonical_weights(weights, quant):
+        module, _, leaf = name.rpartition(".")
+        if leaf not in leaves or (leaf == "weight" and tensor.is_floating_point() and tensor.element_size() > 1):
+            yield name, tensor  # not a quantized layer's (a norm, an embedding, an unquantized layer)
+            continue
+        parts = pending.setdefault(module, {})
+        parts[leaf] = tensor
+        if len(parts) == len(leaves):
+            del pending[module]
+            yield f"{module}.weight", widen(*(parts.get(k) for k in ("weight", "weight_scale", "weight_zero", "g_idx")))
+    if pending:
+        module, parts = next(iter(pending.items()))
+        raise ValueError(f"checkpoint is missing {', '.join(f'{module}.{m}' for m in sorted(leaves - set(parts)))}")
+
+
 def checkpoint_tensors(
     quant: QuantConfig, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
     g_idx: torch.Tensor | None, dtype: torch.dtype,

@@ -20,7 +20,7 @@ from kiln.interfaces.quantization import LinearMethod, QuantLinear
 from kiln.lora.slots import build_lora_slots
 from kiln.models.loader import iter_weights, load_hf_config
 from kiln.quantization import config as quant_config
-from kiln.quantization.checkpoint import canonical_weights
+from kiln.quantization.checkpoint import canonical_weights, widen_quantized
 from kiln.quantization.config import QuantConfig, QuantScheme
 from kiln.quantization.fp8 import fp8_weights, widen_fp8
 from kiln.registry import Registry, load_ref
@@ -143,7 +143,7 @@ def build_model(
     torch.set_default_dtype(dtype)
     try:
         with torch.device(platform.device()):
-            extra = {"quant_config": quant} if quant is not None else {}
+            extra = {"quant_config": quant} if method is not None else {}
             model = cls(hf_config, ops, backend, max_positions=config.max_model_len, tp=tp, **extra)
     finally:
         torch.set_default_dtype(default_dtype)
@@ -156,12 +156,12 @@ def build_model(
         elif fp8 is not None:
             weights = fp8_weights(weights, fp8)
         elif quant is not None:
-            weights = canonical_weights(weights, quant)
+            weights = canonical_weights(weights, quant) if method is not None else widen_quantized(weights, quant)
         in_turn(config.max_parallel_loading_workers, tp, lambda: model.load_weights(weights))
     model.eval()
     if config.enable_expert_parallel and not any(hasattr(m, "load_expert") for m in model.modules()):
         logger.warning("--enable-expert-parallel changes nothing: the model has no experts")
-    if quant is not None:
+    if method is not None:
         layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
         for layer in layers:
             layer.method = method
@@ -183,13 +183,18 @@ def _process_weights(platform: Platform, model: torch.nn.Module, config: EngineC
 def resolve_quantization(
     config: EngineConfig, platform: Platform, hf_config, tp: TensorParallel, model_cls: type
 ) -> tuple[QuantConfig | None, LinearMethod | None]:
-    """The model's ``QuantConfig`` and the platform's method for it (None, None: unquantized); a
-    method the device cannot run, or a split it cannot take, is refused here, before any weight is
+    """The model's ``QuantConfig`` and the platform's method for it (None, None: unquantized; a
+    config and no method: a model without quantized layers, whose checkpoint is widened at load);
+    a method the device cannot run, or a split it cannot take, is refused here, before any weight is
     read. fp8 weights without a kernel on the platform, or in a model without quantized layers
     or whose experts would be widened anyway (the mixtures of experts), are widened at load instead."""
     quant = quant_config.resolve(config.quantization, getattr(hf_config, "quantization_config", None))
     if quant is None:
         return None, None
+    if not getattr(model_cls, "supports_quantization", False) and not quant.scheme.float_weights:
+        logger.info("%s has no quantized layers: the %s checkpoint's weights are widened at load", model_cls.__name__,
+                    quant.label)  # fmt: skip
+        return quant, None
     method = platform.linear_method(quant.scheme)
     if quant.scheme.float_weights:
         why = _fp8_widened(quant.scheme, method, model_cls, hf_config, tp)
