@@ -284,8 +284,8 @@ BAD = {
     "unknown-target": r"targets \['fc1'\], which the model lacks",
     "unknown-tensor": r"layers.0.mlp.fc1.lora_A.weight.*adapts a module the model lacks",
     "dora": r"DoRA adapters are not supported",
-    "other-base": r"layers.1.down_proj has lora_A \(8, 96\).*trained for another base model",
-    "bad-bias": r"layers.0.q_proj has a lora_B bias of \(3,\), expected \(256,\)",
+    "other-base": r"layers.1.mlp.down_proj has lora_A \(8, 96\).*trained for another base model",
+    "bad-bias": r"layers.0.self_attn.q_proj has a lora_B bias of \(3,\), expected \(256,\)",
     "alpha-not-a-number": r"lora_alpha and alpha_pattern must hold numbers",
     "alora": r"aLoRA",
 }
@@ -436,16 +436,18 @@ def test_a_fused_projection_the_model_does_not_fuse_is_refused(tiny_model_dir, t
 @pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe"])
 def test_mixture_of_experts_attention_adapters_match_peft(tiny_model_dir, tmp_path, varied_prompts, model_type):
     """Adapters on a mixture of experts' attention projections apply as on Llama; one that also
-    adapts an MLP projection (Qwen2-MoE's shared expert and dense layer) is refused, not run in part."""
+    adapts an MLP projection (Qwen2-MoE's shared expert, or its dense first layer) is refused,
+    naming the tensor's module, not run in part."""
     base = tiny_model_dir(model_type)
     attention = ["q_proj", "k_proj", "v_proj", "o_proj"]
     check_matches_peft(base, build_lora_adapter(base, tmp_path / "attention", rank=8, seed=7, targets=attention),
                        varied_prompts)  # fmt: skip
     if model_type == "qwen2_moe":
-        path = build_lora_adapter(base, tmp_path / "mlp", rank=8, targets=[*attention, "down_proj"])
         llm = LLM(base, dtype="float32", enable_lora=True, max_model_len=256)
-        with pytest.raises(
-            ValueError,
-            match=r"down_proj.* adapts a module the model lacks .* supported: q_proj, k_proj, v_proj, o_proj of",
-        ):
-            llm.generate([{"prompt_token_ids": [1, 2, 3]}], GREEDY, lora_request=LoRARequest("a", 1, path))
+        supported = "supported: q_proj, k_proj, v_proj, o_proj of each layer"
+        cases = ((["o_proj", "down_proj"], r"shared_expert\.down_proj"),  # matches both MLPs' down_proj
+                 (["o_proj", "model.layers.0.mlp.down_proj"], r"layers\.0\.mlp\.down_proj"))  # fmt: skip
+        for i, (targets, module) in enumerate(cases):
+            path = build_lora_adapter(base, tmp_path / f"mlp{i}", rank=8, targets=targets)
+            with pytest.raises(ValueError, match=rf"{module}.* adapts a module the model lacks .*{supported}"):
+                llm.generate([{"prompt_token_ids": [1, 2, 3]}], GREEDY, lora_request=LoRARequest("a", 1, path))

@@ -202,6 +202,8 @@ def test_a_16_bit_part_of_a_fused_fp8_layer_is_rounded_to_fp8(tiny_model_dir, ki
     k_rows = weight[q_rows : q_rows + k_bf16.shape[0]]
     assert not torch.equal(k_rows, k_bf16)  # rounded to fp8 ...
     torch.testing.assert_close(k_rows, k_bf16, rtol=0.07, atol=1e-3)  # ... per row (e4m3: 3 mantissa bits)
+    v_rows = rows["model.layers.0.self_attn.v_proj.weight"]
+    torch.testing.assert_close(weight[q_rows + k_bf16.shape[0] :], v_rows, rtol=0, atol=0)
     assert len(run_greedy(engine, [[1000, 7, 9]])[0]) == 8
 
 

@@ -86,7 +86,7 @@ def test_quantized_moe_serves_its_dequantized_weights(tiny_model_dir, tmp_path, 
     model = llm.engine.executor.runner.model
     assert type(model.layers[0].self_attn.qkv_proj).__name__ != "Linear"  # attention stays quantized
     moe = next(m for m in model.modules() if hasattr(m, "load_expert"))
-    assert not moe._parts  # every expert's parts arrived and were widened
+    assert not moe._parts.pending  # every expert's parts arrived and were widened
     # The CPU plugin finds the integer codes back in the widened fp32 experts: int8 rows; AWQ's
     # 4-bit groups of 16 as 8-bit codes with a scale per 16 (groups of 32 or more: 4-bit blocks);
     # GPTQ act-order's groups of shuffled inputs fit no block and stay fp32.
@@ -114,7 +114,7 @@ def test_quantized_experts_without_a_quantization_config_are_refused(tiny_model_
     config = json.loads((Path(quantized) / "config.json").read_text())
     del config["quantization_config"]
     (Path(quantized) / "config.json").write_text(json.dumps(config))
-    with pytest.raises(Exception, match="without a quantization_config"):
+    with pytest.raises(ValueError, match="without a quantization_config"):
         LLM(quantized, max_model_len=128)
 
 
@@ -159,3 +159,15 @@ def test_a_model_without_quantized_layers_widens_its_checkpoint(
         llm = assert_generates(quantized, PROMPTS, expected, model_impl=impl)
     assert "has no quantized layers: the" in caplog.text
     assert not any(isinstance(m, QuantLinear) for m in llm.engine.executor.runner.model.modules())
+
+
+def test_weights_quantized_at_load_need_quantized_layers(tiny_model_dir, caplog):
+    """--quantization weight_only_int8 on an unquantized checkpoint: refused for a model without
+    quantized layers, and a mixture of experts says its routed experts stay unquantized."""
+    from kiln import LLM
+
+    with pytest.raises(ValueError, match="weight_only_int8: DeepseekV2ForCausalLM has no quantized layers"):
+        LLM(tiny_model_dir("deepseek_v2"), quantization="weight_only_int8", max_model_len=128)
+    with caplog.at_level("WARNING", logger="kiln"):
+        LLM(tiny_model_dir("mixtral"), quantization="weight_only_int8", max_model_len=128)
+    assert "the routed experts stay in the model's dtype" in caplog.text

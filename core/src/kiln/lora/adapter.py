@@ -193,7 +193,7 @@ def load_adapter(name: str, path: str, base: BaseModelShape, max_rank: int, enab
     rslora = bool(config.get("use_rslora"))
     modules, top_rank = {}, 0
     for (layer, block, module), found in sorted(parts.items()):
-        where = f"layers.{layer}.{module}"
+        where = f"layers.{layer}.{block}.{module}"
         if "Aweight" not in found or "Bweight" not in found:
             raise ValueError(f"LoRA adapter {name!r}: {where} lacks its lora_A or lora_B weight")
         a, b = found["Aweight"].float(), found["Bweight"].float()
@@ -217,7 +217,10 @@ def load_adapter(name: str, path: str, base: BaseModelShape, max_rank: int, enab
         for part, b_part in rows:
             inputs, outputs = base.dims.get(part, (None, None))
             if inputs is None:
-                raise ValueError(f"LoRA adapter {name!r}: {where} adapts a module the model lacks")
+                raise ValueError(
+                    f"LoRA adapter {name!r}: {where} adapts a module the model lacks or Kiln cannot adapt; "
+                    f"supported: {', '.join(base.dims)} of each layer"
+                )
             if rank < 1 or b_part.dim() != 2 or a.shape[1] != inputs or b_part.shape != (outputs, rank):
                 raise ValueError(
                     f"LoRA adapter {name!r}: {where} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}, "

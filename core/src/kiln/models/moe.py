@@ -18,9 +18,8 @@ import torch
 from torch import nn
 
 from kiln.distributed import TensorParallel
-from kiln.interfaces.quantization import widen
 from kiln.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
-from kiln.quantization.checkpoint import quantized_leaves
+from kiln.quantization.checkpoint import QuantizedParts, is_quantized
 from kiln.quantization.config import QuantConfig
 
 GATE_UP = ("gate_proj", "up_proj")  # the halves of w13 (and of a dense MLP's merged gate_up_proj)
@@ -60,9 +59,8 @@ class FusedMoE(nn.Module):
             "w13": {(e, p) for e in range(self.num_local) for p in GATE_UP},
             "w2": set(range(self.num_local)),
         }
-        # A quantized expert projection's canonical tensors, and the (expert, projection) parts so far.
-        self._quant_leaves = set() if quant is None else quantized_leaves(quant)
-        self._parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+        # Quantized experts' canonical tensors, per (expert, projection), until each is whole.
+        self._parts = None if quant is None else QuantizedParts(quant)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's experts and their weights (tokens, top_k); families with another rule
@@ -84,8 +82,8 @@ class FusedMoE(nn.Module):
         into this rank's stacked weights; returns the parameters it completed. A quantized
         projection's canonical tensors (``kiln.quantization.checkpoint``) are widened to the
         model's dtype once all have arrived: no platform has a quantized experts kernel yet."""
-        quantized = leaf != "weight" or not tensor.is_floating_point() or tensor.element_size() == 1  # int8, fp8
-        if quantized and leaf not in self._quant_leaves:
+        quantized = is_quantized(leaf, tensor)
+        if quantized and (self._parts is None or leaf not in self._parts.leaves):
             what = "biased experts" if leaf == "bias" else f"quantized experts without a quantization_config ({leaf})"
             raise ValueError(f"expert {expert} {proj}.{leaf}: {what} are not supported")
         local = expert - self.first
@@ -94,12 +92,9 @@ class FusedMoE(nn.Module):
                 return []  # another rank's expert
             raise ValueError(f"checkpoint has expert {expert}; the model has {self.num_experts}")
         if quantized:
-            parts = self._parts.setdefault((expert, proj), {})
-            parts[leaf] = tensor
-            if len(parts) < len(self._quant_leaves):
+            tensor = self._parts.add(f"experts.{expert}.{proj}", leaf, tensor)
+            if tensor is None:
                 return []
-            del self._parts[(expert, proj)]
-            tensor = widen(*(parts.get(k) for k in ("weight", "weight_scale", "weight_zero", "g_idx")), self.w2.dtype)
         slice_of = (lambda t, dim: t) if self.tp.expert_parallel else self.tp.slice
         if proj == "down_proj":
             name, key, target, tensor = "w2", local, self.w2.data[local], slice_of(tensor, 1)

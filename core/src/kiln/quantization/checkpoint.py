@@ -112,27 +112,50 @@ def quantized_leaves(quant: QuantConfig) -> set[str]:
     return leaves
 
 
+def is_quantized(leaf: str, tensor: torch.Tensor) -> bool:
+    """Whether a canonical tensor is a quantized layer's: not a 16/32-bit ``weight``."""
+    return leaf != "weight" or not tensor.is_floating_point() or tensor.element_size() == 1
+
+
+class QuantizedParts:
+    """Quantized layers' canonical tensors, held per layer until all have arrived, then widened
+    to an fp32 weight: for layers a model keeps in floats (DeepSeek's, a mixture's experts)."""
+
+    def __init__(self, quant: QuantConfig) -> None:
+        self.leaves = quantized_leaves(quant)
+        self.pending: dict[object, dict[str, torch.Tensor]] = {}
+
+    def add(self, layer: object, leaf: str, tensor: torch.Tensor) -> torch.Tensor | None:
+        """The layer's widened weight once ``tensor`` completes it, else None."""
+        from kiln.interfaces.quantization import widen
+
+        parts = self.pending.setdefault(layer, {})
+        parts[leaf] = tensor
+        if len(parts) < len(self.leaves):
+            return None
+        del self.pending[layer]
+        return widen(*(parts.get(k) for k in ("weight", "weight_scale", "weight_zero", "g_idx")))
+
+    def check_complete(self) -> None:
+        if self.pending:
+            layer, parts = next(iter(self.pending.items()))
+            missing = ", ".join(f"{layer}.{m}" for m in sorted(self.leaves - set(parts)))
+            raise ValueError(f"checkpoint is missing {missing}")
+
+
 def widen_quantized(
     weights: Iterable[tuple[str, torch.Tensor]], quant: QuantConfig
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """A quantized checkpoint's stream with each quantized layer widened to an fp32 ``X.weight``
     (for a model without quantized layers); other tensors pass through."""
-    from kiln.interfaces.quantization import widen
-
-    leaves, pending = quantized_leaves(quant), {}
+    parts = QuantizedParts(quant)
     for name, tensor in canonical_weights(weights, quant):
         module, _, leaf = name.rpartition(".")
-        if leaf not in leaves or (leaf == "weight" and tensor.is_floating_point() and tensor.element_size() > 1):
+        if leaf not in parts.leaves or not is_quantized(leaf, tensor):
             yield name, tensor  # not a quantized layer's (a norm, an embedding, an unquantized layer)
-            continue
-        parts = pending.setdefault(module, {})
-        parts[leaf] = tensor
-        if len(parts) == len(leaves):
-            del pending[module]
-            yield f"{module}.weight", widen(*(parts.get(k) for k in ("weight", "weight_scale", "weight_zero", "g_idx")))
-    if pending:
-        module, parts = next(iter(pending.items()))
-        raise ValueError(f"checkpoint is missing {', '.join(f'{module}.{m}' for m in sorted(leaves - set(parts)))}")
+        elif (weight := parts.add(module, leaf, tensor)) is not None:
+            yield f"{module}.weight", weight
+    parts.check_complete()
 
 
 def checkpoint_tensors(

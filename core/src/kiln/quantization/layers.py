@@ -52,6 +52,8 @@ def widened_for(
     param = params.get(name)
     if param is None:
         raise ValueError(f"unexpected weight {name!r} in checkpoint")
+    if tensor.dtype == torch.int8 and param.dtype != torch.int8:
+        raise ValueError(f"{part or name}: int8 weights for a layer held unquantized, without a quantization_config")
     if param.dtype == torch.int8 and tensor.is_floating_point():
         return dict(zip((name, name + "_scale"), int8_per_channel(tensor)))
     if param.dtype == torch.float8_e4m3fn and tensor.dtype != param.dtype:

@@ -191,10 +191,16 @@ def resolve_quantization(
     quant = quant_config.resolve(config.quantization, getattr(hf_config, "quantization_config", None))
     if quant is None:
         return None, None
+    online = quant.method == "online"  # --quantization weight_only_int8 on an unquantized checkpoint
     if not getattr(model_cls, "supports_quantization", False) and not quant.scheme.float_weights:
+        if online:
+            raise ValueError(f"--quantization {config.quantization}: {model_cls.__name__} has no quantized layers")
         logger.info("%s has no quantized layers: the %s checkpoint's weights are widened at load", model_cls.__name__,
                     quant.label)  # fmt: skip
         return quant, None
+    if online and getattr(model_cls, "widens_quantized_experts", False):
+        logger.warning("--quantization %s: the routed experts stay in the model's dtype (no quantized experts kernel)",
+                       config.quantization)  # fmt: skip
     method = platform.linear_method(quant.scheme)
     if quant.scheme.float_weights:
         why = _fp8_widened(quant.scheme, method, model_cls, hf_config, tp)

@@ -149,16 +149,30 @@ def _bf16_experts_kernel_takes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Ten
     )  # fmt: skip
 
 
+# Tokens per call of the fp32 experts kernel: its buffers hold each (token, slot)'s input and
+# hidden rows (a 2k-token prefill of Mixtral: ~290 MB at once), so prefills go in chunks.
+TILED_EXPERTS_CHUNK = 256
+
+
+def _check(status: int, kernel: str, experts: int) -> None:
+    if status == 2:
+        raise ValueError(f"{kernel}: an expert id past the layer's {experts} experts")
+    if status:
+        raise MemoryError(f"{kernel}: no memory for its buffers")
+
+
 def _fused_experts_tiled(x, w13: PackedExperts, w2: PackedExperts, weights, ids) -> torch.Tensor:
     x, ids, weights = x.contiguous(), ids.to(torch.int64).contiguous(), weights.to(torch.float32).contiguous()
     experts, hidden, inter = w2.shape
     out = torch.empty_like(x)
-    failed = native.load_kernels().fused_experts_tiled(
-        out.data_ptr(), x.data_ptr(), x.shape[0], hidden, inter, ids.data_ptr(), weights.data_ptr(), ids.shape[1],
-        experts, w13.kernel_args, w2.kernel_args,
-    )  # fmt: skip
-    if failed:
-        raise MemoryError("fused_experts_tiled: no memory for its buffers")
+    for start in range(0, x.shape[0], TILED_EXPERTS_CHUNK):
+        rows = slice(start, start + TILED_EXPERTS_CHUNK)
+        chunk_ids, chunk_weights, chunk_out = ids[rows], weights[rows], out[rows]
+        status = native.load_kernels().fused_experts_tiled(
+            chunk_out.data_ptr(), x[rows].data_ptr(), chunk_out.shape[0], hidden, inter, chunk_ids.data_ptr(),
+            chunk_weights.data_ptr(), ids.shape[1], experts, w13.kernel_args, w2.kernel_args,
+        )  # fmt: skip
+        _check(status, "fused_experts_tiled", experts)
     return out
 
 
@@ -168,12 +182,11 @@ def _fused_experts_bf16(x, w13, w2, weights, ids) -> torch.Tensor:
     ids = ids.to(torch.int64).contiguous()
     weights = weights.to(torch.float32).contiguous()
     out = torch.empty_like(x)
-    failed = native.load_kernels().fused_experts_bf16(
+    status = native.load_kernels().fused_experts_bf16(
         out.data_ptr(), x.data_ptr(), tokens, hidden, inter, ids.data_ptr(), weights.data_ptr(), ids.shape[1],
         experts, w13.data_ptr(), w2.data_ptr(),
     )  # fmt: skip
-    if failed:
-        raise MemoryError("fused_experts_bf16: no memory for its buffers")
+    _check(status, "fused_experts_bf16", experts)
     return out
 
 

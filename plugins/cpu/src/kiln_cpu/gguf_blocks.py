@@ -159,7 +159,7 @@ def _int8_rows(w: torch.Tensor) -> Blocks:
     scale, codes, found = torch.zeros_like(top), torch.zeros_like(w), top == 0
     for k in (127, -128):
         near = top / k
-        for trial in (near, torch.nextafter(near, torch.full_like(near, torch.inf)), torch.nextafter(near, -near * 2)):
+        for trial in (near, torch.nextafter(near, near * 2), torch.nextafter(near, torch.zeros_like(near))):
             c = (w / torch.where(trial == 0, 1.0, trial)).round()
             fits = ~found & (c * trial == w).all(-1, keepdim=True) & (c >= -128).all(-1, keepdim=True)
             fits &= (c <= 127).all(-1, keepdim=True)

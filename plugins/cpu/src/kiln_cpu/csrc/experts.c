@@ -6,7 +6,8 @@
  *
  * It rounds to bf16 where the reference does (each matmul's output, silu(gate), the MLP's
  * output, its product with the routing weight, and the running sum, expert by expert in
- * ascending order), so only the order of each dot product's sum differs from the reference.
+ * ascending order); what differs is the order of each dot product's sum, silu's exp (a
+ * polynomial, within an ulp), and vdpbf16ps flushing denormals.
  *
  * Each output is a dot product of a row of x (or of the MLP's hidden rows) with a weight row,
  * over blocks of up to 4 rows x 4 weight rows so that a loaded vector serves several products.
@@ -106,8 +107,11 @@ typedef struct {
 
 static void free_routing(Routing *rt) { free(rt->start), free(rt->pair), free(rt->items); }
 
-/* Returns nonzero when out of memory. ids (T * top_k): the slots' experts, -1 for none here. */
+/* Returns 1 when out of memory, 2 for an id past the E experts. ids (T * top_k): the slots'
+ * experts, -1 for none here. */
 static int sort_pairs(Routing *rt, const int64_t *ids, int64_t pairs, int64_t E) {
+    for (int64_t p = 0; p < pairs; p++)
+        if (ids[p] >= E) return 2;
     rt->start = calloc(E + 1, sizeof(int64_t));
     rt->pair = malloc((pairs > 0 ? pairs : 1) * sizeof(int64_t));
     rt->items = malloc(E * sizeof(int64_t));
@@ -132,11 +136,12 @@ static int sort_pairs(Routing *rt, const int64_t *ids, int64_t pairs, int64_t E)
 }
 
 /* out (T, H) bf16 = the experts of ids (T, top_k; -1: none here) weighted by weights, on x
- * (T, H) bf16. Returns nonzero when out of memory. */
+ * (T, H) bf16. Returns sort_pairs' error codes. */
 int fused_experts_bf16(uint16_t *out, const uint16_t *x, int64_t T, int64_t H, int64_t I, const int64_t *ids,
                        const float *weights, int64_t top_k, int64_t E, const uint16_t *w13, const uint16_t *w2) {
     Routing rt;
-    if (sort_pairs(&rt, ids, T * top_k, E)) return 1;
+    const int sorted = sort_pairs(&rt, ids, T * top_k, E);
+    if (sorted) return sorted;
     uint16_t *hidden = malloc((T * top_k > 0 ? T * top_k : 1) * I * sizeof(uint16_t));
     if (hidden == NULL) {
         free_routing(&rt);
@@ -200,13 +205,14 @@ typedef struct {
 /* out (T, H) fp32 = the experts of ids (T, top_k; -1: none here) weighted by weights, on x (T, H)
  * fp32, each expert's w13 (2I, H) and w2 (H, I) in tiles: tiled_linear's products (each output
  * summed over its inputs in order), silu(gate) * up, and out += weight * expert output in
- * ascending expert order, as the reference adds them. Items: (expert, 16 intermediate features)
- * with its gate and up tiles, then 16 output features over every expert. H and I: multiples of
- * TILE. Returns nonzero when out of memory. */
+ * ascending expert order (the product and sum may fuse into one rounding). Items: (expert, 16
+ * intermediate features) with its gate and up tiles, then 16 output features over every expert.
+ * H and I: multiples of TILE. Returns sort_pairs' error codes. */
 int fused_experts_tiled(float *out, const float *x, int64_t T, int64_t H, int64_t I, const int64_t *ids,
                         const float *weights, int64_t top_k, int64_t E, const Tiled *w13, const Tiled *w2) {
     Routing rt;
-    if (sort_pairs(&rt, ids, T * top_k, E)) return 1;
+    const int sorted = sort_pairs(&rt, ids, T * top_k, E);
+    if (sorted) return sorted;
     const int64_t pairs = rt.start[E] > 0 ? rt.start[E] : 1, widest = H > I ? H : I;
     float *rows = malloc(pairs * H * sizeof(float)), *hidden = malloc(pairs * I * sizeof(float));
     int failed = rows == NULL || hidden == NULL;
@@ -217,7 +223,9 @@ int fused_experts_tiled(float *out, const float *x, int64_t T, int64_t H, int64_
     _Pragma("omp parallel") {
         float *gate_buf = malloc(2 * widest * TILE * sizeof(float)), *up_buf = gate_buf + widest * TILE;
         float g[TILE_ROWS * TILE], u[TILE_ROWS * TILE];
-        if (gate_buf == NULL) failed = 1;
+        if (gate_buf == NULL) {
+            _Pragma("omp atomic write") failed = 1;
+        }
         _Pragma("omp for schedule(static)") for (int64_t it = 0; it < active * ntiles; it++) {
             if (gate_buf == NULL) continue;
             const int64_t e = rt.items[it / ntiles], t = it % ntiles, p0 = rt.start[e], n = rt.start[e + 1] - p0;
