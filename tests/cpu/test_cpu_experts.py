@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from kiln.interfaces.model import REFERENCE_OPS
+from kiln.interfaces.model import REFERENCE_OPS, route_to_experts
 from kiln_cpu import native
 from kiln_cpu.experts import PackedExperts, use_packed_experts
 from kiln_cpu.fused_ops import (
@@ -25,6 +25,7 @@ from kiln_cpu.fused_ops import (
     _fused_experts_bf16,
     fused_experts,
 )
+from kiln_cpu.tiled_weights import INT8_PER_BLOCK, INT8_PER_ROW, tiled_matmul
 
 pytestmark = pytest.mark.skipif(native.load_kernels() is None, reason="the C kernels did not build")
 
@@ -75,6 +76,31 @@ def test_tiled_fp32_experts_match_the_reference(tokens, kind):
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     if tokens > 2:
         assert not got[2].any()
+
+
+@pytest.mark.parametrize("mode", [INT8_PER_BLOCK, INT8_PER_ROW], ids=["int8-per-block", "int8-per-row"])
+@pytest.mark.parametrize("tokens", [1, 7, 40])
+def test_integer_experts_multiply_as_their_linear_layers(tokens, mode):
+    """Experts in int8 blocks with int8 activations: each expert's matmuls as ``tiled_matmul``
+    computes them in that mode (the same integer kernel), summed by routing weight; and within
+    int8 rounding of the fp32 products."""
+    module = Experts(8, 64, 96, torch.float32)
+    with torch.no_grad():
+        for p in (module.w13, module.w2):
+            p.copy_(torch.stack([int8_rows(w) for w in p]))
+    w13, w2 = module.w13.detach().clone(), module.w2.detach().clone()
+    assert use_packed_experts(module, mode) == 1
+    x, weights, ids = routed(tokens, 8, 2, 64, torch.float32)
+    got = fused_experts(x, module.w13, module.w2, weights, ids)
+
+    def expert(e, rows):
+        gate_up = tiled_matmul(module.w13.experts[e], rows, None, mode)
+        return tiled_matmul(module.w2.experts[e], REFERENCE_OPS["silu_and_mul"](gate_up), None, mode)
+
+    torch.testing.assert_close(got, route_to_experts(x, weights, ids, expert), atol=1e-5, rtol=1e-5)
+    exact = REFERENCE_OPS["fused_experts"](x, w13, w2, weights, ids)
+    assert not torch.equal(got, exact)  # the activations were rounded to int8 ...
+    torch.testing.assert_close(got, exact, atol=0.05, rtol=0.05)  # ... and no more
 
 
 def test_an_expert_id_past_the_experts_is_refused_not_read():

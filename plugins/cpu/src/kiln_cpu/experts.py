@@ -27,16 +27,18 @@ class PackedExperts:
 
     experts: list[TiledWeight]
     shape: tuple[int, int, int]  # of the stacked weight it replaced
+    int8_activations: int = 0  # block-format experts multiply in integers: TiledLinear's modes
     kernel_args: ctypes.Array = field(init=False)
 
     def __post_init__(self) -> None:
         self.kernel_args = (_Tiled * len(self.experts))(*(_Tiled(*w.kernel_args) for w in self.experts))
 
 
-def use_packed_experts(model: nn.Module) -> int:
+def use_packed_experts(model: nn.Module, int8_activations: int = 0) -> int:
     """Tile every fp32 stacked expert weight pair (``w13``, ``w2`` of 3 dims) of ``model``'s
     modules, freeing each original; returns how many modules changed. An intermediate size
-    that is not a multiple of 16 (a gate tile and its up tile) stays stacked for the reference."""
+    that is not a multiple of 16 (a gate tile and its up tile) stays stacked for the reference.
+    ``int8_activations``: how experts in integer blocks multiply (``tiled_matmul``'s modes)."""
     swapped = 0
     with torch.no_grad():
         for module in model.modules():
@@ -50,6 +52,6 @@ def use_packed_experts(model: nn.Module) -> int:
                 continue
             for name, experts in forms.items():
                 del module._parameters[name]
-                setattr(module, name, PackedExperts(experts, tuple(stacked[name].shape)))
+                setattr(module, name, PackedExperts(experts, tuple(stacked[name].shape), int8_activations))
             swapped += 1
     return swapped

@@ -170,7 +170,7 @@ def _fused_experts_tiled(x, w13: PackedExperts, w2: PackedExperts, weights, ids)
         chunk_ids, chunk_weights, chunk_out = ids[rows], weights[rows], out[rows]
         status = native.load_kernels().fused_experts_tiled(
             chunk_out.data_ptr(), x[rows].data_ptr(), chunk_out.shape[0], hidden, inter, chunk_ids.data_ptr(),
-            chunk_weights.data_ptr(), ids.shape[1], experts, w13.kernel_args, w2.kernel_args,
+            chunk_weights.data_ptr(), ids.shape[1], experts, w13.kernel_args, w2.kernel_args, w13.int8_activations,
         )  # fmt: skip
         _check(status, "fused_experts_tiled", experts)
     return out

@@ -37,6 +37,17 @@ def _glibc() -> ctypes.CDLL | None:
     return libc if libc is not None and hasattr(libc, "mallopt") else None
 
 
+def _integer_activations(model: torch.nn.Module, gguf: bool) -> int:
+    """How experts held in integer blocks multiply (``tiled_matmul``'s modes): as a GGUF file's
+    linear layers do (int8 per block), or as the checkpoint's quantized linear layers do (W8A8 per
+    row; weight-only per block unless ``KILN_CPU_INT8_ACTIVATIONS=0``); fp32 products otherwise."""
+    from kiln_cpu.tiled_weights import INT8_PER_BLOCK, TiledLinear
+
+    if gguf:
+        return INT8_PER_BLOCK
+    return max((m.int8_activations for m in model.modules() if isinstance(m, TiledLinear)), default=0)
+
+
 class CpuPlatform(Platform):
     name = "cpu"
     device_type = "cpu"
@@ -139,7 +150,9 @@ class CpuPlatform(Platform):
                 swapped, gguf, " (int8 activations)" if int8 and gguf else "",
             )  # fmt: skip
         # Packed experts need the plugin's fused_experts (absent without the C kernels).
-        experts = use_packed_experts(model) if "fused_experts" in self.custom_ops() else 0
+        experts = (
+            use_packed_experts(model, _integer_activations(model, int8)) if "fused_experts" in self.custom_ops() else 0
+        )
         if experts:
             logger.info("the experts of %d mixture-of-experts layers packed for the CPU matmul kernels", experts)
         if prepacking_works():

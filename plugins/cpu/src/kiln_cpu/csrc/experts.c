@@ -207,9 +207,45 @@ typedef struct {
  * summed over its inputs in order), silu(gate) * up, and out += weight * expert output in
  * ascending expert order (the product and sum may fuse into one rounding). Items: (expert, 16
  * intermediate features) with its gate and up tiles, then 16 output features over every expert.
- * H and I: multiples of TILE. Returns sort_pairs' error codes. */
+ * int8_activations 1 or 2 (TiledLinear's per-block or per-row modes): block-format experts
+ * multiply in integers instead (experts_in_int8). H and I: multiples of TILE. Returns
+ * sort_pairs' error codes. */
+int int8_linear(float *, const float *, int64_t, int64_t, int, const float *, const float *, const void *,
+                const float *, int64_t, int64_t, int);
+
+/* fused_experts_tiled with int8 activations (int8_linear, per 32-input block or per row): expert
+ * by expert, each matmul split over the threads by int8_linear. */
+static int experts_in_int8(float *out, const float *rows, float *hidden, const Routing *rt, int64_t H, int64_t I,
+                           const float *weights, int64_t top_k, const Tiled *w13, const Tiled *w2, int per_row) {
+    int64_t most = 1; /* rows of the busiest expert */
+    for (int64_t a = 0; a < rt->active; a++) {
+        const int64_t n = rt->start[rt->items[a] + 1] - rt->start[rt->items[a]];
+        most = n > most ? n : most;
+    }
+    float *gate_up = malloc(most * 2 * I * sizeof(float)), *y = malloc(most * H * sizeof(float));
+    int failed = gate_up == NULL || y == NULL;
+    for (int64_t a = 0; a < rt->active && !failed; a++) {
+        const int64_t e = rt->items[a], p0 = rt->start[e], n = rt->start[e + 1] - p0;
+        float *h = hidden + p0 * I;
+        failed |= int8_linear(gate_up, rows + p0 * H, n, H, (int)w13[e].fmt, w13[e].scale, w13[e].min, w13[e].q, NULL,
+                              H, 2 * I, per_row);
+        for (int64_t r = 0; r < n; r++)
+            for (int64_t j = 0; j < I; j += 8)
+                store8(h + r * I + j, silu8(load8_f32(gate_up + r * 2 * I + j)) * load8_f32(gate_up + r * 2 * I + I + j));
+        failed |= int8_linear(y, h, n, I, (int)w2[e].fmt, w2[e].scale, w2[e].min, w2[e].q, NULL, I, H, per_row);
+        for (int64_t r = 0; r < n; r++) {
+            const int64_t p = rt->pair[p0 + r];
+            float *o = out + p / top_k * H;
+            for (int64_t j = 0; j < H; j++) o[j] += y[r * H + j] * weights[p];
+        }
+    }
+    free(gate_up), free(y);
+    return failed;
+}
+
 int fused_experts_tiled(float *out, const float *x, int64_t T, int64_t H, int64_t I, const int64_t *ids,
-                        const float *weights, int64_t top_k, int64_t E, const Tiled *w13, const Tiled *w2) {
+                        const float *weights, int64_t top_k, int64_t E, const Tiled *w13, const Tiled *w2,
+                        int int8_activations) {
     Routing rt;
     const int sorted = sort_pairs(&rt, ids, T * top_k, E);
     if (sorted) return sorted;
@@ -219,6 +255,10 @@ int fused_experts_tiled(float *out, const float *x, int64_t T, int64_t H, int64_
     if (failed) goto done;
     for (int64_t p = 0; p < rt.start[E]; p++) memcpy(rows + p * H, x + rt.pair[p] / top_k * H, H * sizeof(float));
     memset(out, 0, T * H * sizeof(float));
+    if (int8_activations) {
+        failed = experts_in_int8(out, rows, hidden, &rt, H, I, weights, top_k, w13, w2, int8_activations == 2);
+        goto done;
+    }
     const int64_t ntiles = I / TILE, active = rt.active;
     _Pragma("omp parallel") {
         float *gate_buf = malloc(2 * widest * TILE * sizeof(float)), *up_buf = gate_buf + widest * TILE;
