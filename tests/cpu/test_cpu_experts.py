@@ -79,17 +79,23 @@ def test_tiled_fp32_experts_match_the_reference(tokens, kind):
 
 
 @pytest.mark.parametrize("mode", [INT8_PER_BLOCK, INT8_PER_ROW], ids=["int8-per-block", "int8-per-row"])
-@pytest.mark.parametrize("tokens", [1, 7, 40])
-def test_integer_experts_multiply_as_their_linear_layers(tokens, mode):
+@pytest.mark.parametrize(
+    ("tokens", "inter"), [(1, 96), (7, 96), (40, 96), (TILED_EXPERTS_CHUNK + 44, 96), (7, 48)]
+)  # 48: w2's rows of 48 inputs fit no block, so it stays fp32 beside int8 w13  # fmt: skip
+def test_integer_experts_multiply_as_their_linear_layers(tokens, inter, mode):
     """Experts in int8 blocks with int8 activations: each expert's matmuls as ``tiled_matmul``
     computes them in that mode (the same integer kernel), summed by routing weight; and within
     int8 rounding of the fp32 products."""
-    module = Experts(8, 64, 96, torch.float32)
+    module = Experts(8, 64, inter, torch.float32)
     with torch.no_grad():
         for p in (module.w13, module.w2):
             p.copy_(torch.stack([int8_rows(w) for w in p]))
     w13, w2 = module.w13.detach().clone(), module.w2.detach().clone()
     assert use_packed_experts(module, mode) == 1
+    assert {w.fmt for w in module.w13.experts} == {8} and {w.fmt for w in module.w2.experts} == {
+        8 if inter % 32 == 0 else 32
+    }
+    assert module.w13.int8_activations == module.w2.int8_activations == mode
     x, weights, ids = routed(tokens, 8, 2, 64, torch.float32)
     got = fused_experts(x, module.w13, module.w2, weights, ids)
 
@@ -103,15 +109,24 @@ def test_integer_experts_multiply_as_their_linear_layers(tokens, mode):
     torch.testing.assert_close(got, exact, atol=0.05, rtol=0.05)  # ... and no more
 
 
-def test_an_expert_id_past_the_experts_is_refused_not_read():
+def test_fp32_experts_ignore_an_integer_mode():
+    """The model's quantized linear layers multiply in int8, but experts that hold no integer
+    blocks keep the one fused fp32 call."""
+    module = Experts(8, 64, 96, torch.float32)
+    assert use_packed_experts(module, INT8_PER_BLOCK) == 1
+    assert {w.fmt for w in module.w13.experts} == {32} and module.w13.int8_activations == 0
+
+
+@pytest.mark.parametrize("bad", [8, -2])
+def test_an_expert_id_outside_the_experts_is_refused_not_read(bad):
     x, weights, ids = routed(4, 8, 2, 64, torch.bfloat16)
-    ids[3, 0] = 8
+    ids[3, 0] = bad
     module = Experts(8, 64, 96, torch.bfloat16)
-    with pytest.raises(ValueError, match="an expert id past the layer's 8 experts"):
+    with pytest.raises(ValueError, match="an expert id outside the layer's 8 experts"):
         _fused_experts_bf16(x, module.w13.detach(), module.w2.detach(), weights, ids)
     tiled = Experts(8, 64, 96, torch.float32)
-    use_packed_experts(tiled)
-    with pytest.raises(ValueError, match="fused_experts_tiled: an expert id past"):
+    assert use_packed_experts(tiled) == 1
+    with pytest.raises(ValueError, match="fused_experts_tiled: an expert id outside"):
         fused_experts(x.float(), tiled.w13, tiled.w2, weights, ids)
 
 

@@ -128,7 +128,8 @@ def test_w8a8_experts_are_their_dequantized_weights(tiny_model_dir, tmp_path):
     llm = LLM(quantized, max_model_len=128)
     model = llm.engine.executor.runner.model
     assert model.layers[0].self_attn.qkv_proj.scheme.activation_bits == 8
-    assert {w.fmt for w in model.layers[1].mlp.w13.experts} == {8}  # int8 codes on the CPU
+    assert {w.fmt for w in model.layers[1].mlp.w13.experts} == {8}  # int8 codes on the CPU ...
+    assert model.layers[1].mlp.w13.int8_activations == 2  # ... times activations int8 per row, as W8A8 says
     expected = load_file(str(Path(dequantized) / "model.safetensors"))
     moe = model.layers[1].mlp
     for e in range(4):

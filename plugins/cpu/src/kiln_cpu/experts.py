@@ -50,8 +50,10 @@ def use_packed_experts(model: nn.Module, int8_activations: int = 0) -> int:
             forms = {n: [tiled_form(w) for w in p.detach()] for n, p in stacked.items()}
             if any(f is None for fs in forms.values() for f in fs):
                 continue
+            integers = any(f.fmt in (4, 6, 8) for fs in forms.values() for f in fs)  # else nothing to multiply in int8
             for name, experts in forms.items():
                 del module._parameters[name]
-                setattr(module, name, PackedExperts(experts, tuple(stacked[name].shape), int8_activations))
+                mode = int8_activations if integers else 0
+                setattr(module, name, PackedExperts(experts, tuple(stacked[name].shape), mode))
             swapped += 1
     return swapped

@@ -14,13 +14,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "tiled.h"
 #include "vec.h"
 
 /* The other kernels of this library. */
-int int8_linear(float *, const float *, int64_t, int64_t, int, const float *, const float *, const void *,
-                const float *, int64_t, int64_t, int);
-int tiled_linear(float *, const float *, int64_t, int64_t, int, const float *, const float *, const void *,
-                 const float *, int64_t, int64_t);
 void rms_norm_f32(float *, const float *, const float *, int64_t, int64_t, int64_t, float);
 void add_rms_norm_f32(float *, float *, const float *, int64_t, int64_t, float);
 void rotary_f32(const int64_t *, float *, float *, const float *, int64_t, int64_t, int64_t, int64_t, int64_t,

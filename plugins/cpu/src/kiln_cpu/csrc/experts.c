@@ -107,11 +107,11 @@ typedef struct {
 
 static void free_routing(Routing *rt) { free(rt->start), free(rt->pair), free(rt->items); }
 
-/* Returns 1 when out of memory, 2 for an id past the E experts. ids (T * top_k): the slots'
+/* Returns 1 when out of memory, 2 for an id outside the E experts. ids (T * top_k): the slots'
  * experts, -1 for none here. */
 static int sort_pairs(Routing *rt, const int64_t *ids, int64_t pairs, int64_t E) {
     for (int64_t p = 0; p < pairs; p++)
-        if (ids[p] >= E) return 2;
+        if (ids[p] < -1 || ids[p] >= E) return 2;
     rt->start = calloc(E + 1, sizeof(int64_t));
     rt->pair = malloc((pairs > 0 ? pairs : 1) * sizeof(int64_t));
     rt->items = malloc(E * sizeof(int64_t));
@@ -210,9 +210,6 @@ typedef struct {
  * int8_activations 1 or 2 (TiledLinear's per-block or per-row modes): block-format experts
  * multiply in integers instead (experts_in_int8). H and I: multiples of TILE. Returns
  * sort_pairs' error codes. */
-int int8_linear(float *, const float *, int64_t, int64_t, int, const float *, const float *, const void *,
-                const float *, int64_t, int64_t, int);
-
 /* fused_experts_tiled with int8 activations (int8_linear, per 32-input block or per row): expert
  * by expert, each matmul split over the threads by int8_linear. */
 static int experts_in_int8(float *out, const float *rows, float *hidden, const Routing *rt, int64_t H, int64_t I,
@@ -229,6 +226,7 @@ static int experts_in_int8(float *out, const float *rows, float *hidden, const R
         float *h = hidden + p0 * I;
         failed |= int8_linear(gate_up, rows + p0 * H, n, H, (int)w13[e].fmt, w13[e].scale, w13[e].min, w13[e].q, NULL,
                               H, 2 * I, per_row);
+        if (failed) break;
         for (int64_t r = 0; r < n; r++)
             for (int64_t j = 0; j < I; j += 8)
                 store8(h + r * I + j, silu8(load8_f32(gate_up + r * 2 * I + j)) * load8_f32(gate_up + r * 2 * I + I + j));

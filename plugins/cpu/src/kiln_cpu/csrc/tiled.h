@@ -1,6 +1,6 @@
 /*
- * The tile kernels of tiled_linear.c that other kernels of this library build on (see there
- * for the weight formats).
+ * The tile kernels of tiled_linear.c (and int8_linear.c's matmul) that other kernels of this
+ * library build on (see there for the weight formats).
  */
 #ifndef KILN_TILED_H
 #define KILN_TILED_H
@@ -17,5 +17,13 @@ const float *tile_of(float *buf, int fmt, const float *scale, const float *min, 
  * r of rows; missing rows repeat row r and are not stored. */
 void rows_times_tile(float *out, const float *x, int64_t rows, int64_t x_stride, int64_t r, const float *tile,
                      const float *bias, int64_t n, int64_t K, int64_t N);
+
+/* out = x W^T + bias in fp32 (tiled_linear.c); nonzero when out of memory. */
+int tiled_linear(float *out, const float *x, int64_t rows, int64_t x_stride, int fmt, const float *scale,
+                 const float *min, const void *q, const float *bias, int64_t K, int64_t N);
+
+/* The same with int8 activations for a block-format W (int8_linear.c). */
+int int8_linear(float *out, const float *x, int64_t rows, int64_t x_stride, int fmt, const float *scale,
+                const float *min, const void *q, const float *bias, int64_t K, int64_t N, int per_row);
 
 #endif
