@@ -7,14 +7,21 @@ batches of 16, each system in its own process (``offline_throughput.py`` runs th
 the CPU's default dtype and in bf16, transformers in fp32 and bf16. Target: Kiln >= 3x the
 faster transformers dtype's output tokens/s.
 
-    python bench/moe.py [--repeats 3] [--systems kiln-16seqs,kiln-16seqs-bf16,hf-float32,hf-bfloat16]
+Then Kiln alone (transformers reads neither format without extra packages) on copies of the
+model with every projection rounded to nearest (``--quantized``: int8 per channel as
+compressed-tensors, AWQ 4-bit in groups of 128), in the CPU's default dtype: the experts held as
+integer tiles and multiplied with int8 activations.
 
-Prints a table and writes ``bench/results/moe.json``.
+    python bench/moe.py [--repeats 3] [--systems kiln-16seqs,kiln-16seqs-bf16,hf-float32,hf-bfloat16]
+                        [--quantized weight_only_int8,awq]
+
+Prints a table each and writes ``bench/results/moe.json`` (and ``moe_<method>.json``).
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 from pathlib import Path
 
 import offline_throughput
@@ -30,15 +37,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=1, help="best of N runs per system")
     parser.add_argument("--systems", default="kiln-16seqs,kiln-16seqs-bf16,hf-float32,hf-bfloat16")
+    parser.add_argument("--quantized", default="weight_only_int8,awq", help="quantized copies to serve ('' for none)")
     args = parser.parse_args()
     from kiln.models.loader import resolve_model
     from kiln.testing.models import build_tiny_model
+    from kiln.testing.quantization import rounded_copy
 
     model = build_tiny_model("mixtral", MODEL, resolve_model(None, "auto").path, **CONFIG)
+    results = Path(__file__).parent / "results"
     offline_throughput.main([
         "--model", model, "--input-len", "128", "--systems", args.systems, "--repeats", str(args.repeats),
-        "--target", "3", "--no-memory-target", "--results", str(Path(__file__).parent / "results" / "moe.json"),
+        "--target", "3", "--no-memory-target", "--results", str(results / "moe.json"),
     ])  # fmt: skip
+    for method in filter(None, args.quantized.split(",")):
+        folder = MODEL.parent / f"{MODEL.name}-{method}"
+        quantized = folder / "q"
+        if not (quantized / "config.json").exists():
+            shutil.rmtree(folder, ignore_errors=True)  # a copy cut short
+            rounded_copy(model, folder, method, group=128)
+        print(f"\n{method} copy: {quantized}")
+        offline_throughput.main([
+            "--model", str(quantized), "--input-len", "128", "--systems", "kiln-16seqs", "--repeats",
+            str(args.repeats), "--no-memory-target", "--results", str(results / f"moe_{method}.json"),
+        ])  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -92,5 +92,5 @@ def test_layer_windows_follow_transformers(model_type, overrides, windows):
 
 
 def test_lora_is_refused_on_families_it_is_not_mapped_for(tiny_model_dir):
-    with pytest.raises(ValueError, match="MixtralForCausalLM does not support LoRA adapters"):  # experts
-        LLM(tiny_model_dir("mixtral"), dtype="float32", enable_lora=True)
+    with pytest.raises(ValueError, match="DeepseekV2ForCausalLM does not support LoRA adapters"):  # latent attention
+        LLM(tiny_model_dir("deepseek_v2"), dtype="float32", enable_lora=True)

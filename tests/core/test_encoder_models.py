@@ -90,7 +90,7 @@ def test_refuses_what_it_cannot_run(tiny_model_dir, cpu_plugins):
     path = model_dir(tiny_model_dir, "xlm-roberta")
     with pytest.raises(ValueError, match="--max-model-len: 514 exceeds the 512 positions"):
         encoder_runner(cpu_plugins, path, device="cpu", max_model_len=514)
-    with pytest.raises(ValueError, match="quantization: .* not supported for encoder models"):
+    with pytest.raises(ValueError, match="--quantization weight_only_int8: .* has no quantized layers"):
         encoder_runner(cpu_plugins, path, device="cpu", quantization="weight_only_int8")
     path = tiny_model_dir("bert", position_embedding_type="relative_key")
     with pytest.raises(ValueError, match="position_embedding_type 'relative_key' is not supported"):

@@ -8,70 +8,18 @@ on two. Models without quantized layers (DeepSeek, the transformers fallback) wi
 from __future__ import annotations
 
 import json
-import re
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from kiln.interfaces.quantization import widen
-from kiln.quantization import rtn
-from kiln.quantization.checkpoint import canonical_weights, checkpoint_tensors
-from kiln.quantization.config import from_hf
-from kiln.quantization.tool import hf_quantization_config
 from kiln.testing.models import FAMILY_TOKENS, assert_generates, hf_greedy
-from kiln.testing.quantization import gptq_act_order
+from kiln.testing.quantization import rounded_copy
 
 GROUP = 16  # divides Qwen2-MoE's tiny experts (32) and shared expert (48)
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [40, 41, 42, 100, 7]]
-# Every decoder projection, the experts' included; not the routers (mlp.gate, shared_expert_gate).
-PROJECTION = re.compile(r"(_proj|_proj_with_mqa|experts\.\d+\.w[123])$")
 EXPERT_FORMATS = {"awq": 6, "gptq": 32, "weight_only_int8": 8}  # TiledWeight.fmt on the CPU
-
-
-def round_weight(method: str, w: torch.Tensor) -> tuple:
-    if method == "awq":
-        return (*rtn.int4_asymmetric(w, GROUP), None)
-    if method == "gptq":
-        return gptq_act_order(w, GROUP)
-    return (*rtn.int8_per_channel(w), None, None)
-
-
-def quantized_and_dequantized(source: str, tmp: Path, method: str) -> tuple[str, str]:
-    """``source`` with its projections rounded and written as ``method`` checkpoints are, and the
-    same model with those weights dequantized (what transformers can run)."""
-    qc = hf_quantization_config(method, GROUP, act_order=method == "gptq")
-    quant = from_hf(qc)
-    tensors = load_file(str(Path(source) / "model.safetensors"))
-    written = {}
-    for name, tensor in tensors.items():
-        module, _, leaf = name.rpartition(".")
-        if leaf == "weight" and ".layers." in module and PROJECTION.search(module):
-            parts = round_weight(method, tensor.float())
-            written |= {f"{module}.{k}": v for k, v in checkpoint_tensors(quant, *parts, torch.float16).items()}
-        else:
-            written[name] = tensor
-    canonical: dict[str, dict[str, torch.Tensor]] = {}
-    for name, tensor in canonical_weights(iter(written.items()), quant):
-        module, _, leaf = name.rpartition(".")
-        canonical.setdefault(module, {})[leaf] = tensor
-    dequantized = dict(tensors)
-    for module, parts in canonical.items():
-        if "weight_scale" in parts:
-            dequantized[f"{module}.weight"] = widen(
-                *(parts.get(k) for k in ("weight", "weight_scale", "weight_zero", "g_idx"))
-            )
-    folders = []
-    for folder, state, config in (("q", written, {"quantization_config": qc}), ("deq", dequantized, {})):
-        out = tmp / folder
-        shutil.copytree(source, out)
-        save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"))
-        base = json.loads((out / "config.json").read_text())
-        (out / "config.json").write_text(json.dumps({**base, **config}))
-        folders.append(str(out))
-    return folders[0], folders[1]
 
 
 @pytest.mark.parametrize("method", ["awq", "gptq", "weight_only_int8"])
@@ -79,7 +27,7 @@ def quantized_and_dequantized(source: str, tmp: Path, method: str) -> tuple[str,
 def test_quantized_moe_serves_its_dequantized_weights(tiny_model_dir, tmp_path, monkeypatch, family, method):
     monkeypatch.setenv("KILN_CPU_INT8_ACTIVATIONS", "0")  # the exact products of the dequantized weights
     source = tiny_model_dir(family)
-    quantized, dequantized = quantized_and_dequantized(source, tmp_path, method)
+    quantized, dequantized = rounded_copy(source, tmp_path, method, GROUP)
     expected = hf_greedy(dequantized, PROMPTS, FAMILY_TOKENS)
     assert expected != hf_greedy(source, PROMPTS, FAMILY_TOKENS)  # the rounding moved the outputs
     llm = assert_generates(quantized, PROMPTS, expected)
@@ -99,7 +47,7 @@ def test_quantized_experts_split_over_two_ranks(tiny_model_dir, cpu_plugins, tmp
 
     monkeypatch.setenv("KILN_CPU_INT8_ACTIVATIONS", "0")
     source = tiny_model_dir("mixtral")
-    quantized, dequantized = quantized_and_dequantized(source, tmp_path, "awq")
+    quantized, dequantized = rounded_copy(source, tmp_path, "awq", GROUP)
     split, _ = run_and_shut_down(
         cpu_plugins, PROMPTS, model=quantized, device="cpu", dtype="float32", tensor_parallel_size=2,
         enable_expert_parallel=expert_parallel,
@@ -110,7 +58,7 @@ def test_quantized_experts_split_over_two_ranks(tiny_model_dir, cpu_plugins, tmp
 def test_quantized_experts_without_a_quantization_config_are_refused(tiny_model_dir, tmp_path):
     from kiln import LLM
 
-    quantized, _ = quantized_and_dequantized(tiny_model_dir("mixtral"), tmp_path, "weight_only_int8")
+    quantized, _ = rounded_copy(tiny_model_dir("mixtral"), tmp_path, "weight_only_int8", GROUP)
     config = json.loads((Path(quantized) / "config.json").read_text())
     del config["quantization_config"]
     (Path(quantized) / "config.json").write_text(json.dumps(config))
@@ -124,7 +72,7 @@ def test_w8a8_experts_are_their_dequantized_weights(tiny_model_dir, tmp_path):
     from kiln import LLM
 
     source = tiny_model_dir("mixtral")
-    quantized, dequantized = quantized_and_dequantized(source, tmp_path, "smooth_quant")
+    quantized, dequantized = rounded_copy(source, tmp_path, "smooth_quant", GROUP)
     llm = LLM(quantized, max_model_len=128)
     model = llm.engine.executor.runner.model
     assert model.layers[0].self_attn.qkv_proj.scheme.activation_bits == 8
@@ -153,7 +101,7 @@ def test_a_model_without_quantized_layers_widens_its_checkpoint(
 
     monkeypatch.setenv("KILN_CPU_INT8_ACTIVATIONS", "0")
     source = tiny_model_dir(family)
-    quantized, dequantized = quantized_and_dequantized(source, tmp_path, method)
+    quantized, dequantized = rounded_copy(source, tmp_path, method, GROUP)
     expected = hf_greedy(dequantized, PROMPTS, FAMILY_TOKENS)
     assert expected != hf_greedy(source, PROMPTS, FAMILY_TOKENS)  # the rounding moved the outputs
     with caplog.at_level("INFO", logger="kiln"):

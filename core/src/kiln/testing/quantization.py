@@ -1,17 +1,19 @@
 """Random quantized layers for the kernel tests of every platform, a quantized checkpoint's
-weights dequantized into its original model (the reference transformers runs), and fp8 copies
-of a model."""
+weights dequantized into its original model (the reference transformers runs), rounded-to-nearest
+quantized copies of a model beside their dequantized twins, and fp8 copies of a model."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import torch
 
 from kiln.interfaces.quantization import QuantLinear, QuantScheme, dequantize
 from kiln.models.loader import iter_weights
+from kiln.quantization import rtn
 from kiln.quantization.checkpoint import canonical_weights
 from kiln.quantization.config import from_hf
 
@@ -69,6 +71,64 @@ def gptq_act_order(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Ten
     codes = torch.clamp(torch.round(g / scale[..., None]), -8, 7).reshape(w.shape)
     inverse = torch.argsort(perm)
     return codes[:, inverse].to(torch.int8), scale, None, (inverse // group).to(torch.int32)
+
+
+# Every decoder projection, the experts' included; not the routers (mlp.gate, shared_expert_gate).
+PROJECTION = re.compile(r"(_proj|_proj_with_mqa|experts\.\d+\.w[123])$")
+
+
+def _rounded(method: str, w: torch.Tensor, group: int) -> tuple:
+    """Canonical tensors of ``w`` rounded to nearest: AWQ 4-bit with zero points, GPTQ act-order
+    4-bit, or int8 per channel (weight_only_int8, smooth_quant)."""
+    if method == "awq":
+        return (*rtn.int4_asymmetric(w, group), None)
+    if method == "gptq":
+        return gptq_act_order(w, group)
+    return (*rtn.int8_per_channel(w), None, None)
+
+
+def rounded_copy(source: str, folder: Path, method: str, group: int) -> tuple[str, str]:
+    """``source`` (one safetensors file) with every decoder projection rounded to nearest and
+    written as ``method``'s checkpoints are (``folder``/q), and the same model with those weights
+    dequantized (``folder``/deq: what transformers can run). Checkpoint names, not transformers
+    modules, pick the projections, so stacked experts and fused projections are covered too."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from kiln.interfaces.quantization import widen
+    from kiln.quantization.checkpoint import checkpoint_tensors
+    from kiln.quantization.tool import hf_quantization_config
+
+    qc = hf_quantization_config(method, group, act_order=method == "gptq")
+    quant = from_hf(qc)
+    tensors = load_file(str(Path(source) / "model.safetensors"))
+    written = {}
+    for name, tensor in tensors.items():
+        module, _, leaf = name.rpartition(".")
+        if leaf == "weight" and ".layers." in module and PROJECTION.search(module):
+            parts = _rounded(method, tensor.float(), group)
+            written |= {f"{module}.{k}": v for k, v in checkpoint_tensors(quant, *parts, torch.float16).items()}
+        else:
+            written[name] = tensor
+    canonical: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in canonical_weights(iter(written.items()), quant):
+        module, _, leaf = name.rpartition(".")
+        canonical.setdefault(module, {})[leaf] = tensor
+    dequantized = dict(tensors)
+    for module, parts in canonical.items():
+        if "weight_scale" in parts:
+            leaves = (parts.get(k) for k in ("weight", "weight_scale", "weight_zero", "g_idx"))
+            dequantized[f"{module}.weight"] = widen(*leaves)
+    folders = []
+    for name, state, extra in (("q", written, {"quantization_config": qc}), ("deq", dequantized, {})):
+        out = Path(folder) / name
+        shutil.copytree(source, out)
+        save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"))
+        config = json.loads((out / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps({**config, **extra}))
+        folders.append(str(out))
+    return folders[0], folders[1]
 
 
 def dequantized_copy(quantized: str, original: str, target: str) -> str:
