@@ -64,21 +64,25 @@ def _q8_0(w: torch.Tensor) -> Blocks:
 
 
 def _scaled_codes(
-    w: torch.Tensor, tries: list[int], lo: int, hi: int, size: int = BLOCK
+    w: torch.Tensor, tries: list[int], lo: int, hi: int, size: int = BLOCK, neighbours: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scales and codes lo..hi with value = c * d per ``size`` values: each block takes the first
     code k of ``tries`` for which d = (its value of largest magnitude) / k gives every value a
-    whole code in range."""
+    whole code in range; with ``neighbours``, failing d, the fp32 next to it away from zero, then
+    the one towards zero (the value was rounded when a checkpoint's scale was not a whole fraction
+    of it)."""
     blocks = w.view(w.shape[0], -1, size)
     top = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True))  # (rows, blocks, 1)
     d, codes = torch.zeros_like(top), torch.zeros_like(blocks)
     found = top == 0  # an all-zero block: d 0, codes 0
     for k in tries:
-        trial = top / k
-        c = (blocks / trial).round()
-        fits = ~found & (c * trial == blocks).all(-1, keepdim=True) & (c >= lo).all(-1, keepdim=True)
-        fits &= (c <= hi).all(-1, keepdim=True)
-        d, codes, found = torch.where(fits, trial, d), torch.where(fits, c, codes), found | fits
+        near = top / k
+        trials = (near, torch.nextafter(near, near * 2), torch.nextafter(near, torch.zeros_like(near)))
+        for trial in trials if neighbours else trials[:1]:
+            c = (blocks / trial).round()
+            fits = ~found & (c * trial == blocks).all(-1, keepdim=True) & (c >= lo).all(-1, keepdim=True)
+            fits &= (c <= hi).all(-1, keepdim=True)
+            d, codes, found = torch.where(fits, trial, d), torch.where(fits, c, codes), found | fits
         if found.all():
             break
     return d.squeeze(-1), codes.clamp(lo, hi).to(torch.int8).view(w.shape)
@@ -153,18 +157,9 @@ Recovery = Callable[[torch.Tensor], Blocks]
 def _int8_rows(w: torch.Tensor) -> Blocks:
     """int8 codes with one scale per row (per-channel int8 checkpoints: their quantizers give
     each row's largest magnitude the code 127, or -128), as Q8_0's form with the row's scale in
-    every block. The scale is that value over its code, or the fp32 next to that quotient (the
-    value was rounded when the checkpoint's scale was not a whole fraction of it)."""
-    top = w.gather(-1, w.abs().argmax(-1, keepdim=True))
-    scale, codes, found = torch.zeros_like(top), torch.zeros_like(w), top == 0
-    for k in (127, -128):
-        near = top / k
-        for trial in (near, torch.nextafter(near, near * 2), torch.nextafter(near, torch.zeros_like(near))):
-            c = (w / torch.where(trial == 0, 1.0, trial)).round()
-            fits = ~found & (c * trial == w).all(-1, keepdim=True) & (c >= -128).all(-1, keepdim=True)
-            fits &= (c <= 127).all(-1, keepdim=True)
-            scale, codes, found = torch.where(fits, trial, scale), torch.where(fits, c, codes), found | fits
-    return Blocks(8, codes.to(torch.int8), scale.expand(-1, w.shape[1] // BLOCK).contiguous(), None)
+    every block."""
+    scale, codes = _scaled_codes(w, [127, -128], -128, 127, size=w.shape[1], neighbours=True)
+    return Blocks(8, codes, scale.expand(-1, w.shape[1] // BLOCK).contiguous(), None)
 
 
 _RECOVERIES: tuple[Recovery, ...] = (_q4_1, _q4_0, _q8_0, _q5_0, _q4_k, _q5, _q6_k, _iq4, _int8_rows)
