@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from kiln.testing.models import FAMILY_TOKENS, assert_generates, hf_greedy
-from kiln.testing.quantization import rounded_copy
+from kiln.testing.models import hf_greedy
+from kiln.testing.quantization import assert_serves_dequantized, rounded_copy
 
 GROUP = 16  # divides Qwen2-MoE's tiny experts (32) and shared expert (48)
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [40, 41, 42, 100, 7]]
@@ -26,11 +26,7 @@ EXPERT_FORMATS = {"awq": 6, "gptq": 32, "weight_only_int8": 8}  # TiledWeight.fm
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
 def test_quantized_moe_serves_its_dequantized_weights(tiny_model_dir, tmp_path, monkeypatch, family, method):
     monkeypatch.setenv("KILN_CPU_INT8_ACTIVATIONS", "0")  # the exact products of the dequantized weights
-    source = tiny_model_dir(family)
-    quantized, dequantized = rounded_copy(source, tmp_path, method, GROUP)
-    expected = hf_greedy(dequantized, PROMPTS, FAMILY_TOKENS)
-    assert expected != hf_greedy(source, PROMPTS, FAMILY_TOKENS)  # the rounding moved the outputs
-    llm = assert_generates(quantized, PROMPTS, expected)
+    llm = assert_serves_dequantized(tiny_model_dir(family), tmp_path, method, GROUP, PROMPTS)
     model = llm.engine.executor.runner.model
     assert type(model.layers[0].self_attn.qkv_proj).__name__ != "Linear"  # attention stays quantized
     moe = next(m for m in model.modules() if hasattr(m, "load_expert"))
@@ -100,12 +96,8 @@ def test_a_model_without_quantized_layers_widens_its_checkpoint(
     from kiln.interfaces.quantization import QuantLinear
 
     monkeypatch.setenv("KILN_CPU_INT8_ACTIVATIONS", "0")
-    source = tiny_model_dir(family)
-    quantized, dequantized = rounded_copy(source, tmp_path, method, GROUP)
-    expected = hf_greedy(dequantized, PROMPTS, FAMILY_TOKENS)
-    assert expected != hf_greedy(source, PROMPTS, FAMILY_TOKENS)  # the rounding moved the outputs
     with caplog.at_level("INFO", logger="kiln"):
-        llm = assert_generates(quantized, PROMPTS, expected, model_impl=impl)
+        llm = assert_serves_dequantized(tiny_model_dir(family), tmp_path, method, GROUP, PROMPTS, model_impl=impl)
     assert "has no quantized layers: the" in caplog.text
     assert not any(isinstance(m, QuantLinear) for m in llm.engine.executor.runner.model.modules())
 

@@ -131,6 +131,20 @@ def rounded_copy(source: str, folder: Path, method: str, group: int) -> tuple[st
     return folders[0], folders[1]
 
 
+def assert_serves_dequantized(
+    source: str, folder: Path, method: str, group: int, prompts: list[list[int]], **engine_args: object
+):
+    """Kiln serves ``source`` rounded to ``method`` (``rounded_copy``) token for token as
+    transformers serves the dequantized weights, and the rounding moved transformers' outputs
+    from the original's; returns the ``LLM``."""
+    from kiln.testing.models import FAMILY_TOKENS, assert_generates, hf_greedy
+
+    quantized, dequantized = rounded_copy(source, folder, method, group)
+    expected = hf_greedy(dequantized, prompts, FAMILY_TOKENS)
+    assert expected != hf_greedy(source, prompts, FAMILY_TOKENS)
+    return assert_generates(quantized, prompts, expected, **engine_args)
+
+
 def dequantized_copy(quantized: str, original: str, target: str) -> str:
     """The original fp32 model with the quantized checkpoint's tensors: its quantized linears
     dequantized, and the ones the algorithm rescaled (norms) as written."""
