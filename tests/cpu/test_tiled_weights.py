@@ -71,8 +71,9 @@ def test_weights_that_are_not_gguf_blocks():
     assert tiled_form(w).fmt == 32
 
 
-def test_bf16_tiles_compute_what_fp32_tiles_compute(monkeypatch):
-    w, x = gguf_weight(64, 96, "bf16"), torch.randn(5, 96)
+@pytest.mark.parametrize("rows", [1, 3, 6, 7, 13])  # bf16 read in place up to 6 rows, widened first past that
+def test_bf16_tiles_compute_what_fp32_tiles_compute(monkeypatch, rows):
+    w, x = gguf_weight(64, 96, "bf16"), torch.randn(rows, 96)
     narrow = TiledLinear(tiled_form(w), None)
     monkeypatch.setenv("KILN_CPU_GGUF_BLOCKS", "0")  # every weight in fp32 tiles
     wide = TiledLinear(tiled_form(w), None)

@@ -65,14 +65,20 @@ static inline vf sum_each(vf *v) {
 }
 
 /* dots_RxF: out[r * F + f] = rows[r] . w[f * K ...] over K, for R rows and F weight rows (R * F
- * = 16 accumulators: enough to hide vdpbf16ps's latency, few enough for AVX2's registers). */
+ * = 16 accumulators: enough to hide vdpbf16ps's latency, few enough for AVX2's registers).
+ * Each step also prefetches the matching lines of the weight rows a BLOCK further on (the next
+ * work item's, mostly): without it the loads and the products took turns rather than overlap,
+ * and a layer of the benchmark's MoE (8 experts, 16 tokens, weights from memory) took 0.72 ms
+ * with AVX512-BF16, 0.59 with it; 1.2 and 0.74 with AVX2 alone. */
 #define DEFINE_DOTS(R, F)                                                                             \
     static void dots_##R##x##F(float *out, const uint16_t *const *rows, const uint16_t *w, int64_t K) { \
         vf acc[R * F];                                                                                \
         for (int i = 0; i < R * F; i++) acc[i] = splatf(0.0f);                                        \
-        for (int64_t c = 0; c < K; c += 2 * VL)                                                       \
+        for (int64_t c = 0; c < K; c += 2 * VL) {                                                     \
             for (int r = 0; r < R; r++)                                                               \
                 for (int f = 0; f < F; f++) acc[r * F + f] = dot_step(acc[r * F + f], rows[r] + c, w + f * K + c); \
+            for (int f = 0; f < F; f++) __builtin_prefetch(w + (BLOCK + f) * K + c);                  \
+        }                                                                                             \
         for (int i = 0; i < R * F; i += VL) {                                                         \
             const vf sums = sum_each(acc + i);                                                        \
             memcpy(out + i, &sums, sizeof sums);                                                      \
@@ -268,8 +274,8 @@ int fused_experts_tiled(float *out, const float *x, int64_t T, int64_t H, int64_
             if (gate_buf == NULL) continue;
             const int64_t e = rt.items[it / ntiles], t = it % ntiles, p0 = rt.start[e], n = rt.start[e + 1] - p0;
             const Tiled *w = w13 + e;
-            const float *gate = tile_of(gate_buf, w->fmt, w->scale, w->min, w->q, t, H);
-            const float *up = tile_of(up_buf, w->fmt, w->scale, w->min, w->q, ntiles + t, H);
+            const Tile gate = tile_of(gate_buf, w->fmt, w->scale, w->min, w->q, t, H, n);
+            const Tile up = tile_of(up_buf, w->fmt, w->scale, w->min, w->q, ntiles + t, H, n);
             for (int64_t r = 0; r < n; r += TILE_ROWS) {
                 rows_times_tile(g, rows + (p0 + r) * H, n - r, H, 0, gate, NULL, 0, H, TILE);
                 rows_times_tile(u, rows + (p0 + r) * H, n - r, H, 0, up, NULL, 0, H, TILE);
@@ -284,7 +290,7 @@ int fused_experts_tiled(float *out, const float *x, int64_t T, int64_t H, int64_
             for (int64_t a = 0; a < active; a++) {
                 const int64_t e = rt.items[a], p0 = rt.start[e], n = rt.start[e + 1] - p0;
                 const Tiled *w = w2 + e;
-                const float *tile = tile_of(gate_buf, w->fmt, w->scale, w->min, w->q, t, I);
+                const Tile tile = tile_of(gate_buf, w->fmt, w->scale, w->min, w->q, t, I, n);
                 for (int64_t r = 0; r < n; r += TILE_ROWS) {
                     rows_times_tile(g, hidden + (p0 + r) * I, n - r, I, 0, tile, NULL, 0, I, TILE);
                     for (int64_t i = 0; i < TILE_ROWS && r + i < n; i++) {

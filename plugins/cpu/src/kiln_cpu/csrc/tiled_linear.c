@@ -54,50 +54,63 @@ static void widen_tile(float *tile, int fmt, const float *scale, const float *mi
     }
 }
 
-const float *tile_of(float *buf, int fmt, const float *scale, const float *min, const void *q, int64_t t,
-                            int64_t K) {
-    if (fmt == 32) return (const float *)q + t * K * TILE;
+Tile tile_of(float *buf, int fmt, const float *scale, const float *min, const void *q, int64_t t, int64_t K,
+             int64_t rows) {
+    if (fmt == 32) return (Tile){(const float *)q + t * K * TILE, 0};
     if (fmt == 16) {
         const uint16_t *v = (const uint16_t *)q + t * K * TILE;
+        if (rows <= ROWS) return (Tile){v, 1};
         for (int64_t i = 0; i < K * TILE; i++) buf[i] = from_bf16(v[i]);
     } else {
         widen_tile(buf, fmt, scale, min, q, t, K);
     }
-    return buf;
+    return (Tile){buf, 0};
 }
 
-void rows_times_tile(float *out, const float *x, int64_t rows, int64_t x_stride, int64_t r,
-                            const float *tile, const float *bias, int64_t n, int64_t K, int64_t N) {
-    const float *xr[ROWS];
-    for (int i = 0; i < ROWS; i++) xr[i] = x + (r + i < rows ? r + i : r) * x_stride;
-    v8 a[ROWS][2];
-    for (int i = 0; i < ROWS; i++) a[i][0] = a[i][1] = splat(0.0f);
-    for (int64_t c = 0; c < K; c++) {
-        const v8 w0 = load8_f32(tile + c * TILE), w1 = load8_f32(tile + c * TILE + 8);
-        for (int i = 0; i < ROWS; i++) {
-            const v8 xi = splat(xr[i][c]);
-            a[i][0] += w0 * xi, a[i][1] += w1 * xi;
-        }
+/* The tile kernel for fp32 tiles and for bf16 ones, widened as they are read (LOAD). */
+#define DEFINE_ROWS_TIMES_TILE(NAME, T, LOAD)                                                                    \
+    static void NAME(float *out, const float *x, int64_t rows, int64_t x_stride, int64_t r, const T *tile,       \
+                     const float *bias, int64_t n, int64_t K, int64_t N) {                                       \
+        const float *xr[ROWS];                                                                                   \
+        for (int i = 0; i < ROWS; i++) xr[i] = x + (r + i < rows ? r + i : r) * x_stride;                        \
+        v8 a[ROWS][2];                                                                                           \
+        for (int i = 0; i < ROWS; i++) a[i][0] = a[i][1] = splat(0.0f);                                          \
+        for (int64_t c = 0; c < K; c++) {                                                                        \
+            const v8 w0 = LOAD(tile + c * TILE), w1 = LOAD(tile + c * TILE + 8);                                 \
+            for (int i = 0; i < ROWS; i++) {                                                                     \
+                const v8 xi = splat(xr[i][c]);                                                                   \
+                a[i][0] += w0 * xi, a[i][1] += w1 * xi;                                                          \
+            }                                                                                                    \
+        }                                                                                                        \
+        const v8 b0 = bias ? load8_f32(bias + n) : splat(0.0f), b1 = bias ? load8_f32(bias + n + 8) : splat(0.0f); \
+        for (int i = 0; i < ROWS && r + i < rows; i++) {                                                         \
+            store8(out + (r + i) * N + n, a[i][0] + b0);                                                         \
+            store8(out + (r + i) * N + n + 8, a[i][1] + b1);                                                     \
+        }                                                                                                        \
     }
-    const v8 b0 = bias ? load8_f32(bias + n) : splat(0.0f), b1 = bias ? load8_f32(bias + n + 8) : splat(0.0f);
-    for (int i = 0; i < ROWS && r + i < rows; i++) {
-        store8(out + (r + i) * N + n, a[i][0] + b0);
-        store8(out + (r + i) * N + n + 8, a[i][1] + b1);
-    }
+DEFINE_ROWS_TIMES_TILE(rows_times_f32, float, load8_f32)
+DEFINE_ROWS_TIMES_TILE(rows_times_bf16, uint16_t, load8_bf16)
+
+void rows_times_tile(float *out, const float *x, int64_t rows, int64_t x_stride, int64_t r, Tile tile,
+                     const float *bias, int64_t n, int64_t K, int64_t N) {
+    if (tile.bf16)
+        rows_times_bf16(out, x, rows, x_stride, r, tile.p, bias, n, K, N);
+    else
+        rows_times_f32(out, x, rows, x_stride, r, tile.p, bias, n, K, N);
 }
 
-typedef void tile_fn(const float *tile, int64_t t, void *ctx);
+typedef void tile_fn(Tile tile, int64_t t, void *ctx);
 
-/* Calls fn on every tile of W as fp32, tiles split over the threads; returns nonzero
- * when out of memory for the per-thread widening buffers. */
+/* Calls fn on every tile of W as tile_of gives it for that many rows, tiles split over the
+ * threads; returns nonzero when out of memory for the per-thread widening buffers. */
 static int for_each_tile(int fmt, const float *scale, const float *min, const void *q, int64_t K, int64_t N,
-                         tile_fn *fn, void *ctx) {
+                         int64_t rows, tile_fn *fn, void *ctx) {
     int failed = 0;
     _Pragma("omp parallel") {
         float *buf = fmt == 32 ? NULL : malloc(K * TILE * sizeof(float));
         if (fmt != 32 && buf == NULL) failed = 1;
         _Pragma("omp for schedule(static)") for (int64_t t = 0; t < N / TILE; t++) {
-            if (fmt == 32 || buf != NULL) fn(tile_of(buf, fmt, scale, min, q, t, K), t, ctx);
+            if (fmt == 32 || buf != NULL) fn(tile_of(buf, fmt, scale, min, q, t, K, rows), t, ctx);
         }
         free(buf);
     }
@@ -110,7 +123,7 @@ struct linear_args {
     int64_t rows, x_stride, K, N;
 };
 
-static void linear_tile(const float *tile, int64_t t, void *ctx) {
+static void linear_tile(Tile tile, int64_t t, void *ctx) {
     const struct linear_args *a = ctx;
     for (int64_t r = 0; r < a->rows; r += ROWS)
         rows_times_tile(a->out, a->x, a->rows, a->x_stride, r, tile, a->bias, t * TILE, a->K, a->N);
@@ -120,7 +133,7 @@ static void linear_tile(const float *tile, int64_t t, void *ctx) {
 int tiled_linear(float *out, const float *x, int64_t rows, int64_t x_stride, int fmt, const float *scale,
                  const float *min, const void *q, const float *bias, int64_t K, int64_t N) {
     struct linear_args args = {out, x, bias, rows, x_stride, K, N};
-    return for_each_tile(fmt, scale, min, q, K, N, linear_tile, &args);
+    return for_each_tile(fmt, scale, min, q, K, N, rows, linear_tile, &args);
 }
 
 struct unpack_args {
@@ -128,16 +141,17 @@ struct unpack_args {
     int64_t K;
 };
 
-static void unpack_tile(const float *tile, int64_t t, void *ctx) {
+static void unpack_tile(Tile tile, int64_t t, void *ctx) {
     const struct unpack_args *a = ctx;
+    const float *f = tile.p;
     for (int j = 0; j < TILE; j++)
-        for (int64_t c = 0; c < a->K; c++) a->out[(t * TILE + j) * a->K + c] = tile[c * TILE + j];
+        for (int64_t c = 0; c < a->K; c++) a->out[(t * TILE + j) * a->K + c] = f[c * TILE + j];
 }
 
 /* The whole of W as fp32 (N, K) rows; nonzero when out of memory. */
 int tiled_unpack(float *out, int fmt, const float *scale, const float *min, const void *q, int64_t K, int64_t N) {
     struct unpack_args args = {out, K};
-    return for_each_tile(fmt, scale, min, q, K, N, unpack_tile, &args);
+    return for_each_tile(fmt, scale, min, q, K, N, INT64_MAX, unpack_tile, &args); /* as fp32, as for many rows */
 }
 
 /* Rows row_ids[0..n) of W as fp32 (embedding lookups). */
