@@ -23,7 +23,7 @@ Tile tile_of(float *buf, int fmt, const float *scale, const float *min, const vo
              int64_t rows);
 
 /* out[r + i, n..n+16] (row stride N) = x[r + i] . tile (+ bias[n..]) for up to TILE_ROWS rows from
- * r of rows; missing rows repeat row r and are not stored. */
+ * r of rows. */
 void rows_times_tile(float *out, const float *x, int64_t rows, int64_t x_stride, int64_t r, Tile tile,
                      const float *bias, int64_t n, int64_t K, int64_t N);
 

@@ -67,36 +67,46 @@ Tile tile_of(float *buf, int fmt, const float *scale, const float *min, const vo
     return (Tile){buf, 0};
 }
 
-/* The tile kernel for fp32 tiles and for bf16 ones, widened as they are read (LOAD). */
-#define DEFINE_ROWS_TIMES_TILE(NAME, T, LOAD)                                                                    \
-    static void NAME(float *out, const float *x, int64_t rows, int64_t x_stride, int64_t r, const T *tile,       \
-                     const float *bias, int64_t n, int64_t K, int64_t N) {                                       \
-        const float *xr[ROWS];                                                                                   \
-        for (int i = 0; i < ROWS; i++) xr[i] = x + (r + i < rows ? r + i : r) * x_stride;                        \
-        v8 a[ROWS][2];                                                                                           \
-        for (int i = 0; i < ROWS; i++) a[i][0] = a[i][1] = splat(0.0f);                                          \
+/* The tile kernel for R rows of x (R accumulator pairs: one row must not pay for six), for
+ * fp32 tiles and for bf16 ones widened as they are read (LOAD). */
+#define DEFINE_ROWS_TIMES_TILE(NAME, T, LOAD, R)                                                                 \
+    static void NAME##_##R(float *out, const float *x, int64_t x_stride, int64_t r, const T *tile,               \
+                           const float *bias, int64_t n, int64_t K, int64_t N) {                                 \
+        v8 a[R][2];                                                                                              \
+        for (int i = 0; i < R; i++) a[i][0] = a[i][1] = splat(0.0f);                                             \
         for (int64_t c = 0; c < K; c++) {                                                                        \
             const v8 w0 = LOAD(tile + c * TILE), w1 = LOAD(tile + c * TILE + 8);                                 \
-            for (int i = 0; i < ROWS; i++) {                                                                     \
-                const v8 xi = splat(xr[i][c]);                                                                   \
+            for (int i = 0; i < R; i++) {                                                                        \
+                const v8 xi = splat(x[(r + i) * x_stride + c]);                                                  \
                 a[i][0] += w0 * xi, a[i][1] += w1 * xi;                                                          \
             }                                                                                                    \
         }                                                                                                        \
         const v8 b0 = bias ? load8_f32(bias + n) : splat(0.0f), b1 = bias ? load8_f32(bias + n + 8) : splat(0.0f); \
-        for (int i = 0; i < ROWS && r + i < rows; i++) {                                                         \
+        for (int i = 0; i < R; i++) {                                                                            \
             store8(out + (r + i) * N + n, a[i][0] + b0);                                                         \
             store8(out + (r + i) * N + n + 8, a[i][1] + b1);                                                     \
         }                                                                                                        \
     }
-DEFINE_ROWS_TIMES_TILE(rows_times_f32, float, load8_f32)
-DEFINE_ROWS_TIMES_TILE(rows_times_bf16, uint16_t, load8_bf16)
+#define DEFINE_FOR_ROWS(NAME, T, LOAD)                                                                           \
+    DEFINE_ROWS_TIMES_TILE(NAME, T, LOAD, 1)                                                                     \
+    DEFINE_ROWS_TIMES_TILE(NAME, T, LOAD, 2)                                                                     \
+    DEFINE_ROWS_TIMES_TILE(NAME, T, LOAD, 3)                                                                     \
+    DEFINE_ROWS_TIMES_TILE(NAME, T, LOAD, 4)                                                                     \
+    DEFINE_ROWS_TIMES_TILE(NAME, T, LOAD, 5)                                                                     \
+    DEFINE_ROWS_TIMES_TILE(NAME, T, LOAD, 6)                                                                     \
+    typedef void NAME##_fn(float *, const float *, int64_t, int64_t, const T *, const float *, int64_t, int64_t, \
+                           int64_t);                                                                             \
+    static NAME##_fn *const NAME[ROWS + 1] = {NULL, NAME##_1, NAME##_2, NAME##_3, NAME##_4, NAME##_5, NAME##_6};
+DEFINE_FOR_ROWS(rows_times_f32, float, load8_f32)
+DEFINE_FOR_ROWS(rows_times_bf16, uint16_t, load8_bf16)
 
 void rows_times_tile(float *out, const float *x, int64_t rows, int64_t x_stride, int64_t r, Tile tile,
                      const float *bias, int64_t n, int64_t K, int64_t N) {
+    const int64_t R = rows - r < ROWS ? rows - r : ROWS;
     if (tile.bf16)
-        rows_times_bf16(out, x, rows, x_stride, r, tile.p, bias, n, K, N);
+        rows_times_bf16[R](out, x, x_stride, r, tile.p, bias, n, K, N);
     else
-        rows_times_f32(out, x, rows, x_stride, r, tile.p, bias, n, K, N);
+        rows_times_f32[R](out, x, x_stride, r, tile.p, bias, n, K, N);
 }
 
 typedef void tile_fn(Tile tile, int64_t t, void *ctx);
