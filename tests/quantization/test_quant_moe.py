@@ -8,6 +8,7 @@ on two. Models without quantized layers (DeepSeek, the transformers fallback) wi
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -60,6 +61,28 @@ def test_quantized_experts_without_a_quantization_config_are_refused(tiny_model_
     (Path(quantized) / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="without a quantization_config"):
         LLM(quantized, max_model_len=128)
+
+
+@pytest.mark.parametrize("method", [None, "awq"])
+def test_a_missing_expert_is_named(tiny_model_dir, tmp_path, method):
+    from safetensors.torch import save_file
+
+    from kiln import LLM
+
+    folder = tiny_model_dir("mixtral")
+    if method is not None:
+        folder, _ = rounded_copy(folder, tmp_path, method, GROUP)
+    else:
+        folder = str(shutil.copytree(folder, tmp_path / "copy"))
+    file = Path(folder) / "model.safetensors"
+    tensors = load_file(str(file))
+    for key in [k for k in tensors if ".layers.1.block_sparse_moe.experts.2.w2." in k]:  # Mixtral's down_proj
+        del tensors[key]
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    with pytest.raises(
+        ValueError, match=r"missing experts' weights: \['model\.layers\.1\.mlp\.experts\.2\.down_proj'\]"
+    ):
+        LLM(folder, max_model_len=128)
 
 
 def test_w8a8_experts_are_their_dequantized_weights(tiny_model_dir, tmp_path):

@@ -159,6 +159,13 @@ def _pattern_value(patterns: dict, module: str, default: float) -> float:
     return default
 
 
+def _unadaptable(name: str, what: str, base: BaseModelShape) -> ValueError:
+    return ValueError(
+        f"LoRA adapter {name!r}: {what} adapts a module the model lacks or Kiln cannot adapt; "
+        f"supported: {', '.join(base.dims)} of each layer"
+    )
+
+
 def load_adapter(name: str, path: str, base: BaseModelShape, max_rank: int, enable_bias: bool) -> LoRAAdapter:
     """The adapter at ``path``, checked against ``base`` and ``--max-lora-rank``."""
     config = _read_config(name, path)
@@ -168,10 +175,7 @@ def load_adapter(name: str, path: str, base: BaseModelShape, max_rank: int, enab
     for key, tensor in tensors.items():
         match = _KEY.search(key)
         if match is None or match.group(3) not in (*TARGETS, *FUSED_TARGETS):
-            raise ValueError(
-                f"LoRA adapter {name!r}: tensor {key!r} adapts a module the model lacks or Kiln cannot adapt; "
-                f"supported: {', '.join(base.dims)} of each layer"
-            )
+            raise _unadaptable(name, f"tensor {key!r}", base)
         layer, block, module, ab, leaf = int(match.group(1)), *match.group(2, 3, 4, 5)
         if layer >= base.num_layers:
             raise ValueError(f"LoRA adapter {name!r}: {key!r} is for layer {layer}; the model has {base.num_layers}")
@@ -217,10 +221,7 @@ def load_adapter(name: str, path: str, base: BaseModelShape, max_rank: int, enab
         for part, b_part in rows:
             inputs, outputs = base.dims.get(part, (None, None))
             if inputs is None:
-                raise ValueError(
-                    f"LoRA adapter {name!r}: {where} adapts a module the model lacks or Kiln cannot adapt; "
-                    f"supported: {', '.join(base.dims)} of each layer"
-                )
+                raise _unadaptable(name, where, base)
             if rank < 1 or b_part.dim() != 2 or a.shape[1] != inputs or b_part.shape != (outputs, rank):
                 raise ValueError(
                     f"LoRA adapter {name!r}: {where} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}, "

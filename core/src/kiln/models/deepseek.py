@@ -98,7 +98,7 @@ class DeepseekMoE(FusedMoE):
     def __init__(self, cfg, ops, tp: TensorParallel, prefix: str) -> None:
         experts = cfg.n_routed_experts
         super().__init__(
-            cfg.hidden_size, experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, False, ops, tp
+            cfg.hidden_size, experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, False, ops, tp, prefix=prefix
         )  # fmt: skip
         self.v3 = cfg.model_type == "deepseek_v3"
         self.groups, self.top_groups = getattr(cfg, "n_group", None) or 1, getattr(cfg, "topk_group", None) or 1

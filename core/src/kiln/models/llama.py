@@ -25,7 +25,7 @@ from kiln.interfaces.model import PRE_NORM_LAYER, StepContext
 from kiln.models.rope import FULL_ATTENTION, cos_sin_cache, rotary_dim, rotary_permutation
 from kiln.models.sliding_window import check_backend, layer_types, sliding_windows
 from kiln.quantization.config import QuantConfig
-from kiln.quantization.layers import load_linear_tensor, make_linear, row_parallel_dim, widened_for
+from kiln.quantization.layers import load_linear_tensor, make_linear, row_parallel_dim, values_for
 
 
 class RMSNorm(nn.Module):
@@ -291,6 +291,7 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         pending: dict[str, dict[str, torch.Tensor]] = {}
         loaded: set[str] = set()
+        expert_blocks: set[str] = set()  # mixtures of experts' layers (kiln.models.moe.FusedMoE)
         merges = self.merged_projections
         no_head = self.tie_word_embeddings or self.lm_head is None  # a checkpoint's LM head is not loaded
         for name, tensor in self.checkpoint_tensors(weights):
@@ -300,6 +301,7 @@ class LlamaForCausalLM(nn.Module):
             if ".experts." in name:  # layers.N.mlp.experts.E.{gate,up,down}_proj.weight
                 block, _, rest = name.partition(".experts.")
                 expert, proj, leaf = rest.split(".")
+                expert_blocks.add(block)
                 loaded.update(
                     f"{block}.{p}" for p in self.get_submodule(block).load_expert(int(expert), proj, leaf, tensor)
                 )
@@ -317,7 +319,7 @@ class LlamaForCausalLM(nn.Module):
                 # Each part as the merged parameter takes it: a 16-bit part of an fp8 layer, say,
                 # comes with the scale the other parts' weights bring.
                 merged = ".".join(parts[:-2] + [target, parts[-1]])
-                for key, value in widened_for(params, merged, tensor, name).items():
+                for key, value in values_for(params, merged, tensor, name).items():
                     group = pending.setdefault(key, {})
                     group[parts[-2]] = value
                     if len(group) == len(order):
@@ -326,6 +328,8 @@ class LlamaForCausalLM(nn.Module):
                         loaded.update(load_linear_tensor(params, key, whole))
                 continue
             loaded.update(load_linear_tensor(params, name, tensor))
+        for block in expert_blocks:
+            self.get_submodule(block).check_loaded()
         missing = set(params) - loaded - set(self.optional_weights)
         if pending or missing:
             raise ValueError(f"checkpoint is missing weights: {sorted(missing | set(pending))[:8]}")

@@ -37,6 +37,7 @@ class FusedMoE(nn.Module):
         tp: TensorParallel,
         shared_expert: nn.Module | None = None,
         quant: QuantConfig | None = None,
+        prefix: str = "mlp",
     ) -> None:
         super().__init__()
         if tp.expert_parallel:
@@ -61,6 +62,7 @@ class FusedMoE(nn.Module):
         }
         # Quantized experts' canonical tensors, per (expert, projection), until each is whole.
         self._parts = None if quant is None else QuantizedParts(quant)
+        self.prefix = prefix  # the checkpoint's name for this block, for messages
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's experts and their weights (tokens, top_k); families with another rule
@@ -92,7 +94,7 @@ class FusedMoE(nn.Module):
                 return []  # another rank's expert
             raise ValueError(f"checkpoint has expert {expert}; the model has {self.num_experts}")
         if quantized:
-            tensor = self._parts.add(f"experts.{expert}.{proj}", leaf, tensor)
+            tensor = self._parts.add(f"{self.prefix}.experts.{expert}.{proj}", leaf, tensor)
             if tensor is None:
                 return []
         slice_of = (lambda t, dim: t) if self.tp.expert_parallel else self.tp.slice
@@ -106,6 +108,16 @@ class FusedMoE(nn.Module):
         pending = self._pending[name]
         pending.discard(key)
         return [name] if not pending else []
+
+    def check_loaded(self) -> None:
+        """Raise, naming the expert, when the checkpoint lacks one of this rank's experts'
+        projections (or a quantized projection one of its tensors)."""
+        if self._parts is not None:
+            self._parts.check_complete()
+        missing = [*self._pending["w13"], *((e, "down_proj") for e in self._pending["w2"])]
+        if missing:
+            names = [f"{self.prefix}.experts.{self.first + e}.{p}" for e, p in sorted(missing)]
+            raise ValueError(f"checkpoint is missing experts' weights: {names[:8]}")
 
 
 class MoEDecoderLayer(LlamaDecoderLayer):
@@ -124,7 +136,10 @@ class MoEDecoderLayer(LlamaDecoderLayer):
         inter = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
         # Mixtral always renormalises its top-k weights; the Qwen MoEs say whether in their config.
         renormalize = getattr(cfg, "norm_topk_prob", True)
-        return FusedMoE(cfg.hidden_size, experts, cfg.num_experts_per_tok, inter, renormalize, ops, tp, shared, quant)
+        prefix = f"model.layers.{layer_idx}.mlp"
+        return FusedMoE(
+            cfg.hidden_size, experts, cfg.num_experts_per_tok, inter, renormalize, ops, tp, shared, quant, prefix
+        )
 
 
 class Qwen2MoeForCausalLM(LlamaForCausalLM):

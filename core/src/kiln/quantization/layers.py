@@ -40,15 +40,14 @@ def row_parallel_dim(leaf: str, tensor: torch.Tensor) -> int | None:
     return None
 
 
-def widened_for(
+def values_for(
     params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor, part: str | None = None
 ) -> dict[str, torch.Tensor]:
     """The values a checkpoint tensor (``part`` of ``name``, merged) gives the parameter ``name``
-    (and its scale): as it is,
-    except a float weight for an int8 parameter, quantized here per channel (``--quantization
-    weight_only_int8`` on an unquantized checkpoint), and a 16-bit weight for an fp8 parameter (a
-    layer, or part of a fused one, an fp8 checkpoint left in 16 bits without listing it), rounded
-    to fp8 per row with a warning."""
+    (and its scale): as it is, except a float weight for an int8 parameter, quantized here per
+    channel (``--quantization weight_only_int8`` on an unquantized checkpoint), and a 16-bit
+    weight for an fp8 parameter (a layer, or part of a fused one, an fp8 checkpoint left in 16
+    bits without listing it), rounded to fp8 per row with a warning."""
     param = params.get(name)
     if param is None:
         raise ValueError(f"unexpected weight {name!r} in checkpoint")
@@ -66,9 +65,9 @@ def widened_for(
 
 
 def load_linear_tensor(params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> list[str]:
-    """Copy ``tensor`` into the parameter ``name`` (``widened_for`` says how); returns the
+    """Copy ``tensor`` into the parameter ``name`` (``values_for`` says how); returns the
     parameters it filled."""
-    values = widened_for(params, name, tensor)
+    values = values_for(params, name, tensor)
     for key, value in values.items():
         target = params[key]
         if target.shape != value.shape:
