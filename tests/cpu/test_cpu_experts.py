@@ -78,6 +78,22 @@ def test_tiled_fp32_experts_match_the_reference(tokens, kind):
         assert not got[2].any()
 
 
+@pytest.mark.parametrize("tokens", [1, 5, 13, 40])  # up to 6 tokens an expert: bf16 read in place; more: widened
+def test_bf16_experts_compute_what_fp32_experts_compute(monkeypatch, tokens):
+    modules = [Experts(8, 64, 96, torch.float32) for _ in range(2)]
+    with torch.no_grad():
+        for p in (modules[0].w13, modules[0].w2):
+            p.copy_(p.bfloat16().float())
+        modules[1].load_state_dict(modules[0].state_dict())
+    assert use_packed_experts(modules[0]) == 1
+    monkeypatch.setenv("KILN_CPU_GGUF_BLOCKS", "0")  # every weight in fp32 tiles
+    assert use_packed_experts(modules[1]) == 1
+    assert [{w.fmt for w in m.w13.experts + m.w2.experts} for m in modules] == [{16}, {32}]
+    x, weights, ids = routed(tokens, 8, 2, 64, torch.float32)
+    narrow, wide = (fused_experts(x, m.w13, m.w2, weights, ids) for m in modules)
+    assert torch.equal(narrow, wide) and wide.abs().sum() > 0  # the same values, summed in the same order
+
+
 @pytest.mark.parametrize("mode", [INT8_PER_BLOCK, INT8_PER_ROW], ids=["int8-per-block", "int8-per-row"])
 @pytest.mark.parametrize(
     ("tokens", "inter"), [(1, 96), (7, 96), (40, 96), (TILED_EXPERTS_CHUNK + 44, 96), (7, 48)]

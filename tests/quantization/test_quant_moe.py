@@ -63,8 +63,20 @@ def test_quantized_experts_without_a_quantization_config_are_refused(tiny_model_
         LLM(quantized, max_model_len=128)
 
 
-@pytest.mark.parametrize("method", [None, "awq"])
-def test_a_missing_expert_is_named(tiny_model_dir, tmp_path, method):
+EXPERT_2 = r"model\.layers\.1\.mlp\.experts\.2\.down_proj"
+
+
+@pytest.mark.parametrize(
+    ("method", "deleted", "message"),
+    [
+        (None, "experts.2.w2.", rf"missing experts' weights: \['{EXPERT_2}'\]"),  # Mixtral's down_proj: w2
+        ("awq", "experts.2.w2.", rf"missing experts' weights: \['{EXPERT_2}'\]"),
+        ("awq", "experts.2.w2.scales", r"missing model\.layers\.1\.block_sparse_moe\.experts\.2\.w2\.scales"),
+        (None, "experts.", r"missing experts' weights: \['model\.layers\.1\.mlp\.experts\.0\.down_proj', "),
+    ],
+    ids=["expert", "quantized-expert", "quantized-part", "every-expert"],
+)
+def test_a_missing_expert_is_named(tiny_model_dir, tmp_path, method, deleted, message):
     from safetensors.torch import save_file
 
     from kiln import LLM
@@ -76,12 +88,10 @@ def test_a_missing_expert_is_named(tiny_model_dir, tmp_path, method):
         folder = str(shutil.copytree(folder, tmp_path / "copy"))
     file = Path(folder) / "model.safetensors"
     tensors = load_file(str(file))
-    for key in [k for k in tensors if ".layers.1.block_sparse_moe.experts.2.w2." in k]:  # Mixtral's down_proj
+    for key in [k for k in tensors if k.startswith("model.layers.1.block_sparse_moe." + deleted)]:
         del tensors[key]
     save_file(tensors, str(file), metadata={"format": "pt"})
-    with pytest.raises(
-        ValueError, match=r"missing experts' weights: \['model\.layers\.1\.mlp\.experts\.2\.down_proj'\]"
-    ):
+    with pytest.raises(ValueError, match=message):
         LLM(folder, max_model_len=128)
 
 

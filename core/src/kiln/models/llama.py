@@ -291,7 +291,6 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         pending: dict[str, dict[str, torch.Tensor]] = {}
         loaded: set[str] = set()
-        expert_blocks: set[str] = set()  # mixtures of experts' layers (kiln.models.moe.FusedMoE)
         merges = self.merged_projections
         no_head = self.tie_word_embeddings or self.lm_head is None  # a checkpoint's LM head is not loaded
         for name, tensor in self.checkpoint_tensors(weights):
@@ -301,7 +300,6 @@ class LlamaForCausalLM(nn.Module):
             if ".experts." in name:  # layers.N.mlp.experts.E.{gate,up,down}_proj.weight
                 block, _, rest = name.partition(".experts.")
                 expert, proj, leaf = rest.split(".")
-                expert_blocks.add(block)
                 loaded.update(
                     f"{block}.{p}" for p in self.get_submodule(block).load_expert(int(expert), proj, leaf, tensor)
                 )
@@ -328,8 +326,9 @@ class LlamaForCausalLM(nn.Module):
                         loaded.update(load_linear_tensor(params, key, whole))
                 continue
             loaded.update(load_linear_tensor(params, name, tensor))
-        for block in expert_blocks:
-            self.get_submodule(block).check_loaded()
+        for module in self.modules():
+            if hasattr(module, "check_loaded"):  # a mixture of experts' layer (kiln.models.moe.FusedMoE)
+                module.check_loaded()
         missing = set(params) - loaded - set(self.optional_weights)
         if pending or missing:
             raise ValueError(f"checkpoint is missing weights: {sorted(missing | set(pending))[:8]}")

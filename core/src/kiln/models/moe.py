@@ -62,7 +62,7 @@ class FusedMoE(nn.Module):
         }
         # Quantized experts' canonical tensors, per (expert, projection), until each is whole.
         self._parts = None if quant is None else QuantizedParts(quant)
-        self.prefix = prefix  # the checkpoint's name for this block, for messages
+        self.prefix = prefix  # this block's name (Kiln's: mlp, down_proj...), for messages
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's experts and their weights (tokens, top_k); families with another rule

@@ -16,14 +16,15 @@ typedef struct {
 } Tile;
 
 /* Tile t of a weight for `rows` rows of x: in place for fmt 32; fmt 16 (bf16) in place for one
- * pass of TILE_ROWS rows or fewer (widening as it reads beats widening first there: a 1536x576
- * projection for one row took 57 us against 91), else widened to fp32 into buf (K * 16 floats),
- * as the block formats always are. */
+ * pass of TILE_ROWS rows or fewer (widening as it reads beats widening first there: a bf16
+ * 1536x576 projection for one row took 36 us against 91), else widened to fp32 into buf (K * 16
+ * floats), as the block formats always are. tile_widens says whether it needs buf. */
+int tile_widens(int fmt, int64_t rows);
 Tile tile_of(float *buf, int fmt, const float *scale, const float *min, const void *q, int64_t t, int64_t K,
              int64_t rows);
 
 /* out[r + i, n..n+16] (row stride N) = x[r + i] . tile (+ bias[n..]) for up to TILE_ROWS rows from
- * r of rows. */
+ * r of rows; needs r < rows. */
 void rows_times_tile(float *out, const float *x, int64_t rows, int64_t x_stride, int64_t r, Tile tile,
                      const float *bias, int64_t n, int64_t K, int64_t N);
 

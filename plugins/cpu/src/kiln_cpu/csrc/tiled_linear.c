@@ -4,10 +4,11 @@
  *
  * Within a tile the 16 features' values of one input position c lie together, so
  * W[n..n+8, c] is one vector and a row of x times it is a broadcast and an FMA:
- * the outer-product scheme of BLAS micro-kernels, with no cross-lane sums, and
+ * the outer-product scheme of BLAS micro-kernels, with no cross-lane sums, and up to
  * 12 accumulators (16 features x 6 rows) to hide the FMA latency. Each output is
  * summed over K in order. Block formats are first widened to fp32, a tile at a
- * time (K x 16 floats, in L1/L2), and every 6 rows of x pass over it.
+ * time (K x 16 floats, in L1/L2), and every 6 rows of x pass over it; bf16 tiles too
+ * where more than 6 rows pass (fewer widen as they read, see tiled.h).
  *   fmt 32: q (N/16, K, 16) fp32; fmt 16: the same in bf16 (fp32 values that bf16 holds
  *           exactly, e.g. a bf16 checkpoint's weights served in fp32: half the bytes).
  *   fmt 4:  value = nibble * scale + min (GGUF's Q4_1); fmt 8: value = int8 * scale
@@ -54,12 +55,14 @@ static void widen_tile(float *tile, int fmt, const float *scale, const float *mi
     }
 }
 
+int tile_widens(int fmt, int64_t rows) { return fmt != 32 && !(fmt == 16 && rows <= ROWS); }
+
 Tile tile_of(float *buf, int fmt, const float *scale, const float *min, const void *q, int64_t t, int64_t K,
              int64_t rows) {
     if (fmt == 32) return (Tile){(const float *)q + t * K * TILE, 0};
     if (fmt == 16) {
         const uint16_t *v = (const uint16_t *)q + t * K * TILE;
-        if (rows <= ROWS) return (Tile){v, 1};
+        if (!tile_widens(fmt, rows)) return (Tile){v, 1};
         for (int64_t i = 0; i < K * TILE; i++) buf[i] = from_bf16(v[i]);
     } else {
         widen_tile(buf, fmt, scale, min, q, t, K);
@@ -117,10 +120,11 @@ static int for_each_tile(int fmt, const float *scale, const float *min, const vo
                          int64_t rows, tile_fn *fn, void *ctx) {
     int failed = 0;
     _Pragma("omp parallel") {
-        float *buf = fmt == 32 ? NULL : malloc(K * TILE * sizeof(float));
-        if (fmt != 32 && buf == NULL) failed = 1;
+        const int widens = tile_widens(fmt, rows);
+        float *buf = widens ? malloc(K * TILE * sizeof(float)) : NULL;
+        if (widens && buf == NULL) failed = 1;
         _Pragma("omp for schedule(static)") for (int64_t t = 0; t < N / TILE; t++) {
-            if (fmt == 32 || buf != NULL) fn(tile_of(buf, fmt, scale, min, q, t, K, rows), t, ctx);
+            if (!widens || buf != NULL) fn(tile_of(buf, fmt, scale, min, q, t, K, rows), t, ctx);
         }
         free(buf);
     }
@@ -154,14 +158,16 @@ struct unpack_args {
 static void unpack_tile(Tile tile, int64_t t, void *ctx) {
     const struct unpack_args *a = ctx;
     const float *f = tile.p;
+    const uint16_t *h = tile.p;
     for (int j = 0; j < TILE; j++)
-        for (int64_t c = 0; c < a->K; c++) a->out[(t * TILE + j) * a->K + c] = f[c * TILE + j];
+        for (int64_t c = 0; c < a->K; c++)
+            a->out[(t * TILE + j) * a->K + c] = tile.bf16 ? from_bf16(h[c * TILE + j]) : f[c * TILE + j];
 }
 
 /* The whole of W as fp32 (N, K) rows; nonzero when out of memory. */
 int tiled_unpack(float *out, int fmt, const float *scale, const float *min, const void *q, int64_t K, int64_t N) {
     struct unpack_args args = {out, K};
-    return for_each_tile(fmt, scale, min, q, K, N, INT64_MAX, unpack_tile, &args); /* as fp32, as for many rows */
+    return for_each_tile(fmt, scale, min, q, K, N, 1, unpack_tile, &args); /* 1: bf16 tiles read in place */
 }
 
 /* Rows row_ids[0..n) of W as fp32 (embedding lookups). */
