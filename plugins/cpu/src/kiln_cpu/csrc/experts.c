@@ -26,6 +26,8 @@
 #include "tiled.h"
 #include "vec.h"
 
+void silu_and_mul_f32(float *, const float *, int64_t, int64_t); /* fused_ops.c */
+
 #define ROWS 4
 #define BLOCK 16 /* features per work item */
 
@@ -208,14 +210,6 @@ typedef struct {
     const void *q;
 } Tiled;
 
-/* out (T, H) fp32 = the experts of ids (T, top_k; -1: none here) weighted by weights, on x (T, H)
- * fp32, each expert's w13 (2I, H) and w2 (H, I) in tiles: tiled_linear's products (each output
- * summed over its inputs in order), silu(gate) * up, and out += weight * expert output in
- * ascending expert order (the product and sum may fuse into one rounding). Items: (expert, 16
- * intermediate features) with its gate and up tiles, then 16 output features over every expert.
- * int8_activations 1 or 2 (TiledLinear's per-block or per-row modes): block-format experts
- * multiply in integers instead (experts_in_int8). H and I: multiples of TILE. Returns
- * sort_pairs' error codes. */
 /* fused_experts_tiled with int8 activations (int8_linear, per 32-input block or per row): expert
  * by expert, each matmul split over the threads by int8_linear. */
 static int experts_in_int8(float *out, const float *rows, float *hidden, const Routing *rt, int64_t H, int64_t I,
@@ -233,9 +227,7 @@ static int experts_in_int8(float *out, const float *rows, float *hidden, const R
         failed |= int8_linear(gate_up, rows + p0 * H, n, H, (int)w13[e].fmt, w13[e].scale, w13[e].min, w13[e].q, NULL,
                               H, 2 * I, per_row);
         if (failed) break;
-        for (int64_t r = 0; r < n; r++)
-            for (int64_t j = 0; j < I; j += 8)
-                store8(h + r * I + j, silu8(load8_f32(gate_up + r * 2 * I + j)) * load8_f32(gate_up + r * 2 * I + I + j));
+        silu_and_mul_f32(h, gate_up, n, I);
         failed |= int8_linear(y, h, n, I, (int)w2[e].fmt, w2[e].scale, w2[e].min, w2[e].q, NULL, I, H, per_row);
         for (int64_t r = 0; r < n; r++) {
             const int64_t p = rt->pair[p0 + r];
@@ -247,6 +239,14 @@ static int experts_in_int8(float *out, const float *rows, float *hidden, const R
     return failed;
 }
 
+/* out (T, H) fp32 = the experts of ids (T, top_k; -1: none here) weighted by weights, on x (T, H)
+ * fp32, each expert's w13 (2I, H) and w2 (H, I) in tiles: tiled_linear's products (each output
+ * summed over its inputs in order), silu(gate) * up, and out += weight * expert output in
+ * ascending expert order (the product and sum may fuse into one rounding). Items: (expert, 16
+ * intermediate features) with its gate and up tiles, then 16 output features over every expert.
+ * int8_activations 1 or 2 (TiledLinear's per-block or per-row modes): block-format experts
+ * multiply in integers instead (experts_in_int8). H and I: multiples of TILE. Returns
+ * sort_pairs' error codes. */
 int fused_experts_tiled(float *out, const float *x, int64_t T, int64_t H, int64_t I, const int64_t *ids,
                         const float *weights, int64_t top_k, int64_t E, const Tiled *w13, const Tiled *w2,
                         int int8_activations) {
