@@ -96,8 +96,7 @@ def rounded_copy(source: str, folder: Path, method: str, group: int) -> tuple[st
 
     from safetensors.torch import load_file, save_file
 
-    from kiln.interfaces.quantization import widen
-    from kiln.quantization.checkpoint import checkpoint_tensors
+    from kiln.quantization.checkpoint import checkpoint_tensors, widen_quantized
     from kiln.quantization.tool import hf_quantization_config
 
     qc = hf_quantization_config(method, group, act_order=method == "gptq")
@@ -111,15 +110,7 @@ def rounded_copy(source: str, folder: Path, method: str, group: int) -> tuple[st
             written |= {f"{module}.{k}": v for k, v in checkpoint_tensors(quant, *parts, torch.float16).items()}
         else:
             written[name] = tensor
-    canonical: dict[str, dict[str, torch.Tensor]] = {}
-    for name, tensor in canonical_weights(iter(written.items()), quant):
-        module, _, leaf = name.rpartition(".")
-        canonical.setdefault(module, {})[leaf] = tensor
-    dequantized = dict(tensors)
-    for module, parts in canonical.items():
-        if "weight_scale" in parts:
-            leaves = (parts.get(k) for k in ("weight", "weight_scale", "weight_zero", "g_idx"))
-            dequantized[f"{module}.weight"] = widen(*leaves)
+    dequantized = dict(widen_quantized(iter(written.items()), quant))
     folders = []
     for name, state, extra in (("q", written, {"quantization_config": qc}), ("deq", dequantized, {})):
         out = Path(folder) / name
