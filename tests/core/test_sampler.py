@@ -609,3 +609,23 @@ def test_matchers_without_rollback_report_it():
 
 class FakeMatcherNoRollback(ScriptedMatcher):
     rollback = GuideMatcher.rollback
+
+
+def test_greedy_rows_take_the_platforms_argmax():
+    """The argmax op handed to the sampler (a platform's, ``kiln.interfaces.model``) picks the
+    greedy rows' tokens, after the logits processors; sampled rows do not use it."""
+    seen = []
+
+    def last_largest(logits):
+        seen.append(logits.clone())
+        return logits.shape[1] - 1 - logits.flip(-1).argmax(-1)
+
+    sampler = Sampler(argmax=last_largest)
+    row = peaked(top=2)
+    row[9] = 3.0  # a tie: the reference picks 2, this op 9
+    greedy, banned, sampled = make_req("a", temperature=0.0), make_req("b", temperature=0.0, logit_bias={9: -100}), \
+        make_req("c", temperature=1.0, top_k=1)  # fmt: skip
+    out = sampler(rows(row, row, peaked(top=4)), [greedy, banned, sampled])
+    assert out.token_ids == [9, 2, 4]
+    assert len(seen) == 1 and seen[0][1, 9] < 0  # called once, on the processed logits
+    assert Sampler()(rows(row), [make_req(temperature=0.0)]).token_ids == [2]

@@ -12,7 +12,7 @@ import torch
 
 from kiln.attention.torch_ref import TorchRefAttentionBackend
 from kiln.testing.contracts import AttentionBackendContract, forward_kwargs, random_layout
-from kiln_cpu import native
+from kiln_cpu import fused_ops, native
 from kiln_cpu.attention import CpuAttentionBackend
 
 
@@ -142,3 +142,4 @@ def test_engine_on_cpu_uses_the_plugin_backend(tiny_model_dir):
     engine = LLM(tiny_model_dir("llama"), max_model_len=64).engine
     assert engine.platform.name == "cpu"
     assert isinstance(engine.executor.runner.backend, CpuAttentionBackend) and engine.executor.runner.backend.native is not None
+    assert engine.executor.sampler.argmax is fused_ops.argmax  # greedy picks through the C kernel

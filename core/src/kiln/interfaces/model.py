@@ -36,7 +36,8 @@ with the norms ``input_layernorm`` / ``post_attention_layernorm`` (``weight``, `
 
 ``ops`` is resolved once when the model is built (``resolve_ops``): each name
 maps to the platform's override from ``Platform.custom_ops()`` or to the torch
-reference here. ``kiln.models.llama`` is the worked example.
+reference here. ``kiln.models.llama`` is the worked example. One op is not the model's:
+``argmax``, which the sampler takes from the same table.
 """
 
 from __future__ import annotations
@@ -118,6 +119,13 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's index of its largest value (int64), as ``torch.argmax``: the first of equal
+    ones, or a row's first NaN where it has one. Greedy sampling's pick (``kiln.worker.sampler``),
+    paid every step over the whole vocabulary."""
+    return logits.argmax(-1)
+
+
 def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """A mixture of experts' routing: softmax over the (tokens, experts) router logits in fp32,
     the ``top_k`` experts of each token, their weights renormalised to sum to 1 if asked.
@@ -170,6 +178,7 @@ REFERENCE_OPS: dict[str, Callable] = {
     "add_lora": add_lora,
     "moe_route": moe_route,
     "fused_experts": fused_experts,
+    "argmax": argmax,
 }
 
 

@@ -121,8 +121,9 @@ class Platform(ABC):
 
     def custom_ops(self) -> dict[str, Callable]:
         """Fused ops by name (``rms_norm``, ``fused_add_rms_norm``, ``rotary_embedding``,
-        ``silu_and_mul``) that replace the torch reference ops of ``kiln.interfaces.model``
-        (checked by ``kiln.testing.contracts.OpsContract``)."""
+        ``silu_and_mul``, ``moe_route``, ``fused_experts``, the sampler's ``argmax``...) that
+        replace the torch reference ops of ``kiln.interfaces.model`` (checked by
+        ``kiln.testing.ops_contract.OpsContract``)."""
         return {}
 
     def process_weights(self, model: torch.nn.Module, config: EngineConfig) -> None:

@@ -32,6 +32,7 @@ ARG_NAMES = {
     "gelu_tanh_and_mul": ("x",),
     "moe_route": ("router_logits", "top_k", "renormalize"),
     "fused_experts": ("x", "w13", "w2", "weights", "ids"),
+    "argmax": ("logits",),
 }
 
 
@@ -119,7 +120,7 @@ class OpsContract:
             )
         writable = WRITABLE.get(name, {}) if name in self.in_place_ops else {}
         for i, (arg, old) in enumerate(zip(args, before)):
-            if not isinstance(arg, torch.Tensor) or torch.equal(arg, old):
+            if not isinstance(arg, torch.Tensor) or _unchanged(arg, old):
                 continue
             arg_name = ARG_NAMES[name][i]
             assert i in writable, f"{name} modified its input {arg_name} (the reference does not)"
@@ -187,6 +188,24 @@ class OpsContract:
         weights, ids = REFERENCE_OPS["moe_route"](torch.randn(num_tokens, experts, generator=gen), top_k, True)
         ids[0, -1] = -1  # an expert another rank holds (expert parallelism): adds nothing
         self._check("fused_experts", (x, w13, w2, weights.to(self.device), ids.to(self.device)), dtype)
+
+    @pytest.mark.parametrize("vocab", [37, 49152])
+    def test_argmax(self, num_tokens, vocab):
+        """fp32 rows, as the sampler gives them: ties (the first wins), infinities, a NaN (it
+        wins, the first of them), a row of -inf."""
+        logits = self._random(torch.Generator().manual_seed(7), num_tokens, vocab, dtype=torch.float32)
+        logits[0, vocab // 3] = logits[0, vocab - 2] = logits[0].max() + 1
+        if num_tokens > 1:
+            logits[1, 3:9] = float("inf")
+            logits[1, vocab - 1] = float("nan")
+            logits[-1] = float("-inf")
+            logits[-1, -1] = float("nan")
+        self._check("argmax", (logits,), torch.float32)
+
+
+def _unchanged(now: torch.Tensor, before: torch.Tensor) -> bool:
+    """Equal, a NaN where there was one included (``torch.equal`` says a NaN differs from itself)."""
+    return now.shape == before.shape and bool(((now == before) | (now.isnan() & before.isnan())).all())
 
 
 def _argnames(names) -> list[str]:

@@ -18,6 +18,7 @@ from kiln.config import EngineConfig
 from kiln.distributed import TensorParallel
 from kiln.engine.request import Request, TopLogprobs
 from kiln.engine.scheduler import SampledToken, SchedulerOutput
+from kiln.interfaces.model import resolve_ops
 from kiln.interfaces.platform import Platform
 from kiln.models.eagle import read_eagle_config
 from kiln.models.loader import is_gguf_file, load_hf_config, resolve_model
@@ -83,7 +84,7 @@ class Executor:
         except BaseException:
             self.shutdown()
             raise
-        self.sampler = Sampler(config.seed, bitmask_kernel)
+        self.sampler = Sampler(config.seed, bitmask_kernel, resolve_ops(platform.custom_ops()).argmax)
 
     def _start_workers(self, model_path: str, dtype: torch.dtype, tp: TensorParallel) -> TensorParallelWorkers:
         """Spawn ranks 1..N-1 and form the collective group with them (rank 0 is this process)."""

@@ -31,6 +31,7 @@ import torch
 from kiln.engine.beam_search import BeamCandidates
 from kiln.engine.request import Request, TopLogprobs
 from kiln.interfaces.guided import allocate_bitmask, apply_token_bitmask
+from kiln.interfaces.model import argmax as reference_argmax
 
 # Sets the logits of the given rows to -inf where the bitmask disallows a token, in place.
 BitmaskKernel = Callable[[torch.Tensor, torch.Tensor, list[int]], None]
@@ -54,11 +55,18 @@ class SamplerOutput:
 
 class Sampler:
     """Samples one token per row; ``bitmask_kernel`` applies guided decoding's bitmask
-    (the guided backend's own kernel where it has one)."""
+    (the guided backend's own kernel where it has one), ``argmax`` picks the greedy rows'
+    tokens (the platform's ``argmax`` op, ``kiln.interfaces.model``)."""
 
-    def __init__(self, seed: int = 0, bitmask_kernel: BitmaskKernel = apply_token_bitmask) -> None:
+    def __init__(
+        self,
+        seed: int = 0,
+        bitmask_kernel: BitmaskKernel = apply_token_bitmask,
+        argmax: Callable[[torch.Tensor], torch.Tensor] = reference_argmax,
+    ) -> None:
         self.seed = seed
         self.bitmask_kernel = bitmask_kernel
+        self.argmax = argmax
         self.generators: dict[torch.device, torch.Generator] = {}
         self.seeded: dict[str, torch.Generator] = {}  # request id -> its own generator
 
@@ -97,7 +105,7 @@ class Sampler:
         _apply_token_rules(logits, reqs)
         _apply_penalties(logits, reqs)
 
-        tokens = logits.argmax(-1)
+        tokens = self.argmax(logits)
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy and i not in candidates]
         if sampled_rows:
             idx = torch.tensor(sampled_rows, device=logits.device)

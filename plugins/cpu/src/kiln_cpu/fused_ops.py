@@ -191,6 +191,14 @@ def _fused_experts_bf16(x, w13, w2, weights, ids) -> torch.Tensor:
     return out
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    if logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1 or 0 in logits.shape:
+        return reference.argmax(logits)
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    native.load_kernels().argmax_f32(out.data_ptr(), logits.data_ptr(), *logits.shape, logits.stride(0))
+    return out
+
+
 def fused_ops() -> dict[str, Callable]:
     """The overrides, when the C kernels are built (``KILN_CPU_NATIVE=0`` turns them off)."""
     if native.load_kernels() is None:
@@ -202,4 +210,5 @@ def fused_ops() -> dict[str, Callable]:
         "silu_and_mul": silu_and_mul,
         "add_lora": add_lora,
         "fused_experts": fused_experts,
+        "argmax": argmax,
     }

@@ -111,6 +111,8 @@ def load_kernels() -> ctypes.CDLL | None:
     for fn in (lib.lora_add_f32, lib.lora_add_bf16w):
         fn.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ptr, ptr]
         fn.restype = ctypes.c_int
+    lib.argmax_f32.argtypes = [ptr, ptr, i64, i64, i64]
+    lib.argmax_f32.restype = None
     lib.decode_layer.argtypes = [ptr, ptr, ptr, ptr, i64]
     lib.decode_layer.restype = ctypes.c_int
     lib.tiled_unpack.argtypes = [ptr, fmt, ptr, ptr, ptr, i64, i64]
