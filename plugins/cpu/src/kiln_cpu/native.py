@@ -36,6 +36,7 @@ SOURCES = [
         "decode_layer.c",
         "lora.c",
         "experts.c",
+        "bf16_linear.c",
     )
 ]
 FLAGS = ["-O3", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c11", f"-I{CSRC}"]
@@ -68,7 +69,7 @@ def load_kernels() -> ctypes.CDLL | None:
     # KILN_CPU_MARCH: compile for an older instruction set than this CPU's (e.g. x86-64-v3,
     # AVX2 without VNNI), to run and test the kernels' other paths here.
     flags = [*FLAGS, f"-march={os.environ.get('KILN_CPU_MARCH') or 'native'}"]
-    sources = b"".join(p.read_bytes() for p in [*SOURCES, CSRC / "vec.h", CSRC / "tiled.h", CSRC / "prefill_items.h"])
+    sources = b"".join(p.read_bytes() for p in [*SOURCES, *sorted(CSRC.glob("*.h"))])
     key = hashlib.sha256(sources + " ".join(flags).encode() + _cpu_flags().encode())
     target = _cache_dir() / f"kiln-cpu-{key.hexdigest()[:16]}.so"
     if not target.exists():
@@ -111,6 +112,8 @@ def load_kernels() -> ctypes.CDLL | None:
     for fn in (lib.lora_add_f32, lib.lora_add_bf16w):
         fn.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ptr, ptr]
         fn.restype = ctypes.c_int
+    lib.linear_bf16.argtypes = [ptr, ptr, i64, i64, ptr, ptr, i64]
+    lib.linear_bf16.restype = ctypes.c_int
     lib.argmax_f32.argtypes = [ptr, ptr, i64, i64, i64]
     lib.argmax_f32.restype = None
     lib.decode_layer.argtypes = [ptr, ptr, ptr, ptr, i64]

@@ -1,10 +1,18 @@
-"""bf16 matmuls on weights prepacked once for oneDNN (``Platform.process_weights``).
+"""bf16 linear layers in the layouts their matmuls prefer (``Platform.process_weights``).
 
-``F.linear`` on a plain bf16 weight reorders it on every call; at decode batch
-sizes that costs as much as the multiply (measured on this project's machines:
-a 576x576 projection for 16 tokens, 106 us plain vs 74 us prepacked, identical
-results). The packed layout keeps the same number of elements, so memory does
-not grow.
+``F.linear`` on a plain bf16 weight reorders it on every call; at decode batch sizes
+that costs as much as the multiply (measured on this project's machines: a 576x576
+projection for 16 tokens, 106 us plain vs 74 us prepacked, identical results), so
+``PackedLinear`` keeps the weight prepacked once for oneDNN. The packed layout keeps the
+same number of elements, so memory does not grow.
+
+Where the CPU has AVX512-BF16 but no AMX, ``Bf16Linear`` runs decode-sized calls in the
+plugin's own kernel (``csrc/bf16_linear.c``) on the plain weight instead: oneDNN's call
+costs ~50 us more than its products once a step's streamed weights have pushed its state
+out of the caches (16 rows of 512x1024: 57 us against 108 prepacked), and the weight is
+read as stored. It is used for weights up to ``KERNEL_MAX_ELEMENTS``; past that (an LM
+head) oneDNN's packed GEMM is as fast or faster at 16 rows (512x49152: 1.4 against 1.9 ms).
+With AMX, oneDNN multiplies on its tiles, which this kernel has not been measured against.
 """
 
 from __future__ import annotations
@@ -15,11 +23,15 @@ from functools import cache
 import torch
 from torch import nn
 
+from kiln_cpu import native
+
 logger = logging.getLogger("kiln.cpu")
 
 # The batch size oneDNN tunes the packed layout for; 256 was as fast as any
 # other hint for 1-16 tokens and within 10% of plain F.linear at 2048.
 BATCH_HINT = 256
+KERNEL_MAX_ROWS = 16  # a decode step's rows; more (prefills) go to oneDNN
+KERNEL_MAX_ELEMENTS = 1 << 22  # 8 MB of bf16 weight
 
 
 @cache
@@ -38,6 +50,13 @@ def prepacking_works() -> bool:
         return False
 
 
+@cache
+def kernel_works() -> bool:
+    """The C kernel is built with vdpbf16ps products, and the CPU has no AMX."""
+    lib = native.load_kernels()
+    return lib is not None and bool(lib.linear_bf16_native()) and " amx_bf16" not in native._cpu_flags()
+
+
 class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -48,3 +67,38 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+class Bf16Linear(nn.Module):
+    """A bf16 linear layer on its plain weight: ``csrc/bf16_linear.c`` for up to
+    ``KERNEL_MAX_ROWS`` contiguous bf16 rows (each output summed in fp32 and rounded once,
+    bias included, as oneDNN does), ``F.linear`` otherwise."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        with torch.no_grad():
+            self.register_buffer("weight", linear.weight.detach().contiguous())
+            self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+            self.bias_f32 = None if linear.bias is None else self.bias.float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features if self.in_features else 0
+        if not 0 < rows <= KERNEL_MAX_ROWS or x.dtype != torch.bfloat16 or not x.is_contiguous():
+            return nn.functional.linear(x, self.weight, self.bias)
+        out = x.new_empty(*x.shape[:-1], self.out_features)
+        bias = None if self.bias_f32 is None else self.bias_f32.data_ptr()
+        lib = native.load_kernels()
+        if lib.linear_bf16(out.data_ptr(), x.data_ptr(), rows, self.in_features, self.weight.data_ptr(), bias,
+                           self.out_features):  # fmt: skip
+            raise MemoryError("linear_bf16: no memory for its last block")
+        return out
+
+
+def bf16_linear(linear: nn.Linear) -> nn.Module:
+    """The layout for a bf16 ``nn.Linear``: ``Bf16Linear`` where its kernel runs and the weight
+    is small enough, else ``PackedLinear``."""
+    small = linear.weight.numel() <= KERNEL_MAX_ELEMENTS
+    if small and kernel_works() and linear.in_features % native.load_kernels().linear_bf16_multiple() == 0:
+        return Bf16Linear(linear)
+    return PackedLinear(linear)

@@ -136,7 +136,7 @@ class CpuPlatform(Platform):
     def process_weights(self, model: torch.nn.Module, config) -> None:
         from kiln_cpu.experts import use_packed_experts
         from kiln_cpu.fused_decode import use_fused_decode
-        from kiln_cpu.packed_linear import PackedLinear, prepacking_works
+        from kiln_cpu.packed_linear import bf16_linear, prepacking_works
         from kiln_cpu.tiled_weights import use_tiled_weights
 
         # fp32: tiled for the C matmul kernel; GGUF models' weights back in their 4/8-bit
@@ -156,7 +156,7 @@ class CpuPlatform(Platform):
         if experts:
             logger.info("the experts of %d mixture-of-experts layers packed for the CPU matmul kernels", experts)
         if prepacking_works():
-            replace_linears(model, {torch.bfloat16: PackedLinear})
+            replace_linears(model, {torch.bfloat16: bf16_linear})
         fused = use_fused_decode(model)
         if fused:
             logger.info("%d decoder layers run decode steps in one C call each", fused)

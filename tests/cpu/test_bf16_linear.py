@@ -1,0 +1,89 @@
+"""bf16 linear layers on the CPU: ``Bf16Linear`` (``csrc/bf16_linear.c`` at decode sizes) against
+fp32 products rounded once, and which layout ``bf16_linear`` picks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from kiln_cpu import native, packed_linear
+from kiln_cpu.packed_linear import KERNEL_MAX_ELEMENTS, KERNEL_MAX_ROWS, Bf16Linear, PackedLinear, bf16_linear
+
+needs_kernel = pytest.mark.skipif(
+    not packed_linear.kernel_works(), reason="the bf16 linear kernel runs only with AVX512-BF16 and without AMX"
+)
+
+
+def _linear(k: int, n: int, bias: bool, seed: int = 0) -> nn.Linear:
+    torch.manual_seed(seed)
+    linear = nn.Linear(k, n, bias=bias).bfloat16()
+    with torch.no_grad():
+        linear.weight.normal_(0, k**-0.5)
+        if bias:
+            linear.bias.normal_(0, 1)
+    return linear
+
+
+def _exact(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+    """The fp32 product (plus bias) of the bf16 values, rounded once to bf16."""
+    bias = None if linear.bias is None else linear.bias.float()
+    return nn.functional.linear(x.float(), linear.weight.float(), bias).bfloat16()
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 13, 16])
+@pytest.mark.parametrize(("k", "n", "bias"), [(64, 8, False), (96, 40, True), (576, 1024, False), (512, 24, True)])
+def test_kernel_rows_are_the_fp32_products_rounded_once(monkeypatch, rows, k, n, bias):
+    """Each output the fp32 sum rounded once (an ulp apart at most, and rarely: the order of
+    the sum differs), bias added before the rounding; every row count of the kernel's blocks,
+    and widths that end in a partial block of weight rows."""
+    lib, calls = native.load_kernels(), []
+    kernel = lib.linear_bf16
+    monkeypatch.setattr(lib, "linear_bf16", lambda *a: calls.append(a[2]) or kernel(*a))
+    linear = _linear(k, n, bias)
+    x = torch.randn(rows, k).bfloat16()
+    got, expected = Bf16Linear(linear)(x), _exact(x, linear)
+    assert calls == [rows] and got.shape == (rows, n) and got.dtype == torch.bfloat16
+    ulp = expected.float().abs().clamp_min(2**-100) * 2**-7
+    assert ((got.float() - expected.float()).abs() <= ulp).all()
+    assert (got == expected).float().mean() >= 0.98
+
+
+@needs_kernel
+def test_more_rows_or_other_inputs_go_to_torch(monkeypatch):
+    """Past ``KERNEL_MAX_ROWS`` rows, and for strided or fp32 inputs, ``F.linear`` on the same weight."""
+    lib, calls = native.load_kernels(), []
+    monkeypatch.setattr(lib, "linear_bf16", lambda *a: calls.append(a[2]))
+    linear = _linear(64, 48, True)
+    layer = Bf16Linear(linear)
+    for x in (torch.randn(KERNEL_MAX_ROWS + 1, 64).bfloat16(), torch.randn(4, 128).bfloat16()[:, ::2]):
+        assert torch.equal(layer(x), linear(x))
+    with pytest.raises(RuntimeError):  # F.linear's refusal of mismatched dtypes
+        layer(torch.randn(3, 64))
+    assert calls == []
+
+
+@needs_kernel
+def test_decode_shaped_inputs_keep_their_leading_dims():
+    linear = _linear(64, 32, False)
+    x = torch.randn(1, 3, 64).bfloat16()
+    assert torch.equal(Bf16Linear(linear)(x), Bf16Linear(linear)(x[0])[None])
+
+
+@needs_kernel
+def test_small_weights_take_the_kernel_and_large_ones_onednn():
+    multiple = native.load_kernels().linear_bf16_multiple()
+    assert type(bf16_linear(_linear(multiple * 2, 40, True))) is Bf16Linear
+    assert type(bf16_linear(_linear(multiple + 2, 40, True))) is PackedLinear  # K the kernel cannot step through
+    big = nn.Linear(512, KERNEL_MAX_ELEMENTS // 512 + 16, bias=False, dtype=torch.bfloat16)
+    assert type(bf16_linear(big)) is PackedLinear  # an LM head: oneDNN is as fast there
+
+
+def test_bf16_model_linears_take_the_layout_bf16_linear_picks(tiny_model_dir):
+    from kiln import LLM
+
+    model = LLM(tiny_model_dir("llama"), dtype="bfloat16", max_model_len=64).engine.executor.runner.model
+    kinds = {type(m) for m in model.modules() if type(m) in (Bf16Linear, PackedLinear, nn.Linear)}
+    if packed_linear.prepacking_works():  # every weight of the tiny model is small
+        assert kinds == {Bf16Linear if packed_linear.kernel_works() else PackedLinear}
