@@ -10,8 +10,10 @@ Where the CPU has AVX512-BF16 but no AMX, ``Bf16Linear`` runs decode-sized calls
 plugin's own kernel (``csrc/bf16_linear.c``) on the plain weight instead: oneDNN's call
 costs ~50 us more than its products once a step's streamed weights have pushed its state
 out of the caches (16 rows of 512x1024: 57 us against 108 prepacked), and the weight is
-read as stored. It is used for weights up to ``KERNEL_MAX_ELEMENTS``; past that (an LM
-head) oneDNN's packed GEMM is as fast or faster at 16 rows (512x49152: 1.4 against 1.9 ms).
+read as stored. It is used for weights up to ``KERNEL_MAX_ELEMENTS``: past that oneDNN's
+blocked GEMM makes up for its overhead at 16 rows (an LM head, 512x49152: 1.4 against
+1.9 ms), and with SmolLM2-135M in bf16 at 16 sequences the kernel on its 576x3072
+gate_up too was 2 % slower a step, neutral without it; at one sequence it is 5-10 % faster.
 With AMX, oneDNN multiplies on its tiles, which this kernel has not been measured against.
 """
 
@@ -31,7 +33,7 @@ logger = logging.getLogger("kiln.cpu")
 # other hint for 1-16 tokens and within 10% of plain F.linear at 2048.
 BATCH_HINT = 256
 KERNEL_MAX_ROWS = 16  # a decode step's rows; more (prefills) go to oneDNN
-KERNEL_MAX_ELEMENTS = 1 << 22  # 8 MB of bf16 weight
+KERNEL_MAX_ELEMENTS = 1 << 20  # 2 MB of bf16 weight
 
 
 @cache
