@@ -6,8 +6,9 @@ import torch
 
 from kiln import LLM, SamplingParams
 from kiln.models.llama import LlamaDecoderLayer
-from kiln_cpu import native
-from kiln_cpu.fused_decode import FusedDecodeLayer
+from kiln.models.moe import MoEDecoderLayer
+from kiln_cpu import native, packed_linear
+from kiln_cpu.fused_decode import FusedDecodeLayer, FusedMoEDecodeLayer
 
 pytestmark = pytest.mark.skipif(native.load_kernels() is None, reason="no C compiler for the CPU kernels")
 
@@ -32,7 +33,9 @@ CASES = {
 }
 
 
-def check_fused_equals_python(model: str, prompts, monkeypatch, **engine_args) -> None:
+def check_fused_equals_python(
+    model: str, prompts, monkeypatch, fused_type=FusedDecodeLayer, python_type=LlamaDecoderLayer, **engine_args
+) -> None:
     python_calls = []
     forward = LlamaDecoderLayer.forward
 
@@ -42,11 +45,11 @@ def check_fused_equals_python(model: str, prompts, monkeypatch, **engine_args) -
 
     with monkeypatch.context() as patch:
         patch.setattr(LlamaDecoderLayer, "forward", counted)
-        assert layer_types(model, **engine_args) == {FusedDecodeLayer}
+        assert layer_types(model, **engine_args) == {fused_type}
         fused = run(model, prompts, **engine_args)
         assert python_calls and all(python_calls)  # the Python forward ran the steps with prefills only
         patch.setenv("KILN_CPU_FUSED_DECODE", "0")
-        assert layer_types(model, **engine_args) == {LlamaDecoderLayer}
+        assert layer_types(model, **engine_args) == {python_type}
         assert run(model, prompts, **engine_args) == fused
 
 
@@ -85,9 +88,25 @@ def test_default_model_int8_path(varied_prompts, monkeypatch):
     assert run(default_model_path(), varied_prompts[:4]) == fused
 
 
+@pytest.mark.skipif(not packed_linear.kernel_works(), reason="the bf16 linear kernel needs AVX512-BF16 and no AMX")
+@pytest.mark.parametrize("engine_args", [{}, {"max_num_batched_tokens": 16}], ids=["", "chunked prefills"])
+def test_bf16_moe_steps_match_the_python_forward(engine_args, tiny_model_dir, varied_prompts, monkeypatch):
+    """bf16 Mixtral layers (Bf16Linear projections and router, the C route and experts, a bf16
+    cache) run decode steps in one C call each, bit for bit."""
+    model = tiny_model_dir("mixtral", hidden_size=256, intermediate_size=96)  # head size 64: the C attention's
+    check_fused_equals_python(
+        model, varied_prompts, monkeypatch, FusedMoEDecodeLayer, MoEDecoderLayer, dtype="bfloat16", **engine_args
+    )
+
+
 def test_layers_it_cannot_run_keep_their_python_forward(tiny_model_dir):
     assert layer_types(tiny_model_dir("qwen3")) == {LlamaDecoderLayer}  # q/k norms
-    assert layer_types(tiny_model_dir("llama"), dtype="bfloat16") == {LlamaDecoderLayer}  # oneDNN bf16 linears
+    assert layer_types(tiny_model_dir("llama"), dtype="bfloat16") == {LlamaDecoderLayer}  # bf16 dense layers
+    wide = dict(hidden_size=256, intermediate_size=96)  # else the C attention's head sizes: as in the test above
+    qwen3_moe = tiny_model_dir("qwen3_moe", head_dim=64, **wide)
+    assert layer_types(qwen3_moe, dtype="bfloat16") == {MoEDecoderLayer}  # q/k norms
+    # a shared expert (the first layer is dense)
+    assert FusedMoEDecodeLayer not in layer_types(tiny_model_dir("qwen2_moe", **wide), dtype="bfloat16")
     assert torch.get_default_dtype() == torch.float32
 
 

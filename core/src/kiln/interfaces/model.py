@@ -32,7 +32,12 @@ linear layers' own::
     return mlp.down_proj(silu_and_mul(mlp.gate_up_proj(x))), residual
 
 with the norms ``input_layernorm`` / ``post_attention_layernorm`` (``weight``, ``eps``) and
-``self_attn.num_heads``, ``num_kv_heads``, ``head_dim`` per rank.
+``self_attn.num_heads``, ``num_kv_heads``, ``head_dim`` per rank. ``PRE_NORM_MOE_LAYER``
+promises the same forward with routed experts for the MLP (``kiln.models.moe.FusedMoE``, all
+of them on this rank, no shared expert)::
+
+    weights, ids = moe_route(mlp.gate(x), mlp.top_k, mlp.renormalize)
+    return fused_experts(x, mlp.w13, mlp.w2, weights, ids), residual
 
 ``ops`` is resolved once when the model is built (``resolve_ops``): each name
 maps to the platform's override from ``Platform.custom_ops()`` or to the torch
@@ -57,6 +62,7 @@ if TYPE_CHECKING:
 
 
 PRE_NORM_LAYER = "pre-norm"  # a ``decoder_layout``: see the module docstring
+PRE_NORM_MOE_LAYER = "pre-norm-moe"
 
 
 @dataclass(slots=True)

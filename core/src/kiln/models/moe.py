@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from kiln.distributed import TensorParallel
-from kiln.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from kiln.interfaces.model import PRE_NORM_MOE_LAYER
+from kiln.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from kiln.quantization.checkpoint import QuantizedParts, is_quantized
 from kiln.quantization.config import QuantConfig
 
@@ -122,6 +123,14 @@ class FusedMoE(nn.Module):
 
 class MoEDecoderLayer(LlamaDecoderLayer):
     """A decoder layer whose MLP is a ``FusedMoE`` where the config makes the layer sparse."""
+
+    def __init__(self, cfg, layer_idx, ops, backend, tp, quant=None, sliding_window=None) -> None:
+        super().__init__(cfg, layer_idx, ops, backend, tp, quant, sliding_window)
+        mlp, own = self.mlp, type(self).forward is LlamaDecoderLayer.forward
+        own = own and type(self.self_attn).forward is LlamaAttention.forward and not self.self_attn.qk_norm
+        routed = type(mlp) is FusedMoE and mlp.num_local == mlp.num_experts and not hasattr(mlp, "shared_expert")
+        if own and routed and tp.size == 1:
+            self.decoder_layout = PRE_NORM_MOE_LAYER
 
     def make_mlp(self, cfg, layer_idx: int, ops, tp: TensorParallel, quant: QuantConfig | None) -> nn.Module:
         sparse = layer_idx not in (getattr(cfg, "mlp_only_layers", None) or [])

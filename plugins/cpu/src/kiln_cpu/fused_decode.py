@@ -9,7 +9,10 @@ layers, C attention, C fused ops) and whose ``decoder_layout`` promises the pre-
 kernels in the same order, so the outputs are bit for bit those of the Python forward; any
 other step runs the Python forward. Under LoRA (``ctx.lora``) the C layer adds each
 projection's adapter update with the kernel the Python forward's ``add_lora`` calls
-(``csrc/lora.c``). ``KILN_CPU_FUSED_DECODE=0`` turns it off.
+(``csrc/lora.c``). ``FusedMoEDecodeLayer`` does the same for bf16 layers of the pre-norm
+experts layout (Mixtral, Qwen2/3-MoE without q/k norms or a shared expert) made of
+``Bf16Linear`` projections and router, the C route and experts and a bf16 cache, at up to
+``KERNEL_MAX_ROWS`` rows. ``KILN_CPU_FUSED_DECODE=0`` turns both off.
 """
 
 from __future__ import annotations
@@ -20,11 +23,12 @@ import os
 import torch
 from torch import nn
 
-from kiln.interfaces.model import PRE_NORM_LAYER
+from kiln.interfaces.model import PRE_NORM_LAYER, PRE_NORM_MOE_LAYER
 from kiln.interfaces.quantization import QuantLinear
-from kiln_cpu import native
+from kiln_cpu import fused_ops, native
 from kiln_cpu.attention import CpuAttentionBackend, CpuMetadata
 from kiln_cpu.fused_ops import LORA_KERNELS, prepared_lora_b
+from kiln_cpu.packed_linear import KERNEL_MAX_ROWS, Bf16Linear
 from kiln_cpu.tiled_weights import TiledLinear
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
@@ -44,6 +48,18 @@ class _Layer(ctypes.Structure):
                 ("head_dim", _i64), ("window", _i64)]  # fmt: skip
 
 
+class _Bf16Linear(ctypes.Structure):
+    _fields_ = [("w", _ptr), ("bias", _ptr), ("inp", _i64), ("out", _i64)]
+
+
+class _MoELayer(ctypes.Structure):
+    _fields_ = [("qkv", _Bf16Linear), ("o", _Bf16Linear), ("gate", _Bf16Linear), ("input_norm", _ptr),
+                ("post_norm", _ptr), ("w13", _ptr), ("w2", _ptr), ("eps", ctypes.c_double),
+                ("scale", ctypes.c_double), ("k_cache", _ptr), ("v_cache", _ptr), ("heads", _i64),
+                ("kv_heads", _i64), ("head_dim", _i64), ("window", _i64), ("experts", _i64), ("top_k", _i64),
+                ("renormalize", _i64), ("inter", _i64)]  # fmt: skip
+
+
 class _Step(ctypes.Structure):
     _fields_ = [("rows", _i64), ("block_size", _i64), ("table_stride", _i64), ("positions", _ptr), ("slots", _ptr),
                 ("block_table", _ptr), ("seq_lens", _ptr), ("cos_sin", _ptr), ("lora_slots", _ptr)]  # fmt: skip
@@ -52,6 +68,11 @@ class _Step(ctypes.Structure):
 def _tiled(m: nn.Module) -> TiledLinear | None:
     """The ``TiledLinear`` a projection runs: itself, or a quantized layer's (``quant_methods``)."""
     return m if type(m) is TiledLinear else getattr(m, "tiled", None) if isinstance(m, QuantLinear) else None
+
+
+def _bf16_linear(m: Bf16Linear) -> _Bf16Linear:
+    bias = None if m.bias_f32 is None else m.bias_f32.data_ptr()
+    return _Bf16Linear(m.weight.data_ptr(), bias, m.in_features, m.out_features)
 
 
 def _linear(m: nn.Module) -> _Linear:
@@ -76,6 +97,26 @@ def _fusable(layer: nn.Module) -> bool:
         and isinstance(attn.backend, CpuAttentionBackend)
         and attn.backend.native is not None
     )
+
+
+def _fusable_moe(layer: nn.Module) -> bool:
+    """A bf16 layer of ``kiln.interfaces.model``'s pre-norm experts layout, made only of this
+    plugin's parts: its C kernels' linear layers, ops, experts and attention on a bf16 cache."""
+    if getattr(layer, "decoder_layout", None) != PRE_NORM_MOE_LAYER:
+        return False
+    attn, mlp = layer.self_attn, layer.mlp
+    tensors = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight, mlp.w13, mlp.w2)
+    multiple = native.load_kernels().fused_experts_bf16_multiple()
+    ops = mlp.ops
+    return (
+        all(type(m) is Bf16Linear for m in (attn.qkv_proj, attn.o_proj, mlp.gate))
+        and all(isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 and t.is_contiguous() for t in tensors)
+        and mlp.w13.shape[2] % multiple == 0 and mlp.w2.shape[2] % multiple == 0
+        and layer.input_layernorm.eps == layer.post_attention_layernorm.eps
+        and (ops.moe_route, ops.fused_experts) == (fused_ops.moe_route, fused_ops.fused_experts)
+        and isinstance(attn.backend, CpuAttentionBackend) and attn.backend.native is not None
+        and attn.backend.cache_dtype == torch.bfloat16
+    )  # fmt: skip
 
 
 class FusedDecodeLayer(nn.Module):
@@ -132,7 +173,7 @@ class FusedDecodeLayer(nn.Module):
         return self.lora_ready
 
     def forward(self, positions, x, residual, rope_cache, ctx):
-        step = _step_of(ctx, positions, rope_cache, x)
+        step = _step_of(ctx, positions, rope_cache, x) if x.dtype == torch.float32 else None
         if step is None or (ctx.lora is not None and not self._lora_ready()):
             return self.layer(positions, x, residual, rope_cache, ctx)
         kv = ctx.kv_caches[self.layer_idx]
@@ -146,6 +187,39 @@ class FusedDecodeLayer(nn.Module):
         return x, residual
 
 
+class FusedMoEDecodeLayer(FusedDecodeLayer):
+    """A bf16 pre-norm layer with routed experts whose decode-only steps (up to
+    ``KERNEL_MAX_ROWS`` rows, without LoRA) run in one C call."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        nn.Module.__init__(self)
+        self.layer = layer
+        attn, mlp = layer.self_attn, layer.mlp
+        self.layer_idx = attn.layer_idx
+        self.c = _MoELayer(
+            _bf16_linear(attn.qkv_proj), _bf16_linear(attn.o_proj), _bf16_linear(mlp.gate),
+            layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
+            mlp.w13.data_ptr(), mlp.w2.data_ptr(), layer.input_layernorm.eps, attn.scale, None, None,
+            attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.sliding_window or 0, mlp.num_experts, mlp.top_k,
+            int(mlp.renormalize), mlp.w2.shape[2],
+        )  # fmt: skip
+
+    def forward(self, positions, x, residual, rope_cache, ctx):
+        fits = x.dtype == torch.bfloat16 and x.shape[0] <= KERNEL_MAX_ROWS and ctx.lora is None
+        step = _step_of(ctx, positions, rope_cache, x) if fits else None
+        if step is None:
+            return self.layer(positions, x, residual, rope_cache, ctx)
+        kv = ctx.kv_caches[self.layer_idx]
+        self.c.k_cache, self.c.v_cache = kv[0].data_ptr(), kv[1].data_ptr()
+        first = residual is None
+        if first:
+            residual = torch.empty_like(x)
+        if native.load_kernels().decode_moe_layer_bf16(ctypes.byref(self.c), ctypes.byref(step), x.data_ptr(),
+                                                       residual.data_ptr(), int(first)):  # fmt: skip
+            raise RuntimeError("decode_moe_layer_bf16 failed: out of memory, or a shape its kernels refuse")
+        return x, residual
+
+
 def _step_of(ctx, positions: torch.Tensor, rope_cache: torch.Tensor, x: torch.Tensor) -> _Step | None:
     """The step's shared arguments (built by its first layer), or None for a step the C
     layer does not run: one with prefills, or inputs in another dtype or layout."""
@@ -154,7 +228,7 @@ def _step_of(ctx, positions: torch.Tensor, rope_cache: torch.Tensor, x: torch.Te
         return None
     if meta.c_step is None:
         layout = meta.layout
-        ok = x.dtype == rope_cache.dtype == torch.float32 and x.is_contiguous() and rope_cache.is_contiguous()
+        ok = rope_cache.dtype == torch.float32 and x.is_contiguous() and rope_cache.is_contiguous()
         if not ok or layout.num_reqs != x.shape[0] or layout.block_table.dtype != torch.int32:
             return None
         positions = positions.to(torch.int64).contiguous()
@@ -179,5 +253,8 @@ def use_fused_decode(model: nn.Module) -> int:
     for i, layer in enumerate(layers):
         if _fusable(layer):
             layers[i] = FusedDecodeLayer(layer)
+            count += 1
+        elif _fusable_moe(layer):
+            layers[i] = FusedMoEDecodeLayer(layer)
             count += 1
     return count

@@ -191,6 +191,19 @@ def _fused_experts_bf16(x, w13, w2, weights, ids) -> torch.Tensor:
     return out
 
 
+def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens, experts = router_logits.shape if router_logits.dim() == 2 else (0, 0)
+    ok = router_logits.dtype in _SUFFIX and router_logits.is_contiguous() and 0 < top_k <= experts
+    if not ok:
+        return reference.moe_route(router_logits, top_k, renormalize)
+    weights = torch.empty(tokens, top_k, dtype=torch.float32)
+    ids = torch.empty(tokens, top_k, dtype=torch.int64)
+    _kernel("moe_route", router_logits.dtype)(
+        weights.data_ptr(), ids.data_ptr(), router_logits.data_ptr(), tokens, experts, top_k, int(renormalize)
+    )
+    return weights, ids
+
+
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     if logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1 or 0 in logits.shape:
         return reference.argmax(logits)
@@ -209,6 +222,7 @@ def fused_ops() -> dict[str, Callable]:
         "rotary_embedding": rotary_embedding,
         "silu_and_mul": silu_and_mul,
         "add_lora": add_lora,
+        "moe_route": moe_route,
         "fused_experts": fused_experts,
         "argmax": argmax,
     }

@@ -118,6 +118,11 @@ def load_kernels() -> ctypes.CDLL | None:
     lib.argmax_f32.restype = None
     lib.decode_layer.argtypes = [ptr, ptr, ptr, ptr, i64]
     lib.decode_layer.restype = ctypes.c_int
+    lib.decode_moe_layer_bf16.argtypes = [ptr, ptr, ptr, ptr, i64]
+    lib.decode_moe_layer_bf16.restype = ctypes.c_int
+    for dt in ("f32", "bf16"):
+        getattr(lib, f"moe_route_{dt}").argtypes = [ptr, ptr, ptr, i64, i64, i64, i64]
+        getattr(lib, f"moe_route_{dt}").restype = None
     lib.tiled_unpack.argtypes = [ptr, fmt, ptr, ptr, ptr, i64, i64]
     lib.tiled_unpack.restype = ctypes.c_int
     lib.tiled_gather_rows.argtypes = [ptr, ptr, i64, fmt, ptr, ptr, ptr, i64]

@@ -9,6 +9,7 @@
  *   q, k, v = qkv(x); rotary(q, k); cache <- k, v; o = attention(q, cache)
  *   x, residual = add_rms_norm(o_proj(o), residual)
  *   hidden = down(silu_and_mul(gate_up(x)))
+ * decode_moe_layer_bf16 (below) is its bf16 twin for layers whose MLP is routed experts.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -148,5 +149,80 @@ int decode_layer(const struct layer *L, const struct step *S, float *hidden, flo
     failed = linear(&L->down, S, hidden, act);
 done:
     free(normed), free(qkv), free(attn), free(gate_up), free(act), free(kv16);
+    return failed;
+}
+
+/* The other kernels of the bf16 mixture-of-experts layer below. */
+void rms_norm_bf16(uint16_t *, const uint16_t *, const uint16_t *, int64_t, int64_t, int64_t, float);
+void add_rms_norm_bf16(uint16_t *, uint16_t *, const uint16_t *, int64_t, int64_t, float);
+void rotary_bf16(const int64_t *, uint16_t *, uint16_t *, const float *, int64_t, int64_t, int64_t, int64_t, int64_t,
+                 int64_t);
+int paged_decode_attention_bf16(uint16_t *, const uint16_t *, int64_t, const uint16_t *, const uint16_t *,
+                                const int32_t *, int64_t, const int32_t *, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                float, int64_t);
+int linear_bf16(uint16_t *, const uint16_t *, int64_t, int64_t, const uint16_t *, const float *, int64_t);
+void moe_route_bf16(float *, int64_t *, const uint16_t *, int64_t, int64_t, int64_t, int64_t);
+int fused_experts_bf16(uint16_t *, const uint16_t *, int64_t, int64_t, int64_t, const int64_t *, const float *, int64_t,
+                       int64_t, const uint16_t *, const uint16_t *);
+
+/* A bf16 Bf16Linear: its (out, in) weight as loaded and its bias in fp32 (NULL: none). */
+struct linear_bf16w {
+    const uint16_t *w;
+    const float *bias;
+    int64_t in, out;
+};
+
+/* A bf16 decoder layer whose MLP is routed experts (kiln.interfaces.model's PRE_NORM_MOE_LAYER). */
+struct moe_layer {
+    struct linear_bf16w qkv, o, gate;
+    const uint16_t *input_norm, *post_norm, *w13, *w2;
+    double eps, scale;
+    void *k_cache, *v_cache; /* bf16 planes (blocks, kv_heads, block_size, head_dim) */
+    int64_t heads, kv_heads, head_dim, window, experts, top_k, renormalize, inter;
+};
+
+/* decode_layer for a bf16 mixture-of-experts layer: the same kernels, in the same order, as
+ * the Python forward with the CPU plugin's bf16 parts (Bf16Linear, the bf16 fused ops,
+ * attention and experts), so again bit for bit the same:
+ *   x, residual = rms_norm(hidden), hidden | add_rms_norm(hidden, residual)
+ *   q, k, v = qkv(x); rotary(q, k); cache <- k, v; o = attention(q, cache)
+ *   x, residual = add_rms_norm(o_proj(o), residual)
+ *   hidden = fused_experts(x, moe_route(gate(x)))
+ * Returns nonzero when out of memory, for an id outside the experts, or when the attention
+ * kernel refuses the shape. */
+int decode_moe_layer_bf16(const struct moe_layer *L, const struct step *S, uint16_t *hidden, uint16_t *residual,
+                          int64_t first) {
+    const int64_t rows = S->rows, H = L->o.out, D = L->head_dim, E = L->experts, K = L->top_k;
+    const int64_t q_size = L->heads * D, kv_size = L->kv_heads * D, qkv_size = L->qkv.out;
+    uint16_t *normed = malloc(rows * H * sizeof(uint16_t)), *qkv = malloc(rows * qkv_size * sizeof(uint16_t));
+    uint16_t *attn = malloc(rows * q_size * sizeof(uint16_t)), *logits = malloc(rows * E * sizeof(uint16_t));
+    float *weights = malloc(rows * K * sizeof(float));
+    int64_t *ids = malloc(rows * K * sizeof(int64_t));
+    int failed = normed == NULL || qkv == NULL || attn == NULL || logits == NULL || weights == NULL || ids == NULL;
+    if (failed) goto done;
+    const float eps = (float)L->eps;
+    const uint16_t *x = hidden; /* the normed input: in place, except on the first layer */
+    if (first) {
+        memcpy(residual, hidden, rows * H * sizeof(uint16_t));
+        rms_norm_bf16(normed, hidden, L->input_norm, rows, H, H, eps);
+        x = normed;
+    } else {
+        add_rms_norm_bf16(hidden, residual, L->input_norm, rows, H, eps);
+    }
+    if ((failed = linear_bf16(qkv, x, rows, H, L->qkv.w, L->qkv.bias, qkv_size))) goto done;
+    uint16_t *k = qkv + q_size, *v = k + kv_size;
+    rotary_bf16(S->positions, qkv, k, S->cos_sin, rows, L->heads, L->kv_heads, D, qkv_size, qkv_size);
+    write_kv_bf16(L->k_cache, L->v_cache, k, v, S->slots, rows, L->kv_heads, D, S->block_size, qkv_size, qkv_size);
+    failed = paged_decode_attention_bf16(attn, qkv, qkv_size, L->k_cache, L->v_cache, S->block_table,
+                                         S->table_stride, S->seq_lens, rows, L->heads, L->kv_heads, D, S->block_size,
+                                         (float)L->scale, L->window);
+    /* normed now holds the attention block's output, then the experts' input */
+    if (failed || (failed = linear_bf16(normed, attn, rows, q_size, L->o.w, L->o.bias, H))) goto done;
+    add_rms_norm_bf16(normed, residual, L->post_norm, rows, H, eps);
+    if ((failed = linear_bf16(logits, normed, rows, H, L->gate.w, L->gate.bias, E))) goto done;
+    moe_route_bf16(weights, ids, logits, rows, E, K, L->renormalize);
+    failed = fused_experts_bf16(hidden, normed, rows, H, L->inter, ids, weights, K, E, L->w13, L->w2);
+done:
+    free(normed), free(qkv), free(attn), free(logits), free(weights), free(ids);
     return failed;
 }

@@ -17,6 +17,7 @@
  * Needs H and I to be multiples of 2 * VL (32 with AVX-512, 16 otherwise: of BLOCK either way);
  * the caller checks.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -228,3 +229,34 @@ done:
     free_routing(&rt);
     return failed;
 }
+
+/* kiln.interfaces.model.moe_route on (T, E) router logits of type T_ (fp32 or bf16): each row's
+ * softmax in fp32 (libm's expf), its top_k experts by weight, highest first (the lower id first
+ * among equal weights), the weights renormalised to sum to 1 if asked (summed highest first).
+ * Needs top_k <= E. Four small torch ops a layer cost more than this at decode sizes. */
+#define DEFINE_MOE_ROUTE(SUFFIX, T_, LD)                                                                     \
+    void moe_route_##SUFFIX(float *weights, int64_t *ids, const T_ *logits, int64_t T, int64_t E,            \
+                            int64_t top_k, int64_t renormalize) {                                            \
+        for (int64_t t = 0; t < T; t++) {                                                                    \
+            const T_ *l = logits + t * E;                                                                    \
+            float p[E], m = -INFINITY, sum = 0.0f;                                                           \
+            char taken[E];                                                                                   \
+            memset(taken, 0, E);                                                                             \
+            for (int64_t e = 0; e < E; e++) m = LD(l[e]) > m ? LD(l[e]) : m;                                 \
+            for (int64_t e = 0; e < E; e++) sum += (p[e] = expf(LD(l[e]) - m));                              \
+            for (int64_t e = 0; e < E; e++) p[e] /= sum;                                                     \
+            float *w = weights + t * top_k, total = 0.0f;                                                    \
+            int64_t *id = ids + t * top_k;                                                                   \
+            for (int64_t j = 0; j < top_k; j++) {                                                            \
+                int64_t best = -1;                                                                           \
+                for (int64_t e = 0; e < E; e++)                                                              \
+                    if (!taken[e] && (best < 0 || p[e] > p[best])) best = e;                                 \
+                w[j] = p[best], id[j] = best, total += p[best], taken[best] = 1;                             \
+            }                                                                                                \
+            if (renormalize)                                                                                 \
+                for (int64_t j = 0; j < top_k; j++) w[j] /= total;                                           \
+        }                                                                                                    \
+    }
+static inline float id_float(float x) { return x; }
+DEFINE_MOE_ROUTE(f32, float, id_float)
+DEFINE_MOE_ROUTE(bf16, uint16_t, from_bf16)
