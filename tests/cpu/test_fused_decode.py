@@ -89,11 +89,16 @@ def test_default_model_int8_path(varied_prompts, monkeypatch):
 
 
 @pytest.mark.skipif(not packed_linear.kernel_works(), reason="the bf16 linear kernel needs AVX512-BF16 and no AMX")
-@pytest.mark.parametrize("engine_args", [{}, {"max_num_batched_tokens": 16}], ids=["", "chunked prefills"])
-def test_bf16_moe_steps_match_the_python_forward(engine_args, tiny_model_dir, varied_prompts, monkeypatch):
+@pytest.mark.parametrize(
+    ("overrides", "engine_args"),
+    [({}, {}), ({}, {"max_num_batched_tokens": 16}), ({"sliding_window": 8}, {})],
+    ids=["", "chunked prefills", "sliding window"],
+)
+def test_bf16_moe_steps_match_the_python_forward(overrides, engine_args, tiny_model_dir, varied_prompts, monkeypatch):
     """bf16 Mixtral layers (Bf16Linear projections and router, the C route and experts, a bf16
     cache) run decode steps in one C call each, bit for bit."""
-    model = tiny_model_dir("mixtral", hidden_size=256, intermediate_size=96)  # head size 64: the C attention's
+    # head size 64: the C attention's
+    model = tiny_model_dir("mixtral", hidden_size=256, intermediate_size=96, **overrides)
     check_fused_equals_python(
         model, varied_prompts, monkeypatch, FusedMoEDecodeLayer, MoEDecoderLayer, dtype="bfloat16", **engine_args
     )

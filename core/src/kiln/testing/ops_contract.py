@@ -189,17 +189,16 @@ class OpsContract:
         ids[0, -1] = -1  # an expert another rank holds (expert parallelism): adds nothing
         self._check("fused_experts", (x, w13, w2, weights.to(self.device), ids.to(self.device)), dtype)
 
-    @pytest.mark.parametrize("vocab", [37, 49152])
+    @pytest.mark.parametrize("vocab", [37, 1000, 49152, 50257])
     def test_argmax(self, num_tokens, vocab):
-        """fp32 rows, as the sampler gives them: ties (the first wins), infinities, a NaN (it
-        wins, the first of them), a row of -inf."""
+        """fp32 rows, as the sampler gives them: ties (the first wins), then, where there are
+        rows enough, +inf (the first wins), a NaN after the largest value (the first NaN wins),
+        a row of -inf (0) and a NaN before the largest value."""
         logits = self._random(torch.Generator().manual_seed(7), num_tokens, vocab, dtype=torch.float32)
         logits[0, vocab // 3] = logits[0, vocab - 2] = logits[0].max() + 1
-        if num_tokens > 1:
-            logits[1, 3:9] = float("inf")
-            logits[1, vocab - 1] = float("nan")
-            logits[-1] = float("-inf")
-            logits[-1, -1] = float("nan")
+        special = [(3, 9, "inf"), (vocab - 1, vocab, "nan"), (0, vocab, "-inf"), (1, 2, "nan")]
+        for row, (start, end, value) in zip(range(1, num_tokens), special):
+            logits[row, start:end] = float(value)
         self._check("argmax", (logits,), torch.float32)
 
 

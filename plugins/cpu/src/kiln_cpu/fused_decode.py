@@ -10,9 +10,11 @@ kernels in the same order, so the outputs are bit for bit those of the Python fo
 other step runs the Python forward. Under LoRA (``ctx.lora``) the C layer adds each
 projection's adapter update with the kernel the Python forward's ``add_lora`` calls
 (``csrc/lora.c``). ``FusedMoEDecodeLayer`` does the same for bf16 layers of the pre-norm
-experts layout (Mixtral, Qwen2/3-MoE without q/k norms or a shared expert) made of
+experts layout (Mixtral's: Qwen3-MoE has q/k norms, Qwen2-MoE a shared expert) made of
 ``Bf16Linear`` projections and router, the C route and experts and a bf16 cache, at up to
-``KERNEL_MAX_ROWS`` rows. ``KILN_CPU_FUSED_DECODE=0`` turns both off.
+``KERNEL_MAX_ROWS`` rows: small models only, since ``Bf16Linear`` takes weights of up to
+1M values (a released Mixtral's are larger, and oneDNN runs them). ``KILN_CPU_FUSED_DECODE=0``
+turns both off.
 """
 
 from __future__ import annotations
@@ -110,6 +112,7 @@ def _fusable_moe(layer: nn.Module) -> bool:
     ops = mlp.ops
     return (
         all(type(m) is Bf16Linear for m in (attn.qkv_proj, attn.o_proj, mlp.gate))
+        and 0 < mlp.top_k <= mlp.num_experts == mlp.gate.out_features == mlp.w13.shape[0]
         and all(isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 and t.is_contiguous() for t in tensors)
         and mlp.w13.shape[2] % multiple == 0 and mlp.w2.shape[2] % multiple == 0
         and layer.input_layernorm.eps == layer.post_attention_layernorm.eps
@@ -119,7 +122,21 @@ def _fusable_moe(layer: nn.Module) -> bool:
     )  # fmt: skip
 
 
-class FusedDecodeLayer(nn.Module):
+class _LayerWrapper(nn.Module):
+    """A decoder layer's stand-in, transparent: code that reads the layer's parts
+    (``self_attn``, ``mlp``...) finds them."""
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            inner = self.__dict__.get("_modules", {}).get("layer")  # absent while copying or unpickling
+            if inner is None:
+                raise
+            return getattr(inner, name)
+
+
+class FusedDecodeLayer(_LayerWrapper):
     """A pre-norm decoder layer whose decode-only steps run in one C call."""
 
     def __init__(self, layer: nn.Module) -> None:
@@ -135,16 +152,6 @@ class FusedDecodeLayer(nn.Module):
             int(attn.backend.cache_dtype == torch.bfloat16), attn.num_heads, attn.num_kv_heads, attn.head_dim,
             attn.sliding_window or 0,
         )  # fmt: skip
-
-    def __getattr__(self, name: str):
-        # Transparent: code that reads the layer's parts (``self_attn``, ``mlp``...) finds them.
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            inner = self.__dict__.get("_modules", {}).get("layer")  # absent while copying or unpickling
-            if inner is None:
-                raise
-            return getattr(inner, name)
 
     def _lora_ready(self) -> bool:
         """Point the C layer at the LoRA slots beside its projections (``kiln.interfaces.lora``), B
@@ -187,12 +194,12 @@ class FusedDecodeLayer(nn.Module):
         return x, residual
 
 
-class FusedMoEDecodeLayer(FusedDecodeLayer):
+class FusedMoEDecodeLayer(_LayerWrapper):
     """A bf16 pre-norm layer with routed experts whose decode-only steps (up to
     ``KERNEL_MAX_ROWS`` rows, without LoRA) run in one C call."""
 
     def __init__(self, layer: nn.Module) -> None:
-        nn.Module.__init__(self)
+        super().__init__()
         self.layer = layer
         attn, mlp = layer.self_attn, layer.mlp
         self.layer_idx = attn.layer_idx
@@ -205,7 +212,9 @@ class FusedMoEDecodeLayer(FusedDecodeLayer):
         )  # fmt: skip
 
     def forward(self, positions, x, residual, rope_cache, ctx):
-        fits = x.dtype == torch.bfloat16 and x.shape[0] <= KERNEL_MAX_ROWS and ctx.lora is None
+        # rows the Python forward runs through the same kernels (Bf16Linear's, the experts')
+        rows_ok = x.shape[0] <= min(KERNEL_MAX_ROWS, fused_ops.BF16_EXPERTS_MAX_TOKENS)
+        fits = x.dtype == torch.bfloat16 and rows_ok and ctx.lora is None
         step = _step_of(ctx, positions, rope_cache, x) if fits else None
         if step is None:
             return self.layer(positions, x, residual, rope_cache, ctx)
@@ -222,7 +231,8 @@ class FusedMoEDecodeLayer(FusedDecodeLayer):
 
 def _step_of(ctx, positions: torch.Tensor, rope_cache: torch.Tensor, x: torch.Tensor) -> _Step | None:
     """The step's shared arguments (built by its first layer), or None for a step the C
-    layer does not run: one with prefills, or inputs in another dtype or layout."""
+    layers do not run: one with prefills, or inputs in another layout (the layers check
+    their dtype)."""
     meta = ctx.attn_metadata
     if not isinstance(meta, CpuMetadata) or meta.prefills or meta.decode_blocks is None:
         return None
@@ -245,7 +255,8 @@ def _step_of(ctx, positions: torch.Tensor, rope_cache: torch.Tensor, x: torch.Te
 
 
 def use_fused_decode(model: nn.Module) -> int:
-    """Wrap every decoder layer ``FusedDecodeLayer`` can run; returns how many."""
+    """Wrap every decoder layer ``FusedDecodeLayer`` or ``FusedMoEDecodeLayer`` can run;
+    returns how many."""
     layers = getattr(model, "layers", None)
     if os.environ.get("KILN_CPU_FUSED_DECODE", "1") == "0" or layers is None or native.load_kernels() is None:
         return 0

@@ -77,7 +77,7 @@ DEFINE_DOTS(1, 16)
 DEFINE_DOTS(2, 8)
 DEFINE_DOTS(4, 4)
 
-/* d[r * BLOCK + j] = rows[r] . w[j] (fp32, or rounded to bf16 if `round`) for n <= ROWS rows and
+/* d[r * BLOCK + j] = rows[r] . w[j] (fp32, or rounded to bf16 if `rounded`) for n <= ROWS rows and
  * BLOCK weight rows: one row, two, or four at a time (three: the last repeated, its sums not stored). */
 #define BLOCK_SUMS(R, F)                                                          \
     for (int f = 0; f < BLOCK; f += F) {                                          \
@@ -85,10 +85,10 @@ DEFINE_DOTS(4, 4)
         dots_##R##x##F(part, rr, w + f * K, K);                                   \
         for (int64_t r = 0; r < n; r++)                                           \
             for (int j = 0; j < F; j++)                                           \
-                d[r * BLOCK + f + j] = round ? round_bf16(part[r * F + j]) : part[r * F + j]; \
+                d[r * BLOCK + f + j] = rounded ? round_bf16(part[r * F + j]) : part[r * F + j]; \
     }
 static inline void block_sums(float *d, const uint16_t *const *rows, int64_t n, const uint16_t *w, int64_t K,
-                              int round) {
+                              int rounded) {
     const uint16_t *rr[ROWS];
     for (int r = 0; r < ROWS; r++) rr[r] = rows[r < n ? r : n - 1];
     if (n == 1) BLOCK_SUMS(1, 16)
