@@ -107,14 +107,13 @@ def _fusable_moe(layer: nn.Module) -> bool:
     if getattr(layer, "decoder_layout", None) != PRE_NORM_MOE_LAYER:
         return False
     attn, mlp = layer.self_attn, layer.mlp
-    tensors = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight, mlp.w13, mlp.w2)
-    multiple = native.load_kernels().fused_experts_bf16_multiple()
+    norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
     ops = mlp.ops
     return (
         all(type(m) is Bf16Linear for m in (attn.qkv_proj, attn.o_proj, mlp.gate))
         and 0 < mlp.top_k <= mlp.num_experts == mlp.gate.out_features == mlp.w13.shape[0]
-        and all(isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 and t.is_contiguous() for t in tensors)
-        and mlp.w13.shape[2] % multiple == 0 and mlp.w2.shape[2] % multiple == 0
+        and all(n.dtype == torch.bfloat16 and n.is_contiguous() for n in norms)
+        and fused_ops.bf16_experts_fit(mlp.w13, mlp.w2)
         and layer.input_layernorm.eps == layer.post_attention_layernorm.eps
         and (ops.moe_route, ops.fused_experts) == (fused_ops.moe_route, fused_ops.fused_experts)
         and isinstance(attn.backend, CpuAttentionBackend) and attn.backend.native is not None
@@ -124,7 +123,19 @@ def _fusable_moe(layer: nn.Module) -> bool:
 
 class _LayerWrapper(nn.Module):
     """A decoder layer's stand-in, transparent: code that reads the layer's parts
-    (``self_attn``, ``mlp``...) finds them."""
+    (``self_attn``, ``mlp``...) finds them. ``self.c`` holds the C layer's arguments."""
+
+    def _run_in_c(self, kernel: str, step: _Step, x: torch.Tensor, residual, ctx) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's decode step through the C function ``kernel``, in place in ``x``."""
+        kv = ctx.kv_caches[self.layer_idx]
+        self.c.k_cache, self.c.v_cache = kv[0].data_ptr(), kv[1].data_ptr()
+        first = residual is None
+        if first:
+            residual = torch.empty_like(x)
+        if getattr(native.load_kernels(), kernel)(ctypes.byref(self.c), ctypes.byref(step), x.data_ptr(),
+                                                  residual.data_ptr(), int(first)):  # fmt: skip
+            raise RuntimeError(f"{kernel} failed: out of memory, or a shape its kernels refuse")
+        return x, residual
 
     def __getattr__(self, name: str):
         try:
@@ -183,15 +194,7 @@ class FusedDecodeLayer(_LayerWrapper):
         step = _step_of(ctx, positions, rope_cache, x) if x.dtype == torch.float32 else None
         if step is None or (ctx.lora is not None and not self._lora_ready()):
             return self.layer(positions, x, residual, rope_cache, ctx)
-        kv = ctx.kv_caches[self.layer_idx]
-        self.c.k_cache, self.c.v_cache = kv[0].data_ptr(), kv[1].data_ptr()
-        first = residual is None
-        if first:
-            residual = torch.empty_like(x)
-        if native.load_kernels().decode_layer(ctypes.byref(self.c), ctypes.byref(step), x.data_ptr(),
-                                              residual.data_ptr(), int(first)):  # fmt: skip
-            raise RuntimeError("decode_layer failed: out of memory, or a shape its attention kernel refuses")
-        return x, residual
+        return self._run_in_c("decode_layer", step, x, residual, ctx)
 
 
 class FusedMoEDecodeLayer(_LayerWrapper):
@@ -218,15 +221,7 @@ class FusedMoEDecodeLayer(_LayerWrapper):
         step = _step_of(ctx, positions, rope_cache, x) if fits else None
         if step is None:
             return self.layer(positions, x, residual, rope_cache, ctx)
-        kv = ctx.kv_caches[self.layer_idx]
-        self.c.k_cache, self.c.v_cache = kv[0].data_ptr(), kv[1].data_ptr()
-        first = residual is None
-        if first:
-            residual = torch.empty_like(x)
-        if native.load_kernels().decode_moe_layer_bf16(ctypes.byref(self.c), ctypes.byref(step), x.data_ptr(),
-                                                       residual.data_ptr(), int(first)):  # fmt: skip
-            raise RuntimeError("decode_moe_layer_bf16 failed: out of memory, or a shape its kernels refuse")
-        return x, residual
+        return self._run_in_c("decode_moe_layer_bf16", step, x, residual, ctx)
 
 
 def _step_of(ctx, positions: torch.Tensor, rope_cache: torch.Tensor, x: torch.Tensor) -> _Step | None:

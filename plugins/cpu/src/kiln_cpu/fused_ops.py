@@ -139,14 +139,19 @@ def fused_experts(
 BF16_EXPERTS_MAX_TOKENS = 64
 
 
-def _bf16_experts_kernel_takes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+def bf16_experts_fit(w13, w2) -> bool:
+    """Stacked experts the bf16 kernel reads: contiguous bf16 tensors whose hidden and
+    intermediate sizes are multiples of its step."""
     multiple = native.load_kernels().fused_experts_bf16_multiple()
     return (
-        x.dim() == 2 and x.shape[0] <= BF16_EXPERTS_MAX_TOKENS
-        and x.dtype == w13.dtype == w2.dtype == torch.bfloat16
-        and x.shape[1] % multiple == 0 and w2.shape[2] % multiple == 0
-        and x.is_contiguous() and w13.is_contiguous() and w2.is_contiguous()
+        all(isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16 and w.is_contiguous() for w in (w13, w2))
+        and w13.shape[2] % multiple == 0 and w2.shape[2] % multiple == 0
     )  # fmt: skip
+
+
+def _bf16_experts_kernel_takes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    rows_ok = x.dim() == 2 and x.shape[0] <= BF16_EXPERTS_MAX_TOKENS and x.shape[1] == w13.shape[2]
+    return rows_ok and x.dtype == torch.bfloat16 and x.is_contiguous() and bf16_experts_fit(w13, w2)
 
 
 # Tokens per call of the fp32 experts kernel: its buffers hold each (token, slot)'s input and

@@ -52,6 +52,11 @@ def _cpu_flags() -> str:
         return platform.processor()
 
 
+def has_amx_bf16() -> bool:
+    """Whether the CPU has AMX bf16 tiles, on which oneDNN's bf16 GEMMs run."""
+    return "amx_bf16" in _cpu_flags().split()
+
+
 def _cache_dir() -> Path:
     root = os.environ.get("KILN_CACHE_DIR") or Path.home() / ".cache" / "kiln"
     return Path(root) / "cpu-kernels"
@@ -263,4 +268,4 @@ def supports_prefill(num_heads: int, num_kv_heads: int, head_dim: int, dtype: to
     lib = load_kernels() if shapes_ok and cache_dtype in (dtype, torch.bfloat16) else None
     if lib is None or dtype not in _PREFILL_KERNELS:
         return False
-    return dtype == torch.float32 or (" amx_bf16" not in _cpu_flags() and bool(lib.prefill_attention_bf16_available()))
+    return dtype == torch.float32 or (not has_amx_bf16() and bool(lib.prefill_attention_bf16_available()))

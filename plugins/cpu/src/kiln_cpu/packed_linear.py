@@ -56,7 +56,7 @@ def prepacking_works() -> bool:
 def kernel_works() -> bool:
     """The C kernel is built with vdpbf16ps products, and the CPU has no AMX."""
     lib = native.load_kernels()
-    return lib is not None and bool(lib.linear_bf16_native()) and " amx_bf16" not in native._cpu_flags()
+    return lib is not None and bool(lib.linear_bf16_native()) and not native.has_amx_bf16()
 
 
 class PackedLinear(nn.Module):

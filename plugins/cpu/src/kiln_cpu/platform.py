@@ -14,21 +14,13 @@ import torch
 
 from kiln.interfaces.platform import Platform
 from kiln_cpu.module_swap import replace_linears
+from kiln_cpu.native import has_amx_bf16
 
 logger = logging.getLogger("kiln.cpu")
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 MADV_HUGEPAGE = 14
 PAGE = 4096
-
-
-def has_amx_bf16() -> bool:
-    """Whether the CPU has AMX bf16 tiles (Linux: the cpuinfo flag)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and "amx_bf16" in line.split() for line in f)
-    except OSError:
-        return False
 
 
 def _glibc() -> ctypes.CDLL | None:

@@ -257,6 +257,5 @@ done:
                 for (int64_t j = 0; j < top_k; j++) w[j] /= total;                                           \
         }                                                                                                    \
     }
-static inline float id_float(float x) { return x; }
-DEFINE_MOE_ROUTE(f32, float, id_float)
+DEFINE_MOE_ROUTE(f32, float, id_f32)
 DEFINE_MOE_ROUTE(bf16, uint16_t, from_bf16)

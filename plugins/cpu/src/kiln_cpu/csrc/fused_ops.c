@@ -20,9 +20,6 @@
 
 #define PARALLEL_MIN_ELEMS 65536
 
-static inline float id_f32(float x) { return x; }
-
-
 /* Sum of squares of n floats (n a multiple of 8) read through LOAD8. */
 #define SUMSQ(LOAD8, x, n)                                                         \
     ({                                                                             \

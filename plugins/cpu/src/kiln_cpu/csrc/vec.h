@@ -119,6 +119,8 @@ static inline float from_bf16(uint16_t h) {
 
 static inline float round_bf16(float x) { return from_bf16(to_bf16(x)); }
 
+static inline float id_f32(float x) { return x; } /* an fp32 value "loaded" or "stored" as itself */
+
 /* Round each lane to bf16 precision (nearest even), keeping it an fp32. */
 static inline v8 round8_bf16(v8 v) {
     u32x8 u;
