@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import inspect
 import json
 import logging
@@ -336,6 +337,9 @@ def run_server(args: argparse.Namespace) -> int:
         llm.shutdown()  # tensor-parallel workers, if any
         raise
     app = build_app(engine, options, args, models)
+    # The model, tokenizer and engine live as long as the server: keep them out of the
+    # collector's full passes, which otherwise walk every one of them (~1-2 % of a decode step).
+    gc.freeze()
     logger.info(
         "model loaded in %.1f s; serving %s on %s:%d",
         time.monotonic() - started,

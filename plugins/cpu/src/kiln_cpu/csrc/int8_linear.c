@@ -27,7 +27,6 @@
 #include "vec.h"
 
 #define TILE 16
-#define ROWS 8 /* rows of x per pass over a tile's blocks: 8 ran 1.2-1.3x as fast as 4 with AVX2 */
 #define ROW_CHUNK 64 /* rows whose quantized values stay in cache while every tile passes */
 
 #if defined(__AVX2__)
@@ -40,9 +39,10 @@ static float absmax(const float *x, int64_t n) {
 #if defined(__AVX2__)
     __m256 m = _mm256_setzero_ps();
     for (int64_t i = 0; i < n; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), _mm256_loadu_ps(x + i)));
-    float lanes[8];
-    _mm256_storeu_ps(lanes, m);
-    for (int i = 0; i < 8; i++) amax = fmaxf(amax, lanes[i]);
+    /* across the lanes in registers: fmaxf on each (a libm call) cost ~1 % of a decode step */
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
 #else
     for (int64_t i = 0; i < n; i++) amax = fmaxf(amax, fabsf(x[i]));
 #endif
@@ -91,6 +91,15 @@ static void quantize_row(const float *x, int64_t K, int per_row, int8_t *q, floa
 
 #if defined(__AVX2__)
 
+#define ROWS 8 /* rows of x per pass over a tile's blocks */
+
+/* v, which the compiler must now hold: integer sums are associative, and GCC otherwise
+ * regroups a block's products to add them last, computing (and spilling) all of them first. */
+static inline __m256i in_register(__m256i v) {
+    __asm__("" : "+x"(v));
+    return v;
+}
+
 /* acc + the sums of four u8 x s8 products per 32-bit lane. */
 static inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -98,7 +107,7 @@ static inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
 #elif defined(__AVXVNNI__)
     return _mm256_dpbusd_avx_epi32(acc, u, s);
 #else
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+    return in_register(_mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))));
 #endif
 }
 
@@ -123,44 +132,37 @@ static inline __m256i q4_step(__m256i acc, __m256i lo, __m256i xl, __m256i hi, _
 #if HAS_VNNI
     return dot4(dot4(acc, lo, xl), hi, xh);
 #else
-    return _mm256_add_epi16(acc, _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh)));
+    acc = _mm256_add_epi16(acc, _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh)));
+    return in_register(acc);
 #endif
 }
 
-/* acc[r][h] = int32 sums of block b for rows 0..R-1, features 8h..8h+7. */
-static inline __attribute__((always_inline)) void block_q4(__m256i acc[][2], const uint8_t *w,
+/* acc[r] = int32 sums of a block for rows 0..R-1, features 8h..8h+7 (one half of the tile
+ * at a time: R sums, two weight vectors and the broadcasts fit AVX2's 16 registers). */
+static inline __attribute__((always_inline)) void block_q4(__m256i acc[], const uint8_t *w, int h,
                                                            const int8_t *const xq[], int R) {
     const __m256i low = _mm256_set1_epi8(15);
-    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_si256();
     for (int g = 0; g < 4; g++) {
-        const __m256i w0 = _mm256_loadu_si256((const __m256i *)(w + g * 64));
-        const __m256i w1 = _mm256_loadu_si256((const __m256i *)(w + g * 64 + 32));
-        const __m256i l0 = _mm256_and_si256(w0, low), h0 = _mm256_and_si256(_mm256_srli_epi16(w0, 4), low);
-        const __m256i l1 = _mm256_and_si256(w1, low), h1 = _mm256_and_si256(_mm256_srli_epi16(w1, 4), low);
-        for (int r = 0; r < R; r++) {
-            const __m256i xl = bcast4(xq[r] + 4 * g), xh = bcast4(xq[r] + 16 + 4 * g);
-            acc[r][0] = q4_step(acc[r][0], l0, xl, h0, xh);
-            acc[r][1] = q4_step(acc[r][1], l1, xl, h1, xh);
-        }
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(w + g * 64 + h * 32));
+        const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        for (int r = 0; r < R; r++) acc[r] = q4_step(acc[r], lo, bcast4(xq[r] + 4 * g), hi, bcast4(xq[r] + 16 + 4 * g));
     }
 #if !HAS_VNNI
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int r = 0; r < R; r++)
-        for (int h = 0; h < 2; h++) acc[r][h] = _mm256_madd_epi16(acc[r][h], ones);
+    for (int r = 0; r < R; r++) acc[r] = _mm256_madd_epi16(acc[r], _mm256_set1_epi16(1));
 #endif
 }
 
-/* acc[r][h] = int32 sums of groups g0..g0+ng-1 of a Q8 block (fmt 6: a half is 4 groups). */
-static inline __attribute__((always_inline)) void block_q8(__m256i acc[][2], const int8_t *w,
+/* acc[r] = int32 sums of groups g0..g0+ng-1 of a Q8 block, features 8h..8h+7 (fmt 6: a
+ * scale's inputs are 4 groups). */
+static inline __attribute__((always_inline)) void block_q8(__m256i acc[], const int8_t *w, int h,
                                                            const int8_t *const xq[], int R, int g0, int ng) {
-    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_si256();
     for (int g = g0; g < g0 + ng; g++) {
-        for (int h = 0; h < 2; h++) {
-            /* u8 x s8 instructions: |w| times qx carrying w's sign (|qx| <= 127, so no overflow) */
-            const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + g * 64 + h * 32));
-            const __m256i aw = _mm256_abs_epi8(wv);
-            for (int r = 0; r < R; r++) acc[r][h] = dot4(acc[r][h], aw, _mm256_sign_epi8(bcast4(xq[r] + 4 * g), wv));
-        }
+        /* u8 x s8 instructions: |w| times qx carrying w's sign (|qx| <= 127, so no overflow) */
+        const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + g * 64 + h * 32));
+        const __m256i aw = _mm256_abs_epi8(wv);
+        for (int r = 0; r < R; r++) acc[r] = dot4(acc[r], aw, _mm256_sign_epi8(bcast4(xq[r] + 4 * g), wv));
     }
 }
 
@@ -172,31 +174,33 @@ static inline __attribute__((always_inline)) void rows_times_tile(float *out, in
                                                                   int64_t K, const float *bias) {
     const int64_t nb = K / 32, bytes = fmt == 4 ? 256 : 512;
     const int subs = scales_per_block(fmt);
-    __m256 f[ROWS][2];
-    for (int i = 0; i < R; i++) f[i][0] = f[i][1] = _mm256_setzero_ps();
+    /* The fp32 sums stay in L1, read and written once a block: the 16 ymm registers hold the
+     * block's integer sums, the weights and the broadcast activations (with the fp32 sums in
+     * registers too the compiler spilled the integer ones inside the product loop). */
+    float sums[ROWS][TILE] __attribute__((aligned(32)));
+    for (int i = 0; i < R; i++) memset(sums[i], 0, sizeof sums[i]);
     for (int64_t b = 0; b < nb; b++) {
         const int8_t *xr[ROWS];
         for (int i = 0; i < R; i++) xr[i] = xq + (r + i) * K + b * 32;
         const uint8_t *w = (const uint8_t *)q + (t * nb + b) * bytes;
         for (int sub = 0; sub < subs; sub++) {
-            __m256i acc[ROWS][2];
-            if (fmt == 4)
-                block_q4(acc, w, xr, R);
-            else if (fmt == 6)
-                block_q8(acc, (const int8_t *)w, xr, R, 4 * sub, 4);
-            else
-                block_q8(acc, (const int8_t *)w, xr, R, 0, 8);
             const int64_t at = ((t * nb + b) * subs + sub) * TILE;
             for (int h = 0; h < 2; h++) {
+                __m256i acc[ROWS];
+                if (fmt == 4)
+                    block_q4(acc, w, h, xr, R);
+                else if (fmt == 6)
+                    block_q8(acc, (const int8_t *)w, h, xr, R, 4 * sub, 4);
+                else
+                    block_q8(acc, (const int8_t *)w, h, xr, R, 0, 8);
                 const __m256 dw = _mm256_loadu_ps(scale + at + 8 * h);
+                const __m256 m = min && sub == 0 ? _mm256_loadu_ps(min + (t * nb + b) * TILE + 8 * h) : dw;
                 for (int i = 0; i < R; i++) {
                     const __m256 dd = _mm256_mul_ps(dw, _mm256_set1_ps(xd[(r + i) * nb + b]));
-                    f[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][h]), dd, f[i][h]);
-                }
-                if (min && sub == 0) { /* a min per 32 inputs, in every format */
-                    const __m256 m = _mm256_loadu_ps(min + (t * nb + b) * TILE + 8 * h);
-                    for (int i = 0; i < R; i++)
-                        f[i][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[(r + i) * nb + b]), f[i][h]);
+                    __m256 f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i]), dd, _mm256_load_ps(sums[i] + 8 * h));
+                    if (min && sub == 0) /* a min per 32 inputs, in every format */
+                        f = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[(r + i) * nb + b]), f);
+                    _mm256_store_ps(sums[i] + 8 * h, f);
                 }
             }
         }
@@ -204,7 +208,7 @@ static inline __attribute__((always_inline)) void rows_times_tile(float *out, in
     for (int i = 0; i < R; i++)
         for (int h = 0; h < 2; h++) {
             const __m256 bv = bias ? _mm256_loadu_ps(bias + t * TILE + 8 * h) : _mm256_setzero_ps();
-            _mm256_storeu_ps(out + (r + i) * N + t * TILE + 8 * h, _mm256_add_ps(f[i][h], bv));
+            _mm256_storeu_ps(out + (r + i) * N + t * TILE + 8 * h, _mm256_add_ps(_mm256_load_ps(sums[i] + 8 * h), bv));
         }
 }
 
