@@ -171,9 +171,10 @@ def bf16_cases():
 
 def assert_close_in_bf16(got: torch.Tensor, expected: torch.Tensor) -> None:
     """The kernel rounds where the reference does; only the order of each dot product's sum
-    differs, which moves a few outputs by an ulp of bf16 (2**-8 relative) or two."""
+    differs, which moves a few outputs by an ulp of bf16 (2**-8 relative) or two, and where a
+    hidden value's rounding flips, a small output by a few (AVX2's 8-float sums: 0.002 at 0.12)."""
     assert got.dtype == torch.bfloat16
-    torch.testing.assert_close(got.float(), expected.float(), rtol=2**-7, atol=1e-3)
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2**-7, atol=2.5e-3)
     assert (got == expected).float().mean() > 0.9
 
 
@@ -185,8 +186,8 @@ def test_bf16_experts_run_in_the_decode_kernel_as_loaded():
     assert not _bf16_experts_kernel_takes(
         torch.zeros(BF16_EXPERTS_MAX_TOKENS + 1, 64, dtype=torch.bfloat16), module.w13, module.w2
     )  # fmt: skip  (a prefill: oneDNN's GEMM)
-    narrow = Experts(8, 48, 96, torch.bfloat16)  # rows the kernel's vectors do not divide
-    assert not _bf16_experts_kernel_takes(torch.zeros(4, 48, dtype=torch.bfloat16), narrow.w13, narrow.w2)
+    narrow = Experts(8, 40, 96, torch.bfloat16)  # rows the kernel's vectors (16 or 32 values) do not divide
+    assert not _bf16_experts_kernel_takes(torch.zeros(4, 40, dtype=torch.bfloat16), narrow.w13, narrow.w2)
     assert not _bf16_experts_kernel_takes(x.float(), module.w13.float(), module.w2.float())
 
 
