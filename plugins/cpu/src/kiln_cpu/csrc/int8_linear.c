@@ -194,12 +194,12 @@ static inline __attribute__((always_inline)) void rows_times_tile(float *out, in
                 else
                     block_q8(acc, (const int8_t *)w, h, xr, R, 0, 8);
                 const __m256 dw = _mm256_loadu_ps(scale + at + 8 * h);
-                const __m256 m = min && sub == 0 ? _mm256_loadu_ps(min + (t * nb + b) * TILE + 8 * h) : dw;
+                /* a min per 32 inputs, in every format */
+                const float *m = min && sub == 0 ? min + (t * nb + b) * TILE + 8 * h : NULL;
                 for (int i = 0; i < R; i++) {
                     const __m256 dd = _mm256_mul_ps(dw, _mm256_set1_ps(xd[(r + i) * nb + b]));
                     __m256 f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i]), dd, _mm256_load_ps(sums[i] + 8 * h));
-                    if (min && sub == 0) /* a min per 32 inputs, in every format */
-                        f = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[(r + i) * nb + b]), f);
+                    if (m) f = _mm256_fmadd_ps(_mm256_loadu_ps(m), _mm256_set1_ps(xs[(r + i) * nb + b]), f);
                     _mm256_store_ps(sums[i] + 8 * h, f);
                 }
             }
