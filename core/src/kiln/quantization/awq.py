@@ -7,6 +7,12 @@ quantized as ``Q(W * s) / s``, and the ratio ``r`` on a grid of 20 chosen for th
 least output error on the calibration inputs; ``s`` is folded into the previous op.
 Then each output row's clipping range per group is shrunk where that lowers the
 error (except q/k, whose errors softmax amplifies).
+
+Both searches score a trial weight ``Wq`` by the mean squared output error over the calibration
+tokens, ``mean((x @ (Wq - W).T) ** 2)``, computed as ``sum((D @ G) * D) / (tokens * outputs)`` with
+``D = Wq - W`` and the inputs' Gram matrix ``G = x.T @ x`` formed once: the same quantity, at
+``in_features / tokens`` of the products per trial, and without the cancellation of subtracting two
+large outputs.
 """
 
 from __future__ import annotations
@@ -33,6 +39,11 @@ def _subsample(x: torch.Tensor, limit: int) -> torch.Tensor:
     return x[torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(0))[:limit]]
 
 
+def _output_error(delta: torch.Tensor, gram: torch.Tensor, tokens: int) -> float:
+    """``mean((x @ delta.T) ** 2)`` over tokens and outputs, from ``gram = x.T @ x``."""
+    return ((delta @ gram) * delta).sum().item() / (tokens * delta.shape[0])
+
+
 @torch.no_grad()
 def search_scales(x: torch.Tensor, linears: list[nn.Linear], group: int) -> torch.Tensor:
     """The per-input-channel scales for ``linears`` (reading ``x``) with the least output error."""
@@ -41,13 +52,13 @@ def search_scales(x: torch.Tensor, linears: list[nn.Linear], group: int) -> torc
     grouped = weight.abs().reshape(weight.shape[0], -1, group)
     w_mean = (grouped / (grouped.amax(-1, keepdim=True) + 1e-6)).reshape(weight.shape).mean(0)
     x_mean = x.abs().mean(0)
-    reference = x @ weight.T
+    gram = x.T @ x
     best, best_scales = float("inf"), torch.ones_like(x_mean)
     for step in range(GRID):
         ratio = step / GRID
         s = (x_mean.pow(ratio) / (w_mean.pow(1 - ratio) + 1e-4)).clamp(min=1e-4)
         s = s / (s.max() * s.min()).sqrt()
-        error = (x @ (fake_quant(weight * s, group) / s).T - reference).pow(2).mean().item()
+        error = _output_error(fake_quant(weight * s, group) / s - weight, gram, x.shape[0])
         if error < best:
             best, best_scales = error, s
     return best_scales
@@ -59,10 +70,10 @@ def search_clip(x: torch.Tensor, linear: nn.Linear, group: int) -> None:
     x = _subsample(x, 512)
     w = linear.weight
     rows, cols = w.shape
-    xg = x.reshape(x.shape[0], cols // group, group)  # (tokens, groups, group)
+    xg = x.reshape(x.shape[0], cols // group, group).transpose(0, 1)  # (groups, tokens, group)
+    gram = xg.transpose(1, 2) @ xg  # (groups, group, group): each group's inputs' Gram matrix
     for start in range(0, rows, 256):
         wg = w[start : start + 256].reshape(-1, cols // group, group)  # (rows, groups, group)
-        reference = torch.einsum("tgk,rgk->trg", xg, wg)
         limit = wg.abs().amax(-1, keepdim=True)
         best_err = torch.full(limit.shape[:2], float("inf"))
         best_limit = limit.clone()
@@ -70,7 +81,8 @@ def search_clip(x: torch.Tensor, linear: nn.Linear, group: int) -> None:
             trial = limit * (1 - CLIP_SHRINK * step / CLIP_STEPS)
             clipped = torch.maximum(torch.minimum(wg, trial), -trial)
             q = fake_quant(clipped.reshape(-1, cols), group).reshape(wg.shape)
-            err = (torch.einsum("tgk,rgk->trg", xg, q) - reference).pow(2).mean(0)
+            delta = (q - wg).transpose(0, 1)  # (groups, rows, group)
+            err = ((delta @ gram) * delta).sum(-1).T / x.shape[0]  # (rows, groups): each one's mean error
             better = err < best_err
             best_err = torch.where(better, err, best_err)
             best_limit = torch.where(better[..., None], trial, best_limit)
