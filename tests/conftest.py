@@ -12,6 +12,14 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (``make test`` runs a worker per core), each worker takes its share of the
+# cores for torch, the CPU plugin's OpenMP kernels and the servers it starts: more threads than
+# cores make OpenMP's waiting threads fight over them.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    share = str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    os.environ["KILN_CPU_THREADS"] = os.environ["OMP_NUM_THREADS"] = share
+    torch.set_num_threads(int(share))
+
 
 @pytest.fixture(scope="session")
 def varied_prompts() -> list[list[int]]:
