@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import psutil
 import pytest
 import torch
 
@@ -16,7 +17,8 @@ if not torch.cuda.is_available():
 # cores for torch, the CPU plugin's OpenMP kernels and the servers it starts: more threads than
 # cores make OpenMP's waiting threads fight over them.
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
-    share = str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1  # as xdist's -n auto and the CPU plugin count
+    share = str(max(1, cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
     os.environ["KILN_CPU_THREADS"] = os.environ["OMP_NUM_THREADS"] = share
     torch.set_num_threads(int(share))
 

@@ -154,7 +154,8 @@ def test_gguf_models_multiply_in_int8_unless_told_not_to(default_model_dir):
     ("quant_type", "overrides", "fmts"),
     [
         ("Q5_0", {}, (8, 8, 8, 8)), ("Q6_K", {}, (4, 4, 4, 6)),
-        ("Q4_0", {"attn_v.weight": "Q5_1"}, (8, 4, 4, 4)),  # Q4_0 whole in o, gate/up and down; Q5_1 in v
+        # Q4_0 whole in gate/up and down, Q5_1 whole in o, and the two in one q/k/v
+        ("Q4_0", {"attn_v.weight": "Q5_1", "attn_output.weight": "Q5_1"}, (8, 8, 4, 4)),
     ],
 )  # fmt: skip
 def test_other_gguf_types_stay_in_blocks(tmp_path, quant_type, overrides, fmts):
@@ -165,7 +166,7 @@ def test_other_gguf_types_stay_in_blocks(tmp_path, quant_type, overrides, fmts):
     down: the K-quants take rows of 256 inputs, so only the down projection (1536 inputs; the
     others have 576) changes type; a q/k/v of two types (as in llama.cpp's Q4_K_M files) is
     held as 8-bit codes with a min. Each case converts a new file (~20 s), so the mixed case
-    stands for Q4_0 (whole in three projections) and Q5_1 (widened into the fused q/k/v) too."""
+    stands for Q4_0 and Q5_1 whole too."""
     import shutil
     from pathlib import Path
 

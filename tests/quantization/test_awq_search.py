@@ -16,8 +16,16 @@ def _inputs(tokens: int, features: int) -> torch.Tensor:
 def test_output_error_is_the_mean_squared_output_difference():
     x = _inputs(300, 64)
     delta = torch.randn(48, 64, generator=torch.Generator().manual_seed(1)) * 1e-2
-    direct = (x @ delta.T).pow(2).mean().item()
-    assert abs(awq._output_error(delta, x.T @ x, x.shape[0]) - direct) <= 1e-5 * direct
+    direct = ((x @ (delta + 1).T) - x @ torch.ones_like(delta).T).pow(2).mean().item()
+    assert abs(awq._output_error(x, delta, x.T @ x) - direct) <= 1e-4 * direct
+    assert abs(awq._output_error(x, delta, None) - direct) <= 1e-4 * direct
+
+
+def test_wide_layers_are_searched_like_narrow_ones():
+    """More inputs than calibration tokens: the error straight from the outputs, the same picks."""
+    x = _inputs(96, 128)
+    linears = [nn.Linear(128, 64, bias=False)]
+    assert torch.equal(awq.search_scales(x, linears, 32), _search_scales_directly(x, linears, 32))
 
 
 def _search_scales_directly(x, linears, group):

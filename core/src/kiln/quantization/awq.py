@@ -9,10 +9,10 @@ Then each output row's clipping range per group is shrunk where that lowers the
 error (except q/k, whose errors softmax amplifies).
 
 Both searches score a trial weight ``Wq`` by the mean squared output error over the calibration
-tokens, ``mean((x @ (Wq - W).T) ** 2)``, computed as ``sum((D @ G) * D) / (tokens * outputs)`` with
-``D = Wq - W`` and the inputs' Gram matrix ``G = x.T @ x`` formed once: the same quantity, at
-``in_features / tokens`` of the products per trial, and without the cancellation of subtracting two
-large outputs.
+tokens, ``mean((x @ D.T) ** 2)`` with ``D = Wq - W`` (no subtraction of two large outputs). Where
+the inputs are narrower than the tokens are many (a small model's layers; each clip group), it is
+computed as ``sum((D @ G) * D) / (tokens * outputs)`` with the inputs' Gram matrix ``G = x.T @ x``
+formed once: the same quantity at ``in_features / tokens`` of the products per trial.
 """
 
 from __future__ import annotations
@@ -39,9 +39,11 @@ def _subsample(x: torch.Tensor, limit: int) -> torch.Tensor:
     return x[torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(0))[:limit]]
 
 
-def _output_error(delta: torch.Tensor, gram: torch.Tensor, tokens: int) -> float:
-    """``mean((x @ delta.T) ** 2)`` over tokens and outputs, from ``gram = x.T @ x``."""
-    return ((delta @ gram) * delta).sum().item() / (tokens * delta.shape[0])
+def _output_error(x: torch.Tensor, delta: torch.Tensor, gram: torch.Tensor | None) -> float:
+    """``mean((x @ delta.T) ** 2)`` over tokens and outputs; from ``gram = x.T @ x`` when given."""
+    if gram is None:
+        return (x @ delta.T).pow(2).mean().item()
+    return ((delta @ gram) * delta).sum().item() / (x.shape[0] * delta.shape[0])
 
 
 @torch.no_grad()
@@ -52,13 +54,13 @@ def search_scales(x: torch.Tensor, linears: list[nn.Linear], group: int) -> torc
     grouped = weight.abs().reshape(weight.shape[0], -1, group)
     w_mean = (grouped / (grouped.amax(-1, keepdim=True) + 1e-6)).reshape(weight.shape).mean(0)
     x_mean = x.abs().mean(0)
-    gram = x.T @ x
+    gram = x.T @ x if x.shape[1] < x.shape[0] else None  # the cheaper of the two forms
     best, best_scales = float("inf"), torch.ones_like(x_mean)
     for step in range(GRID):
         ratio = step / GRID
         s = (x_mean.pow(ratio) / (w_mean.pow(1 - ratio) + 1e-4)).clamp(min=1e-4)
         s = s / (s.max() * s.min()).sqrt()
-        error = _output_error(fake_quant(weight * s, group) / s - weight, gram, x.shape[0])
+        error = _output_error(x, fake_quant(weight * s, group) / s - weight, gram)
         if error < best:
             best, best_scales = error, s
     return best_scales
