@@ -23,7 +23,9 @@ VLLM = Path(os.environ.get("PEERS", Path.home() / ".cache" / "kiln-peers")) / "v
 pytestmark = pytest.mark.skipif(not VLLM.exists(), reason=f"vLLM-CPU peer not set up ({VLLM} missing)")
 PROMPT = "The capital of France is"
 CALIBRATION = ["--num-calibration-samples", "8", "--seq-len", "128", "-t", "bf16"]
-NEAR_TIE = 0.5  # nats below Kiln's first choice that a vLLM pick may lie; a misread checkpoint's picks lie far lower
+# How far below Kiln's first choice (nats) a vLLM pick may lie: after "Paris.\n\nThe" Kiln's top five lie
+# within 0.7 nats, and there the two engines parted on CI's AVX2 machine; a misread checkpoint's picks lie far lower.
+NEAR_TIE = 1.0
 # vLLM-CPU's 4-bit weight kernel (cpu_gemm_wna16) is in its AVX-512 builds only; its AVX2 build cannot serve them.
 # vLLM picks its build with this check.
 NEEDS_AVX512 = pytest.mark.skipif(
