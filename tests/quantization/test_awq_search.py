@@ -1,5 +1,6 @@
-"""AWQ's searches score trials through the inputs' Gram matrix: the same errors, and the same
-choices, as scoring them on the calibration outputs directly."""
+"""AWQ's searches score trials through the inputs' Gram matrix (or, for layers wider than the
+tokens are many, straight from ``x @ D.T``): the same errors, and the same choices, as scoring
+them on the calibration outputs against the full-precision ones."""
 
 import torch
 from torch import nn
@@ -21,13 +22,6 @@ def test_output_error_is_the_mean_squared_output_difference():
     assert abs(awq._output_error(x, delta, None) - direct) <= 1e-4 * direct
 
 
-def test_wide_layers_are_searched_like_narrow_ones():
-    """More inputs than calibration tokens: the error straight from the outputs, the same picks."""
-    x = _inputs(96, 128)
-    linears = [nn.Linear(128, 64, bias=False)]
-    assert torch.equal(awq.search_scales(x, linears, 32), _search_scales_directly(x, linears, 32))
-
-
 def _search_scales_directly(x, linears, group):
     """The search as first written: every trial's outputs against the full-precision ones."""
     weight = torch.cat([lin.weight for lin in linears])
@@ -47,6 +41,13 @@ def test_scale_search_picks_what_the_direct_search_picks():
     torch.manual_seed(0)
     x = _inputs(512, 128)
     linears = [nn.Linear(128, 96, bias=False), nn.Linear(128, 32, bias=False)]
+    assert torch.equal(awq.search_scales(x, linears, 32), _search_scales_directly(x, linears, 32))
+
+
+def test_wide_layers_are_searched_like_narrow_ones():
+    """More inputs than calibration tokens: the error straight from the outputs, the same picks."""
+    x = _inputs(96, 128)
+    linears = [nn.Linear(128, 64, bias=False)]
     assert torch.equal(awq.search_scales(x, linears, 32), _search_scales_directly(x, linears, 32))
 
 
