@@ -86,8 +86,8 @@ def test_fp8_kv_cache_halves_the_block_and_serves(tiny_model_dir, cuda_plugins, 
     common = dict(model=tiny_model_dir("llama"), device="cuda", dtype="bfloat16")
     fp8 = make_engine(cuda_plugins, kv_cache_dtype="fp8", **common)
     auto = make_engine(cuda_plugins, **common)
-    assert fp8.runner.kv_caches[0].dtype == torch.float8_e4m3fn
-    assert 2 * fp8.runner.kv_block_bytes() == auto.runner.kv_block_bytes()
+    assert fp8.executor.runner.kv_caches[0].dtype == torch.float8_e4m3fn
+    assert 2 * fp8.executor.runner.kv_block_bytes() == auto.executor.runner.kv_block_bytes()
     assert [len(t) for t in run_greedy(fp8, varied_prompts)] == [8] * len(varied_prompts)
 
 
@@ -108,11 +108,15 @@ def test_sampling_runs_on_the_device(tiny_model_dir, varied_prompts):
     llm = LLM(tiny_model_dir("llama"), device="cuda", dtype="float32")
     sampler, devices = llm.engine.executor.sampler, set()
 
-    def spy(logits, reqs, bitmask=None):
-        devices.add(logits.device.type)
-        return sampler(logits, reqs, bitmask)
+    class Spy:  # records where the logits are; the rest (freeing seeded generators) goes to the sampler
+        def __call__(self, logits, reqs, bitmask=None):
+            devices.add(logits.device.type)
+            return sampler(logits, reqs, bitmask)
 
-    llm.engine.executor.sampler = spy
+        def __getattr__(self, name):
+            return getattr(sampler, name)
+
+    llm.engine.executor.sampler = Spy()
     seeded = SamplingParams(
         seed=7, temperature=0.8, top_k=50, top_p=0.9, min_p=0.01, repetition_penalty=1.2,
         presence_penalty=0.5, frequency_penalty=0.5, logit_bias={5: 3.0}, logprobs=2, max_tokens=16,

@@ -164,7 +164,9 @@ def test_fp8_checkpoints_through_triton_kernels_match_the_cpu_plugin(tiny_model_
     folder, _ = fp8_copy(tiny_model_dir("llama"), tmp_path / "fp8", config)
     prompts, common = [[1000, 7, 9], list(range(100, 119))], dict(model=str(folder), dtype="float32", block_size=16)
     engines = {device: make_engine(kiln_plugins, device=device, **common) for device in ("cpu_triton", "cpu")}
-    layers = {d: [m for m in e.executor.runner.model.modules() if isinstance(m, QuantLinear)] for d, e in engines.items()}
+    layers = {
+        d: [m for m in e.executor.runner.model.modules() if isinstance(m, QuantLinear)] for d, e in engines.items()
+    }
     assert not layers["cpu"] and bool(layers["cpu_triton"]) == kept
     assert all(layer.qweight.dtype == torch.float8_e4m3fn for layer in layers["cpu_triton"])
     assert run_greedy(engines["cpu_triton"], prompts) == run_greedy(engines["cpu"], prompts)
@@ -261,7 +263,9 @@ def test_drafts_verify_through_triton_kernels_as_on_the_cpu_plugin(tiny_model_di
     head, _ = build_eagle3_head(deeper["model"], tmp_path / "eagle3", draft_vocab_size=500, layer_ids=[0, 1, 2])
     eagle3 = {"method": "eagle3", "model": head, "num_speculative_tokens": 3}
     on_cpu = greedy_with_proposals(kiln_plugins, prompts, 8, device="cpu", speculative_config=eagle3, **deeper)
-    on_triton = greedy_with_proposals(kiln_plugins, prompts, 8, device="cpu_triton", speculative_config=eagle3, **deeper)
+    on_triton = greedy_with_proposals(
+        kiln_plugins, prompts, 8, device="cpu_triton", speculative_config=eagle3, **deeper
+    )
     assert on_triton == on_cpu and on_cpu[0] == greedy_tokens(kiln_plugins, prompts, 8, device="cpu", **deeper)
     assert len(on_cpu[1]) > len(prompts)
 

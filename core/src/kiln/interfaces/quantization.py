@@ -105,7 +105,10 @@ def dequantize(layer: QuantLinear, dtype: torch.dtype = torch.float32) -> torch.
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows ``x`` (tokens, in) as int8 with one fp32 scale per row (absmax / 127)."""
     x = x.float()
-    scale = x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-10) / 127
+    amax = x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-10)
+    # Divided by a tensor: on CUDA, torch divides by a Python scalar through its reciprocal, which
+    # is not IEEE division, and the kernels of every device divide exactly.
+    scale = amax / torch.full_like(amax, 127.0)
     return torch.round(x / scale).clamp(-127, 127).to(torch.int8), scale
 
 
