@@ -1,6 +1,9 @@
 """Kiln's pytest plugin (entry point ``pytest11``): fixtures and device markers.
 
 * ``default_model_dir``: the embedded default model as a cached Hugging Face folder.
+* ``tokenizer_dir``: the tokenizer tiny models take: ``$KILN_TEST_TOKENIZER_DIR`` where set
+  (the default model's tokenizer files alone, on machines without its package), else the
+  default model's.
 * ``tiny_model_dir(model_type, **config_overrides)``: a tiny random-weight model of that type.
 * ``kiln_plugins``: a ``PluginManager`` without auto-loaded entry points, for
   registering plugins under test.
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import os
 
 import pytest
 
@@ -47,7 +51,12 @@ def default_model_dir() -> str:
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: str):
+def tokenizer_dir(request: pytest.FixtureRequest) -> str:
+    return os.environ.get("KILN_TEST_TOKENIZER_DIR") or request.getfixturevalue("default_model_dir")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: str):
     from kiln.testing.models import build_tiny_model
 
     root = tmp_path_factory.mktemp("tiny-models")
@@ -58,7 +67,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: 
             name = f"{model_type}-{hashlib.sha256(name.encode()).hexdigest()[:16]}"
         # A copy: transformers fills in the dicts it is given (rope parameters), which would
         # change the caller's and the next call's folder name.
-        return build_tiny_model(model_type, root / name, default_model_dir, **copy.deepcopy(overrides))
+        return build_tiny_model(model_type, root / name, tokenizer_dir, **copy.deepcopy(overrides))
 
     return make
 
