@@ -33,7 +33,6 @@
 
 #include "vec.h"
 
-typedef uint16_t vh __attribute__((vector_size(2 * VL)));
 typedef uint32_t vu __attribute__((vector_size(4 * VL)));
 
 static inline vf loadf(const float *p) {
@@ -43,15 +42,6 @@ static inline vf loadf(const float *p) {
 }
 
 static inline void storef(float *p, vf v) { memcpy(p, &v, sizeof v); }
-
-static inline vf loadf_bf16(const uint16_t *p) {
-    vh h;
-    memcpy(&h, p, sizeof h);
-    const vu w = __builtin_convertvector(h, vu) << 16;
-    vf v;
-    memcpy(&v, &w, sizeof v);
-    return v;
-}
 
 /* a vf's lanes folded into eight partial sums */
 static inline v8 fold8(vf a) {
@@ -97,15 +87,41 @@ static inline void prefetch_rows(const void *p, int64_t bytes) {
 }
 
 /* n cache values as fp32: the cache itself, or a bf16 cache widened into `tmp` once per
- * block, so the loops below (which read each block G times) do not widen it G times. */
+ * block, so the loops below (which read each block G times) do not widen it G times.
+ * bf16 goes two values to a 32-bit word: each run of 2 VL values is one load, its even values
+ * shifted into place and its odd ones masked (where widening VL at a time takes a load, a
+ * widening and a shift each: 64 decodes of 192 keys, AVX2, took 10 % less time). The run's
+ * values come out permuted, evens then odds (`permute`); the head kernel permutes its queries
+ * the same way and puts its outputs back. */
 static inline const float *widen_f32(const float *src, float *tmp, int64_t n) {
     (void)tmp, (void)n;
     return src;
 }
 
 static inline const float *widen_bf16(const uint16_t *src, float *tmp, int64_t n) {
-    for (int64_t i = 0; i < n; i += VL) storef(tmp + i, loadf_bf16(src + i));
+    for (int64_t i = 0; i < n; i += 2 * VL) {
+        vu w;
+        memcpy(&w, src + i, sizeof w);
+        const vu even = w << 16, odd = w & 0xffff0000u;
+        memcpy(tmp + i, &even, sizeof even);
+        memcpy(tmp + i + VL, &odd, sizeof odd);
+    }
     return tmp;
+}
+
+/* n floats (a multiple of 2 VL) into widen_bf16's order, or (back) out of it. */
+static void permute(float *x, int64_t n, int back) {
+    float run[2 * VL];
+    for (int64_t i = 0; i < n; i += 2 * VL) {
+        memcpy(run, x + i, sizeof run);
+        for (int k = 0; k < VL; k++) {
+            if (back) {
+                x[i + 2 * k] = run[k], x[i + 2 * k + 1] = run[VL + k];
+            } else {
+                x[i + k] = run[2 * k], x[i + VL + k] = run[2 * k + 1];
+            }
+        }
+    }
 }
 
 /* One (request, kv head): out[g][:] for the G query heads of the group, over keys
@@ -117,7 +133,7 @@ static inline const float *widen_bf16(const uint16_t *src, float *tmp, int64_t n
  * block is a few KB), not from memory.
  *   QK: eight keys at a time, one accumulator per key, summed across lanes together.
  *   PV: per head, 64 output dims at a time held in 64 / VL accumulators. */
-#define DEFINE_HEAD(NAME, T, LOAD, STORE, KT, WIDEN, D)                                                          \
+#define DEFINE_HEAD(NAME, T, LOAD, STORE, KT, WIDEN, PERMUTED, D)                                                          \
     static void head_##NAME##_##D(T *out, const T *q, const KT *k, const KT *v, const int32_t *table,            \
                                   int64_t first, int64_t base, int64_t len, int64_t row, int64_t block_size,     \
                                   float scale, float *scores, int64_t padded, int64_t G, float *tmp) {           \
@@ -126,6 +142,7 @@ static inline const float *widen_bf16(const uint16_t *src, float *tmp, int64_t n
             store8(qf + i, LOAD(q + i) * splat(scale));                                                          \
             store8(acc + i, splat(0.0f));                                                                        \
         }                                                                                                        \
+        if (PERMUTED) permute(qf, G * D, 0);                                                                     \
         const int64_t block_bytes = block_size * D * (int64_t)sizeof(KT);                                      \
         for (int64_t t0 = base; t0 < len; t0 += block_size) {                                                    \
             const int64_t n = len - t0 < block_size ? len - t0 : block_size;                                     \
@@ -182,15 +199,16 @@ static inline const float *widen_bf16(const uint16_t *src, float *tmp, int64_t n
                 }                                                                                                \
             }                                                                                                    \
         }                                                                                                        \
+        if (PERMUTED) permute(acc, G * D, 1);                                                                    \
         for (int64_t g = 0; g < G; g++)                                                                          \
             for (int c = 0; c < D; c += 8) STORE(out + g * D + c, load8_f32(acc + g * D + c) * splat(inv[g]));  \
     }
 
 /* The entry point for cache element type T: returns 0, or -1 for shapes this kernel
  * does not handle (the caller then falls back to torch). */
-#define DEFINE_DECODE_ATTENTION(NAME, T, LOAD, STORE, KT, WIDEN)                                                 \
-    DEFINE_HEAD(NAME, T, LOAD, STORE, KT, WIDEN, 64)                                                             \
-    DEFINE_HEAD(NAME, T, LOAD, STORE, KT, WIDEN, 128)                                                            \
+#define DEFINE_DECODE_ATTENTION(NAME, T, LOAD, STORE, KT, WIDEN, PERMUTED)                                       \
+    DEFINE_HEAD(NAME, T, LOAD, STORE, KT, WIDEN, PERMUTED, 64)                                                   \
+    DEFINE_HEAD(NAME, T, LOAD, STORE, KT, WIDEN, PERMUTED, 128)                                                  \
     int paged_decode_attention_##NAME(T *out, const T *q, int64_t q_stride, const KT *k_cache,                   \
                                       const KT *v_cache,                                                         \
                                       const int32_t *block_table, int64_t table_stride, const int32_t *seq_lens, \
@@ -232,6 +250,6 @@ static inline const float *widen_bf16(const uint16_t *src, float *tmp, int64_t n
         return 0;                                                                                                \
     }
 
-DEFINE_DECODE_ATTENTION(f32, float, load8_f32, store8, float, widen_f32)
-DEFINE_DECODE_ATTENTION(bf16, uint16_t, load8_bf16, store8_bf16, uint16_t, widen_bf16)
-DEFINE_DECODE_ATTENTION(f32_bf16, float, load8_f32, store8, uint16_t, widen_bf16)
+DEFINE_DECODE_ATTENTION(f32, float, load8_f32, store8, float, widen_f32, 0)
+DEFINE_DECODE_ATTENTION(bf16, uint16_t, load8_bf16, store8_bf16, uint16_t, widen_bf16, 1)
+DEFINE_DECODE_ATTENTION(f32_bf16, float, load8_f32, store8, uint16_t, widen_bf16, 1)
