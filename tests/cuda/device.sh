@@ -23,7 +23,7 @@ prepare)
         -d .gpu/whl $missing
     $PY -m pip wheel -q --no-deps --no-build-isolation -w .gpu/whl ./core ./plugins/cpu ./plugins/cuda ./plugins/tool_parsers
     folder=$($PY -c 'from kiln.models.loader import resolve_model; print(resolve_model(None, "auto").path)')
-    cp "$folder"/{tokenizer.json,tokenizer_config.json,config.json} .gpu/tok/
+    find "$folder" -maxdepth 1 -type f ! -name '*.safetensors' -exec cp {} .gpu/tok/ \;  # all but the weights
     du -sh .gpu
     ;;
 run)
