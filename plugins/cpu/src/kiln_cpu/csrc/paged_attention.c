@@ -135,7 +135,7 @@ static void permute(float *x, int64_t n, int back) {
  * block is a few KB), not from memory.
  *   QK: eight keys at a time, one accumulator per key, summed across lanes together.
  *   PV: per head, 64 output dims at a time held in 64 / VL accumulators. */
-#define DEFINE_HEAD(NAME, T, LOAD, STORE, KT, WIDEN, PERMUTED, D)                                                          \
+#define DEFINE_HEAD(NAME, T, LOAD, STORE, KT, WIDEN, PERMUTED, D)                                                \
     static void head_##NAME##_##D(T *out, const T *q, const KT *k, const KT *v, const int32_t *table,            \
                                   int64_t first, int64_t base, int64_t len, int64_t row, int64_t block_size,     \
                                   float scale, float *scores, int64_t padded, int64_t G, float *tmp) {           \
