@@ -195,8 +195,12 @@ int fused_experts_tiled(float *out, const float *x, int64_t T, int64_t H, int64_
             if (gate_buf == NULL) continue;
             const int64_t e = rt.items[it / ntiles], t = it % ntiles, p0 = rt.start[e], n = rt.start[e + 1] - p0;
             const Tiled *w = w13 + e;
-            const Tile gate = tile_of(gate_buf, w->fmt, w->scale, w->min, w->q, t, H, n);
-            const Tile up = tile_of(up_buf, w->fmt, w->scale, w->min, w->q, ntiles + t, H, n);
+            Tile gate = tile_of(gate_buf, w->fmt, w->scale, w->min, w->q, t, H, n);
+            Tile up = tile_of(up_buf, w->fmt, w->scale, w->min, w->q, ntiles + t, H, n);
+            if (w->fmt == 32 && t + 1 < ntiles) { /* the next item's tiles, as tiled_linear asks ahead */
+                gate.ahead = (const float *)gate.p + H * TILE;
+                up.ahead = (const float *)up.p + H * TILE;
+            }
             for (int64_t r = 0; r < n; r += TILE_ROWS) {
                 rows_times_tile(g, rows + (p0 + r) * H, n - r, H, 0, gate, NULL, 0, H, TILE);
                 rows_times_tile(u, rows + (p0 + r) * H, n - r, H, 0, up, NULL, 0, H, TILE);
@@ -211,7 +215,9 @@ int fused_experts_tiled(float *out, const float *x, int64_t T, int64_t H, int64_
             for (int64_t a = 0; a < active; a++) {
                 const int64_t e = rt.items[a], p0 = rt.start[e], n = rt.start[e + 1] - p0;
                 const Tiled *w = w2 + e;
-                const Tile tile = tile_of(gate_buf, w->fmt, w->scale, w->min, w->q, t, I, n);
+                Tile tile = tile_of(gate_buf, w->fmt, w->scale, w->min, w->q, t, I, n);
+                if (w->fmt == 32 && a + 1 < active && w2[rt.items[a + 1]].fmt == 32)
+                    tile.ahead = (const float *)w2[rt.items[a + 1]].q + t * I * TILE;
                 for (int64_t r = 0; r < n; r += TILE_ROWS) {
                     rows_times_tile(g, hidden + (p0 + r) * I, n - r, I, 0, tile, NULL, 0, I, TILE);
                     for (int64_t i = 0; i < TILE_ROWS && r + i < n; i++) {
