@@ -136,18 +136,18 @@ struct linear_args {
     float *out;
     const float *x, *bias;
     int64_t rows, x_stride, K, N;
-    int in_place; /* tiles read where W holds them (consecutive: the next one lies right after) */
+    const float *ahead; /* fp32 tiles read by more than one pass (see linear_tile), else NULL */
 };
 
 static void linear_tile(Tile tile, int64_t t, void *ctx) {
     const struct linear_args *a = ctx;
-    /* With more rows than one pass takes, the first pass also asks for the thread's next tile
-     * (where tiles are read in place), so that its first pass does not wait on memory either:
-     * 16 rows of an fp32 49152x512 LM head took 4.1-4.5 ms, 6.0 without. One pass (a decode
-     * step of a few sequences) streams a tile once, and asking ahead only slowed it. */
+    /* With more rows than one pass takes, the first pass over an fp32 tile (read in place; bf16
+     * ones are widened first at those row counts) also asks for the thread's next tile, so that
+     * its first pass does not wait on memory either: 16 rows of an fp32 49152x512 LM head took
+     * 4.1-4.5 ms, 6.0 without. One pass (a decode step of a few sequences) streams a tile once,
+     * and asking ahead only slowed it. */
     Tile first = tile;
-    if (a->in_place && a->rows > ROWS && t + 1 < a->N / TILE)
-        first.ahead = (const char *)tile.p + a->K * TILE * (tile.bf16 ? 2 : 4);
+    if (a->ahead && t + 1 < a->N / TILE) first.ahead = a->ahead + (t + 1) * a->K * TILE;
     for (int64_t r = 0; r < a->rows; r += ROWS)
         rows_times_tile(a->out, a->x, a->rows, a->x_stride, r, r ? tile : first, a->bias, t * TILE, a->K, a->N);
 }
@@ -155,7 +155,7 @@ static void linear_tile(Tile tile, int64_t t, void *ctx) {
 /* out = x W^T + bias; nonzero when out of memory. */
 int tiled_linear(float *out, const float *x, int64_t rows, int64_t x_stride, int fmt, const float *scale,
                  const float *min, const void *q, const float *bias, int64_t K, int64_t N) {
-    struct linear_args args = {out, x, bias, rows, x_stride, K, N, !tile_widens(fmt, rows)};
+    struct linear_args args = {out, x, bias, rows, x_stride, K, N, fmt == 32 && rows > ROWS ? q : NULL};
     return for_each_tile(fmt, scale, min, q, K, N, rows, linear_tile, &args);
 }
 
