@@ -171,7 +171,7 @@ def test_other_gguf_types_stay_in_blocks(tmp_path, quant_type, overrides, fmts):
     from pathlib import Path
 
     from kiln import LLM
-    from kiln.models.loader import convert_gguf, default_model_path
+    from kiln.models.loader import default_model_path, resolve_model
     from kiln.quantization.evaluate import perplexity
     from kiln.testing.models import requantized_gguf
 
@@ -185,7 +185,7 @@ def test_other_gguf_types_stay_in_blocks(tmp_path, quant_type, overrides, fmts):
         ppl = perplexity(llm, text)
         exact = perplexity(LLM(path, max_model_len=512, quantization="none"), text)
     finally:
-        shutil.rmtree(convert_gguf(path))  # the converted fp32 folder this test made in the cache
+        shutil.rmtree(resolve_model(path, "auto").path)  # the converted fp32 folder this test made in the cache
     assert ppl != exact and abs(ppl / exact - 1) <= 0.02  # int8 activations: another rounding, as close
     # the same model, rounded twice (Q4_1's blocks re-quantized to Q4_0 cost ~30 % here)
     assert ppl < 1.5 * perplexity(LLM(default_model_path(), max_model_len=512), text)

@@ -6,7 +6,7 @@ variables; ``raise_exception``, ``strftime_now``, ``tojson``...), prepared the s
 text is the same; but the template always renders in Kiln's bounded sandbox
 (:mod:`kiln.entrypoints.chat_template_sandbox`). That covers every template's origin: a
 tokenizer config, a GGUF file's ``tokenizer.chat_template`` metadata (transformers reads it
-into the tokenizer when Kiln converts the file, see ``kiln.models.loader.convert_gguf``), the
+into the tokenizer when Kiln converts the file, see ``kiln.models.gguf_cache``), the
 ``--chat-template`` flag, or a trusted request.
 """
 

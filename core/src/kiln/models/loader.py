@@ -14,24 +14,20 @@ index file (``model.safetensors.index.json``, ``pytorch_model.bin.index.json``) 
 shards, every one must be there. ``.bin`` files load with ``weights_only=True``: tensors,
 never arbitrary pickled objects.
 
-GGUF files (the embedded default among them) are dequantized once through
-``transformers`` and cached as an fp32 Hugging Face folder under
-``$KILN_CACHE_DIR`` (default ``~/.cache/kiln``), so the next start reads
-safetensors directly.
+GGUF files (the embedded default among them) are dequantized once and cached as fp32
+Hugging Face folders under ``$KILN_CACHE_DIR/models`` (default ``~/.cache/kiln``), one per
+file content (``kiln.models.gguf_cache``).
 """
 
 from __future__ import annotations
 
 import glob
-import hashlib
 import importlib.util
 import json
 import logging
 import os
 import pickle
 import re
-import shutil
-import tempfile
 import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -40,6 +36,7 @@ from typing import Any
 
 import torch
 
+from kiln.models.gguf_cache import convert_gguf
 from kiln.models.rope import rope_settings
 
 logger = logging.getLogger("kiln.loader")
@@ -91,7 +88,7 @@ def resolve_model(
     if os.path.isfile(path):
         if not is_gguf_file(path, load_format):
             raise ValueError(f"model: {path!r} is a file but not a .gguf file")
-        return ModelFiles(convert_gguf(path), name)
+        return ModelFiles(convert_gguf(path, cache_dir() / "models"), name)
     if not os.path.exists(os.path.join(path, "config.json")):
         raise ValueError(f"model: {path!r} has no config.json; is it a Hugging Face model folder?")
     if load_format != "dummy":
@@ -243,40 +240,6 @@ def _override(target: Any, values: dict) -> None:
             _override(current, value)  # a sub-config (e.g. text_config)
         else:
             setattr(target, key, value)
-
-
-def convert_gguf(gguf_path: str) -> str:
-    stat = os.stat(gguf_path)
-    key = hashlib.sha256(f"{os.path.realpath(gguf_path)}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    target = cache_dir() / "models" / f"{Path(gguf_path).stem}-{key}"
-    if (target / "config.json").exists():
-        return str(target)
-    logger.info("converting %s to a cached fp32 folder at %s (first start only)", gguf_path, target)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    folder, fname = os.path.split(gguf_path)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32)
-    except ImportError as exc:
-        raise ValueError(f"model: reading GGUF needs `pip install gguf accelerate` ({exc})") from None
-    # transformers refuses to save a model it loaded from GGUF; the weights are plain fp32 now.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.config.architectures = [type(model).__name__]
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=target.parent)
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        model.generation_config.save_pretrained(tmp)
-        os.replace(tmp, target)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (target / "config.json").exists():
-            raise
-    return str(target)
 
 
 # safetensors dtype codes (the format's header spec).

@@ -1,0 +1,65 @@
+"""The cache of converted GGUF files (``kiln.models.gguf_cache``): a conversion is found by the
+file's content wherever the file lies, so reinstalling a GGUF (a new path or mtime) reuses its
+folder instead of adding another ~4x its size; a conversion removes the older folders of files
+of the same name that nothing maps to any more."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+
+import pytest
+
+from kiln.models.gguf_cache import INDEX, convert_gguf
+from kiln.models.loader import default_model_path
+
+
+@pytest.mark.slow
+def test_a_conversion_is_found_by_content_and_replaces_older_ones(tmp_path):
+    cache = tmp_path / "cache"
+    copies = [tmp_path / d / "model.gguf" for d in ("a", "b")]
+    for copy in copies:
+        copy.parent.mkdir()
+        shutil.copy(default_model_path(), copy)  # a new mtime each, as a reinstall gives
+    # Folders an older Kiln named by path, size and mtime, for this file name and another.
+    for name in ("model-0123456789abcdef", "other-0123456789abcdef"):
+        (cache / name).mkdir(parents=True)
+        (cache / name / "config.json").write_text("{}")
+
+    folder = convert_gguf(str(copies[0]), cache)  # the one conversion (~15 s)
+    digest = hashlib.sha256(copies[0].read_bytes()).hexdigest()
+    assert os.path.basename(folder) == f"model-{digest[:16]}"
+    assert os.path.exists(os.path.join(folder, "model.safetensors"))
+    assert sorted(p.name for p in cache.iterdir() if p.is_dir()) == [f"model-{digest[:16]}", "other-0123456789abcdef"]
+    weights = os.stat(os.path.join(folder, "model.safetensors"))
+
+    assert convert_gguf(str(copies[1]), cache) == folder  # the same content elsewhere
+    os.utime(copies[0], ns=(weights.st_mtime_ns, weights.st_mtime_ns + 10**9))  # touched: hashed again
+    assert convert_gguf(str(copies[0]), cache) == folder
+    assert os.stat(os.path.join(folder, "model.safetensors")).st_mtime_ns == weights.st_mtime_ns  # not rewritten
+    index = json.loads((cache / INDEX).read_text())
+    assert {e["sha256"] for e in index.values()} == {digest}
+    assert set(index) == {os.path.realpath(c) for c in copies}
+
+    copies[1].unlink()  # a path whose file is gone is forgotten at the next hash
+    os.utime(copies[0], ns=(weights.st_mtime_ns, weights.st_mtime_ns + 2 * 10**9))
+    assert convert_gguf(str(copies[0]), cache) == folder
+    assert set(json.loads((cache / INDEX).read_text())) == {os.path.realpath(copies[0])}
+
+
+def test_an_unreadable_index_is_rebuilt(tmp_path):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / INDEX).write_text("not json")
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(100))
+    digest = hashlib.sha256(gguf.read_bytes()).hexdigest()
+    converted = cache / f"model-{digest[:16]}"
+    converted.mkdir()
+    (converted / "config.json").write_text("{}")  # found by content: no conversion is tried
+    assert convert_gguf(str(gguf), cache) == str(converted)
+    assert json.loads((cache / INDEX).read_text()) == {
+        os.path.realpath(gguf): {"size": 104, "mtime_ns": os.stat(gguf).st_mtime_ns, "sha256": digest}
+    }
