@@ -171,7 +171,9 @@ def test_kv_cache_is_sized_after_a_profiling_step(tiny_model_dir, kiln_plugins, 
     engine = make_engine(kiln_plugins, device="cpu_profiled", gpu_memory_utilization=1.0, max_num_seqs=4, **common)
     assert len(steps) == 1
     useful = 4 * -(-256 // engine.config.block_size) + 1  # the cap: max_num_seqs full-length sequences
-    assert len(engine.kv.pool.blocks) == (1 << 20) // engine.executor.runner.kv_block_bytes() < useful  # 1 MiB of blocks
+    assert (
+        len(engine.kv.pool.blocks) == (1 << 20) // engine.executor.runner.kv_block_bytes() < useful
+    )  # 1 MiB of blocks
     assert run_greedy(engine, varied_prompts) == greedy_tokens(kiln_plugins, varied_prompts, device="cpu", **common)
 
 

@@ -123,7 +123,10 @@ def test_bfloat16_cache_halves_the_kv_memory_and_keeps_the_first_token(tiny_mode
 
     common = dict(model=tiny_model_dir("llama"), dtype="float32", max_model_len=256)
     half, full = LLM(kv_cache_dtype="bfloat16", **common), LLM(**common)
-    assert half.engine.executor.runner.kv_caches[0].dtype == torch.bfloat16 and half.engine.executor.runner.backend.native is not None
+    assert (
+        half.engine.executor.runner.kv_caches[0].dtype == torch.bfloat16
+        and half.engine.executor.runner.backend.native is not None
+    )
     assert 2 * half.engine.executor.runner.kv_block_bytes() == full.engine.executor.runner.kv_block_bytes()
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in varied_prompts]
@@ -141,5 +144,8 @@ def test_engine_on_cpu_uses_the_plugin_backend(tiny_model_dir):
 
     engine = LLM(tiny_model_dir("llama"), max_model_len=64).engine
     assert engine.platform.name == "cpu"
-    assert isinstance(engine.executor.runner.backend, CpuAttentionBackend) and engine.executor.runner.backend.native is not None
+    assert (
+        isinstance(engine.executor.runner.backend, CpuAttentionBackend)
+        and engine.executor.runner.backend.native is not None
+    )
     assert engine.executor.sampler.argmax is fused_ops.argmax  # greedy picks through the C kernel

@@ -39,7 +39,9 @@ def test_act_order_checkpoints_are_served_on_one_rank(tiny_model_dir, tmp_path, 
     from kiln.testing.engine import make_engine
 
     out = str(tmp_path / "q")
-    assert main(["quantize", "-i", tiny_model_dir("llama"), "-o", out, "-quant_type", "gptq", "--act-order", *FAST]) == 0
+    assert (
+        main(["quantize", "-i", tiny_model_dir("llama"), "-o", out, "-quant_type", "gptq", "--act-order", *FAST]) == 0
+    )
     with pytest.raises(ValueError, match="act-order .desc_act. checkpoints are served on one rank"):
         make_engine(cpu_plugins, model=out, device="cpu", tensor_parallel_size=2)
     assert multiprocessing.active_children() == []
