@@ -139,6 +139,42 @@ def test_default_model_runs_on_its_gguf_blocks(default_model_dir):
     assert not any(type(m) in (nn.Linear, nn.Embedding) for m in model.modules())
 
 
+def test_layers_are_tiled_and_freed_as_they_load(default_model_dir, monkeypatch):
+    """Each decoder layer is tiled once the checkpoint has filled it, and its fp32 weights are
+    gone before the next layer's last tensor arrives: the whole model is never resident in fp32
+    (nor written with random values first, which made every page resident at build)."""
+    from kiln import LLM
+    from kiln.models import llama
+    from kiln_cpu.platform import CpuPlatform
+
+    order, fp32 = [], []
+    read = llama.LlamaForCausalLM.checkpoint_tensors
+    repack = CpuPlatform.process_layer_weights
+
+    def tensors(self, weights):
+        for name, tensor in read(self, weights):
+            order.append(name)
+            yield name, tensor
+
+    def layer_done(self, layer, config):
+        assert all(ref() is None for ref in fp32)  # the layers before are tiled and their originals freed
+        assert type(layer.mlp.gate_up_proj) is nn.Linear and layer.mlp.gate_up_proj.weight.abs().sum() > 0
+        fp32.append(weakref.ref(layer.mlp.gate_up_proj.weight))
+        repack(self, layer, config)
+        assert type(layer.mlp.gate_up_proj) is TiledLinear
+        order.append(f"done {layer.self_attn.layer_idx}")
+
+    monkeypatch.setattr(llama.LlamaForCausalLM, "checkpoint_tensors", tensors)
+    monkeypatch.setattr(CpuPlatform, "process_layer_weights", layer_done)
+    model = LLM(default_model_dir, dtype="float32").engine.executor.runner.model
+    done = [o for o in order if o.startswith("done")]
+    assert sorted(done) == sorted(f"done {i}" for i in range(len(model.layers)))  # once each, in the file's order
+    for i in range(len(model.layers)):  # right after the layer's last tensor
+        last = max(j for j, name in enumerate(order) if name.startswith(f"model.layers.{i}."))
+        assert order[last + 1] == f"done {i}"
+    assert all(ref() is None for ref in fp32)
+
+
 def test_replace_linears_keeps_tied_weights_and_skips_other_dtypes():
     embed = nn.Embedding(48, 16)
     model = nn.ModuleDict({"head": nn.Linear(16, 48, bias=False), "narrow": nn.Linear(16, 16).bfloat16()})

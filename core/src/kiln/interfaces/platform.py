@@ -133,6 +133,17 @@ class Platform(ABC):
         resolved: ``gguf`` for a model read from a GGUF file, whose weights arrive widened to
         floats and may be kept in the file's blocks. Default: nothing."""
 
+    def process_layer_weights(self, layer: torch.nn.Module, config: EngineConfig) -> None:
+        """Called on each decoder layer as soon as the checkpoint has filled its weights, before
+        later layers load, where the model's loader can tell (Kiln's decoder families) and the
+        model has no quantized layers; ``process_weights`` still runs on the whole model after.
+        A platform whose repacked weights are smaller than the loaded ones (the CPU's GGUF
+        blocks: fp32 in, 4-8 bits kept) repacks here, so that peak memory at load stays near the
+        final size instead of the whole model in floats. It must leave the layer in a state that
+        ``process_weights`` accepts again. A subclass that overrides ``process_weights`` but not
+        this method does not get it called (it belongs with its class's ``process_weights``).
+        Default: nothing."""
+
     def linear_method(self, scheme: QuantScheme) -> LinearMethod | None:
         """How this device computes quantized linear layers of ``scheme`` (``w8a8``: int8
         weights per channel and int8 activations per token; ``w8a16``/``w4a16``: integer

@@ -13,7 +13,7 @@ norms around both sublayers (``SandwichDecoderLayer``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from types import SimpleNamespace
 
 import torch
@@ -284,26 +284,35 @@ class LlamaForCausalLM(nn.Module):
         (separate q/k/v and gate/up projections, norms that multiply by their weight)."""
         return weights
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        layer_loaded: Callable[[nn.Module], None] | None = None,
+    ) -> None:
         """Load Hugging Face-named tensors, merging q/k/v and gate/up into one matmul each
         and keeping this tensor-parallel rank's slice of the split projections. A quantized
-        layer's tensors come in canonical form (``kiln.quantization.checkpoint``)."""
+        layer's tensors come in canonical form (``kiln.quantization.checkpoint``).
+        ``layer_loaded(layer)``, if given, runs on each decoder layer once the checkpoint has
+        filled all its parameters (``Platform.process_layer_weights``); the layer's parameters
+        are then let go, so a layer it repacks frees its originals before later layers load."""
         params = dict(self.named_parameters())
         pending: dict[str, dict[str, torch.Tensor]] = {}
         loaded: set[str] = set()
         merges = self.merged_projections
         no_head = self.tie_word_embeddings or self.lm_head is None  # a checkpoint's LM head is not loaded
-        for name, tensor in self.checkpoint_tensors(weights):
-            name = name.removeprefix("model.")
-            if "rotary_emb" in name or (name == "lm_head.weight" and no_head):
-                continue
+        unfilled: dict[int, set[str]] = {}  # per decoder layer, the parameters still to load
+        if layer_loaded is not None:
+            for key in set(params) - set(self.optional_weights):
+                parts = key.split(".")
+                if parts[0] == "layers":
+                    unfilled.setdefault(int(parts[1]), set()).add(key)
+
+        def take(name: str, tensor: torch.Tensor) -> set[str]:
+            """Load one checkpoint tensor; returns the parameters it completed."""
             if ".experts." in name:  # layers.N.mlp.experts.E.{gate,up,down}_proj.weight
                 block, _, rest = name.partition(".experts.")
                 expert, proj, leaf = rest.split(".")
-                loaded.update(
-                    f"{block}.{p}" for p in self.get_submodule(block).load_expert(int(expert), proj, leaf, tensor)
-                )
-                continue
+                return {f"{block}.{p}" for p in self.get_submodule(block).load_expert(int(expert), proj, leaf, tensor)}
             parts = name.split(".")
             if len(parts) >= 2 and parts[-2] in ("q_proj", "k_proj", "q_norm", "k_norm"):
                 tensor = self._rotary_rows(name, tensor)
@@ -317,19 +326,36 @@ class LlamaForCausalLM(nn.Module):
                 # Each part as the merged parameter takes it: a 16-bit part of an fp8 layer, say,
                 # comes with the scale the other parts' weights bring.
                 merged = ".".join(parts[:-2] + [target, parts[-1]])
+                done = set()
                 for key, value in values_for(params, merged, tensor, name).items():
                     group = pending.setdefault(key, {})
                     group[parts[-2]] = value
                     if len(group) == len(order):
                         del pending[key]
                         whole = merge_shards([group[p] for p in order], key.rpartition(".")[2])
-                        loaded.update(load_linear_tensor(params, key, whole))
+                        done.update(load_linear_tensor(params, key, whole))
+                return done
+            return set(load_linear_tensor(params, name, tensor))
+
+        for name, tensor in self.checkpoint_tensors(weights):
+            name = name.removeprefix("model.")
+            if "rotary_emb" in name or (name == "lm_head.weight" and no_head):
                 continue
-            loaded.update(load_linear_tensor(params, name, tensor))
+            done = take(name, tensor)
+            loaded.update(done)
+            for index in {int(key.split(".")[1]) for key in done if key.startswith("layers.")}:
+                left = unfilled.get(index)
+                if left is not None:
+                    left -= done
+                    if not left:
+                        del unfilled[index]
+                        layer_loaded(self.layers[index])
+                        for key in [k for k in params if k.startswith(f"layers.{index}.")]:
+                            del params[key]  # no reference left to the originals a repack replaced
         for module in self.modules():
             if hasattr(module, "check_loaded"):  # a mixture of experts' layer (kiln.models.moe.FusedMoE)
                 module.check_loaded()
-        missing = set(params) - loaded - set(self.optional_weights)
+        missing = {key for key in params if key not in loaded} - set(self.optional_weights)
         if pending or missing:
             raise ValueError(f"checkpoint is missing weights: {sorted(missing | set(pending))[:8]}")
 

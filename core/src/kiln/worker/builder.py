@@ -4,9 +4,10 @@ point of ranks 1..N-1 (see ``kiln.worker.tp_workers``)."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 
 import torch
@@ -142,7 +143,8 @@ def build_model(
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(platform.device()):
+        random = config.load_format == "dummy"
+        with torch.device(platform.device()), contextlib.nullcontext() if random else _no_random_init():
             extra = {"quant_config": quant} if method is not None else {}
             model = cls(hf_config, ops, backend, max_positions=config.max_model_len, tp=tp, **extra)
     finally:
@@ -157,7 +159,16 @@ def build_model(
             weights = fp8_weights(weights, fp8)
         elif quant is not None:
             weights = canonical_weights(weights, quant) if method is not None else widen_quantized(weights, quant)
-        in_turn(config.max_parallel_loading_workers, tp, lambda: model.load_weights(weights))
+        # Layer by layer as they fill, where the model's loader offers it and no quantized layer's
+        # method has yet to process its layer (it runs after the whole load, below).
+        per_layer = {}
+        if (
+            method is None
+            and _repacks_by_layer(platform)
+            and "layer_loaded" in inspect.signature(model.load_weights).parameters
+        ):
+            per_layer["layer_loaded"] = lambda layer: platform.process_layer_weights(layer, config)
+        in_turn(config.max_parallel_loading_workers, tp, lambda: model.load_weights(weights, **per_layer))
     model.eval()
     if config.enable_expert_parallel and not any(hasattr(m, "load_expert") for m in model.modules()):
         logger.warning("--enable-expert-parallel changes nothing: the model has no experts")
@@ -169,6 +180,38 @@ def build_model(
         logger.info("%d linear layers quantized (%s) via %s", len(layers), quant.label, type(method).__name__)
     _process_weights(platform, model, config)
     return model
+
+
+def _repacks_by_layer(platform: Platform) -> bool:
+    """Whether ``process_layer_weights`` belongs with the platform's ``process_weights``: a subclass
+    that replaces ``process_weights`` (a test platform that keeps weights as loaded, say) but
+    inherits its parent's per-layer hook would else get the parent's repacking after all."""
+    mro = type(platform).__mro__
+    owner = {name: next(c for c in mro if name in vars(c)) for name in ("process_layer_weights", "process_weights")}
+    return issubclass(owner["process_layer_weights"], owner["process_weights"])
+
+
+# torch.nn.init's random fills, which nn.Linear and nn.Embedding run as they are built.
+RANDOM_INITS = (
+    "uniform_", "normal_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_",
+    "xavier_uniform_", "xavier_normal_", "orthogonal_",
+)  # fmt: skip
+
+
+@contextlib.contextmanager
+def _no_random_init() -> Iterator[None]:
+    """Build without the random fills of ``RANDOM_INITS``: writing every weight made the whole
+    model resident in its dtype before the checkpoint overwrote it (so a platform repacking
+    layers as they load, ``process_layer_weights``, still peaked at the full size: 1.0 GB for
+    the default model). A checkpoint fills every weight it does not mark optional."""
+    saved = {name: getattr(torch.nn.init, name) for name in RANDOM_INITS}
+    for name in RANDOM_INITS:
+        setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, fill in saved.items():
+            setattr(torch.nn.init, name, fill)
 
 
 def _process_weights(platform: Platform, model: torch.nn.Module, config: EngineConfig) -> None:
