@@ -1,7 +1,8 @@
 """The cache of converted GGUF files (``kiln.models.gguf_cache``): a conversion is found by the
 file's content wherever the file lies, so reinstalling a GGUF (a new path or mtime) reuses its
 folder instead of adding another ~4x its size; a conversion removes the older folders of files
-of the same name that nothing maps to any more."""
+of the same name that nothing maps to any more; the weights, written one tensor at a time, are
+transformers' conversion of the whole model bit for bit."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ import os
 import shutil
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
+from kiln.models import gguf_cache
 from kiln.models.gguf_cache import INDEX, convert_gguf
 from kiln.models.loader import default_model_path
 
@@ -63,3 +67,19 @@ def test_an_unreadable_index_is_rebuilt(tmp_path):
     assert json.loads((cache / INDEX).read_text()) == {
         os.path.realpath(gguf): {"size": 104, "mtime_ns": os.stat(gguf).st_mtime_ns, "sha256": digest}
     }
+
+
+@pytest.mark.slow
+def test_weights_written_tensor_by_tensor_are_transformers_conversion(tmp_path):
+    by_tensor, whole = tmp_path / "by_tensor", tmp_path / "whole"
+    by_tensor.mkdir(), whole.mkdir()
+    assert gguf_cache._write_by_tensor(default_model_path(), str(by_tensor))  # the default model: Llama
+    gguf_cache._write_whole(default_model_path(), str(whole))
+    ours, theirs = load_file(by_tensor / "model.safetensors"), load_file(whole / "model.safetensors")
+    assert ours.keys() == theirs.keys() and len(ours) == 272
+    assert all(ours[k].dtype == torch.float32 and torch.equal(ours[k], theirs[k]) for k in ours)
+    for name in ("config.json", "generation_config.json"):
+        ours, theirs = (json.loads((folder / name).read_text()) for folder in (by_tensor, whole))
+        assert {k: v for k, v in ours.items() if k != "_name_or_path"} == {
+            k: v for k, v in theirs.items() if k != "_name_or_path"
+        }

@@ -1,5 +1,9 @@
-"""GGUF files as the fp32 Hugging Face folders Kiln reads: dequantized once through
-``transformers`` and cached, so that later starts read safetensors directly.
+"""GGUF files as the fp32 Hugging Face folders Kiln reads: dequantized once and cached, so
+that later starts read safetensors directly. The weights are written one tensor at a time,
+each named and reordered as transformers' GGUF loading does (the file then holds the same
+values as transformers' own conversion, bit for bit), so the whole model in floats is never
+in memory; architectures whose tensors transformers rearranges across tensors (its mixtures of
+experts) go through transformers' loading of the whole model instead.
 
 A conversion is named for the file's content (its SHA-256), not for where the file lies: the
 same file installed again, or in another environment, finds its folder already there. Each
@@ -17,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -88,27 +93,95 @@ def _prune(cache: Path, stem: str) -> None:
 
 def _convert(gguf_path: str, target: Path) -> None:
     logger.info("converting %s to a cached fp32 folder at %s (first start only)", gguf_path, target)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     folder, fname = os.path.split(gguf_path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=target.parent)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32)
-    except ImportError as exc:
-        raise ValueError(f"model: reading GGUF needs `pip install gguf accelerate` ({exc})") from None
+        try:
+            AutoTokenizer.from_pretrained(folder, gguf_file=fname).save_pretrained(tmp)
+            if not _write_by_tensor(gguf_path, tmp):
+                _write_whole(gguf_path, tmp)
+        except ImportError as exc:
+            raise ValueError(f"model: reading GGUF needs `pip install gguf accelerate` ({exc})") from None
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (target / "config.json").exists():  # else another process's conversion won the race
+            raise
+
+
+def _write_by_tensor(gguf_path: str, out: str) -> bool:
+    """Write the model's fp32 folder (but the tokenizer) one tensor at a time, as transformers'
+    GGUF loading names and reorders each: the whole model in floats is never in memory (for an
+    8B model, 32 GB). False, having written nothing, for an architecture whose tensors
+    transformers rearranges across tensors (its mixtures of experts) or does not map whole:
+    ``_write_whole`` converts those."""
+    import numpy as np
+    from gguf import GGUFReader, dequantize
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        Gemma2TensorProcessor,
+        LlamaTensorProcessor,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+        read_field,
+    )
+
+    folder, fname = os.path.split(gguf_path)
+    config = AutoConfig.from_pretrained(folder, gguf_file=fname)
+    reader = GGUFReader(gguf_path)
+    per_tensor = TENSOR_PROCESSORS.get(read_field(reader, "general.architecture")[0], TensorProcessor)
+    if per_tensor not in (TensorProcessor, LlamaTensorProcessor, Gemma2TensorProcessor):  # each tensor alone
+        return False
+    processor = per_tensor(config=config.to_dict())
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    names = get_gguf_hf_weights_map(model, processor)
+    tensors = [(names[t.name], t) for t in reader.tensors if t.name in names]  # others transformers skips too
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    if set(model.state_dict()) - tied - {name for name, _ in tensors}:
+        return False
+    # safetensors: a JSON header of every tensor's place, then the data; GGUF lists dimensions
+    # innermost first.
+    header, offset = {}, 0
+    for name, t in tensors:
+        shape = [int(d) for d in reversed(t.shape.tolist())]
+        header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + 4 * math.prod(shape)]}
+        offset = header[name]["data_offsets"][1]
+    raw = json.dumps({"__metadata__": {"format": "pt"}, **header}, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(os.path.join(out, "model.safetensors"), "wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw)
+        for name, t in tensors:
+            values = processor.process(
+                weights=dequantize(t.data, t.tensor_type), name=t.name, tensor_key_mapping=names,
+                parsed_parameters={"tensors": {}},
+            ).weights  # fmt: skip
+            values = np.ascontiguousarray(values, dtype=np.float32)
+            if list(values.shape) != header[name]["shape"]:
+                raise ValueError(f"model: GGUF tensor {t.name} came out {values.shape}, not {header[name]['shape']}")
+            f.write(memoryview(values).cast("B"))
+    config.architectures = [type(model).__name__]
+    setattr(config, "dtype" if hasattr(config, "dtype") else "torch_dtype", torch.float32)
+    config.save_pretrained(out)
+    GenerationConfig.from_model_config(config).save_pretrained(out)
+    return True
+
+
+def _write_whole(gguf_path: str, out: str) -> None:
+    """The model's fp32 folder (but the tokenizer) through transformers' own loading of the
+    whole file: every weight in fp32 in memory at once."""
+    from transformers import AutoModelForCausalLM
+
+    folder, fname = os.path.split(gguf_path)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32)
     # transformers refuses to save a model it loaded from GGUF; the weights are plain fp32 now.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.config.architectures = [type(model).__name__]
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=target.parent)
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        model.generation_config.save_pretrained(tmp)
-        os.replace(tmp, target)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (target / "config.json").exists():
-            raise
+    model.save_pretrained(out)
+    model.generation_config.save_pretrained(out)
