@@ -53,6 +53,15 @@ def test_a_conversion_is_found_by_content_and_replaces_older_ones(tmp_path):
     assert set(json.loads((cache / INDEX).read_text())) == {os.path.realpath(copies[0])}
 
 
+def test_a_damaged_file_is_a_clear_error(tmp_path):
+    cache, gguf = tmp_path / "cache", tmp_path / "model.gguf"
+    with open(default_model_path(), "rb") as f:
+        gguf.write_bytes(f.read(5_000_000))  # cut short, as an interrupted download leaves it
+    with pytest.raises(ValueError, match="could not be converted from GGUF .is the file complete"):
+        convert_gguf(str(gguf), cache)
+    assert [p.name for p in cache.iterdir()] == [INDEX]  # no folder left half written
+
+
 def test_an_unreadable_index_is_rebuilt(tmp_path):
     cache = tmp_path / "cache"
     cache.mkdir()

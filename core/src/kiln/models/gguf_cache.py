@@ -25,6 +25,7 @@ import math
 import os
 import re
 import shutil
+import struct
 import tempfile
 from pathlib import Path
 
@@ -105,6 +106,10 @@ def _convert(gguf_path: str, target: Path) -> None:
                 _write_whole(gguf_path, tmp)
         except ImportError as exc:
             raise ValueError(f"model: reading GGUF needs `pip install gguf accelerate` ({exc})") from None
+        except (ValueError, KeyError, IndexError, struct.error) as exc:  # what a damaged file raises
+            raise ValueError(
+                f"model: {gguf_path} could not be converted from GGUF (is the file complete?): {exc}"
+            ) from exc
         os.replace(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
