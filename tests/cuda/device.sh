@@ -6,7 +6,7 @@
 #           wheels of Kiln's packages and of what the image lacks, and the default model's
 #           tokenizer files, into .gpu/ (git ignores it; name it in the run's carry)
 #   there:  bash tests/cuda/device.sh run [pytest arguments]
-#           installs the wheels into /tmp/site and runs tests/cuda (or the arguments' tests),
+#           installs the wheels into /tmp/site and runs tests/cuda (or the tests the arguments name),
 #           writing the log to $OUT/pytest.log where $OUT is set
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -33,7 +33,11 @@ run)
     nvidia-smi -L
     python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__,
         "transformers", transformers.__version__, torch.cuda.get_device_name())'
-    python3 -m pytest -q -rs -p no:cacheprovider --durations=10 "${@:-tests/cuda}" 2>&1 | tee "${OUT:-/tmp}/pytest.log"
+    # Options alone (-x, -k EXPR...) still run tests/cuda; an argument that names a test file or
+    # folder (or a test in one: path::name) replaces it.
+    paths=tests/cuda
+    for arg in "$@"; do [[ -e ${arg%%::*} ]] && paths=; done
+    python3 -m pytest -q -rs -p no:cacheprovider --durations=10 "$@" $paths 2>&1 | tee "${OUT:-/tmp}/pytest.log"
     ;;
 *)
     echo "usage: $0 prepare | run [pytest arguments]" >&2
