@@ -355,7 +355,7 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if hasattr(module, "check_loaded"):  # a mixture of experts' layer (kiln.models.moe.FusedMoE)
                 module.check_loaded()
-        missing = {key for key in params if key not in loaded} - set(self.optional_weights)
+        missing = set(params) - loaded - set(self.optional_weights)
         if pending or missing:
             raise ValueError(f"checkpoint is missing weights: {sorted(missing | set(pending))[:8]}")
 
