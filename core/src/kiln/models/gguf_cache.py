@@ -2,8 +2,10 @@
 that later starts read safetensors directly. The weights are written one tensor at a time,
 each named and reordered as transformers' GGUF loading does (the file then holds the same
 values as transformers' own conversion, bit for bit), so the whole model in floats is never
-in memory; architectures whose tensors transformers rearranges across tensors (its mixtures of
-experts) go through transformers' loading of the whole model instead.
+in memory. Mixtures of experts (llama.cpp's Mixtral, Qwen2-MoE, Qwen3-MoE) are written one
+expert at a time, with the config transformers' GGUF reading leaves incomplete for them;
+other architectures whose tensors transformers rearranges across tensors go through its
+loading of the whole model, which must then give every weight a tensor of the file.
 
 A conversion is named for the file's content (its SHA-256), not for where the file lies: the
 same file installed again, or in another environment, finds its folder already there. Each
@@ -35,6 +37,10 @@ logger = logging.getLogger("kiln.loader")
 
 INDEX = "sources.json"  # {real path: {"size", "mtime_ns", "sha256"}}
 FOLDER_KEY = re.compile(r"[0-9a-f]{16}")  # what follows "<file stem>-" in a folder's name
+
+
+class UnmappedGGUF(ValueError):
+    """A GGUF file whose tensors do not give every weight of the model its config describes."""
 
 
 def convert_gguf(gguf_path: str, cache: Path) -> str:
@@ -104,6 +110,8 @@ def _convert(gguf_path: str, target: Path) -> None:
             AutoTokenizer.from_pretrained(folder, gguf_file=fname).save_pretrained(tmp)
             if not _write_by_tensor(gguf_path, tmp):
                 _write_whole(gguf_path, tmp)
+        except UnmappedGGUF:
+            raise
         except ImportError as exc:
             raise ValueError(f"model: reading GGUF needs `pip install gguf accelerate` ({exc})") from None
         except (ValueError, KeyError, IndexError, struct.error) as exc:  # what a damaged file raises
@@ -120,9 +128,10 @@ def _convert(gguf_path: str, target: Path) -> None:
 def _write_by_tensor(gguf_path: str, out: str) -> bool:
     """Write the model's fp32 folder (but the tokenizer) one tensor at a time, as transformers'
     GGUF loading names and reorders each: the whole model in floats is never in memory (for an
-    8B model, 32 GB). False, having written nothing, for an architecture whose tensors
-    transformers rearranges across tensors (its mixtures of experts) or does not map whole:
-    ``_write_whole`` converts those."""
+    8B model, 32 GB). A mixture of experts' stacked expert tensors are written one expert at a
+    time, under the per-expert names of Hugging Face checkpoints. False, having written
+    nothing, for an architecture whose tensors transformers rearranges across tensors in other
+    ways, or a file it does not map whole: ``_write_whole`` converts those."""
     import numpy as np
     from gguf import GGUFReader, dequantize
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
@@ -130,41 +139,56 @@ def _write_by_tensor(gguf_path: str, out: str) -> bool:
         TENSOR_PROCESSORS,
         Gemma2TensorProcessor,
         LlamaTensorProcessor,
+        Qwen2MoeTensorProcessor,
         TensorProcessor,
         get_gguf_hf_weights_map,
         read_field,
     )
 
     folder, fname = os.path.split(gguf_path)
-    config = AutoConfig.from_pretrained(folder, gguf_file=fname)
     reader = GGUFReader(gguf_path)
-    per_tensor = TENSOR_PROCESSORS.get(read_field(reader, "general.architecture")[0], TensorProcessor)
-    if per_tensor not in (TensorProcessor, LlamaTensorProcessor, Gemma2TensorProcessor):  # each tensor alone
+    arch = read_field(reader, "general.architecture")[0]
+    config = _experts_config(AutoConfig.from_pretrained(folder, gguf_file=fname), reader, arch)
+    per_tensor = TENSOR_PROCESSORS.get(arch, TensorProcessor)
+    if per_tensor not in (TensorProcessor, LlamaTensorProcessor, Gemma2TensorProcessor, Qwen2MoeTensorProcessor):
         return False
     processor = per_tensor(config=config.to_dict())
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    names = get_gguf_hf_weights_map(model, processor)
-    tensors = [(names[t.name], t) for t in reader.tensors if t.name in names]  # others transformers skips too
+    names = get_gguf_hf_weights_map(model, processor, model_type=arch)  # GGUF name -> transformers'
+    # (name, GGUF tensor, expert or None): the tensors transformers reads, experts one by one.
+    parts = []
+    for t in reader.tensors:
+        if m := STACKED_EXPERTS.fullmatch(t.name):
+            parts += [(_expert_name(m["layer"], e, m["proj"]), t, e) for e in range(int(t.shape[-1]))]
+        elif m := ONE_EXPERT.fullmatch(t.name):
+            parts.append((_expert_name(m["layer"], m["expert"], m["proj"]), t, None))
+        elif t.name in names:  # transformers skips the others too
+            parts.append((names[t.name], t, None))
+    expected = {n for n in model.state_dict() if not FUSED_EXPERTS.search(n)}
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
+    for layer in {int(m[1]) for n in model.state_dict() if (m := FUSED_EXPERTS.search(n))}:
+        expected |= {_expert_name(layer, e, p) for e in range(experts) for p in ("gate", "up", "down")}
     tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
-    if set(model.state_dict()) - tied - {name for name, _ in tensors}:
+    if expected - tied - {name for name, _, _ in parts}:
         return False
-    # safetensors: a JSON header of every tensor's place, then the data; GGUF lists dimensions
-    # innermost first.
-    header, offset = {}, 0
-    for name, t in tensors:
-        shape = [int(d) for d in reversed(t.shape.tolist())]
+    # safetensors: a JSON header of every tensor's place, then the data: each tensor as the
+    # model holds it (an expert as GGUF lists its dimensions, innermost first, less the stack's).
+    header, offset, shapes = {}, 0, {n: list(p.shape) for n, p in model.state_dict().items()}
+    for name, t, expert in parts:
+        shape = shapes.get(name) or [int(d) for d in reversed(t.shape.tolist())][0 if expert is None else 1 :]
         header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + 4 * math.prod(shape)]}
         offset = header[name]["data_offsets"][1]
     raw = json.dumps({"__metadata__": {"format": "pt"}, **header}, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     with open(os.path.join(out, "model.safetensors"), "wb") as f:
         f.write(len(raw).to_bytes(8, "little") + raw)
-        for name, t in tensors:
-            values = processor.process(
-                weights=dequantize(t.data, t.tensor_type), name=t.name, tensor_key_mapping=names,
-                parsed_parameters={"tensors": {}},
-            ).weights  # fmt: skip
+        for name, t, expert in parts:
+            values = dequantize(t.data if expert is None else t.data[expert], t.tensor_type)
+            if expert is None:
+                values = processor.process(
+                    weights=values, name=t.name, tensor_key_mapping=names, parsed_parameters={"tensors": {}}
+                ).weights
             values = np.ascontiguousarray(values, dtype=np.float32)
             if list(values.shape) != header[name]["shape"]:
                 raise ValueError(f"model: GGUF tensor {t.name} came out {values.shape}, not {header[name]['shape']}")
@@ -176,13 +200,59 @@ def _write_by_tensor(gguf_path: str, out: str) -> bool:
     return True
 
 
+# llama.cpp's expert tensors: each layer's experts stacked per projection (the outermost
+# dimension), or, in older Mixtral files, one tensor per expert.
+STACKED_EXPERTS = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?P<proj>gate|up|down)_exps\.weight")
+ONE_EXPERT = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?P<proj>gate|up|down)\.(?P<expert>\d+)\.weight")
+# transformers' stacked experts parameters, which its GGUF loading fills from those.
+FUSED_EXPERTS = re.compile(r"layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+
+
+def _expert_name(layer: int | str, expert: int | str, proj: str) -> str:
+    return f"model.layers.{layer}.mlp.experts.{expert}.{proj}_proj.weight"
+
+
+def _experts_config(config, reader, arch: str):
+    """``config`` (transformers' reading of the GGUF's metadata) with what it leaves out of a
+    mixture of experts: llama.cpp writes Mixtral as ``llama`` with an expert count, which
+    transformers reads as a dense Llama, and the Qwen MoEs' expert sizes are not mapped (the
+    defaults of their configs are taken instead)."""
+
+    def field(key: str, default=None):
+        f = reader.fields.get(f"{arch}.{key}")
+        return default if f is None else f.contents()
+
+    experts = field("expert_count", 0)
+    if not experts:
+        return config
+    if arch == "llama":
+        from transformers import MixtralConfig
+
+        keep = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_parameters",
+                "rope_theta", "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")  # fmt: skip
+        dense = config.to_dict()
+        config = MixtralConfig(**{k: dense[k] for k in keep if dense.get(k) is not None}, sliding_window=None)
+        config.num_local_experts, config.num_experts_per_tok = experts, field("expert_used_count")
+    elif arch in ("qwen2moe", "qwen3moe"):
+        if field("expert_feed_forward_length"):
+            config.moe_intermediate_size = field("expert_feed_forward_length")
+        if field("expert_shared_feed_forward_length"):
+            config.shared_expert_intermediate_size = field("expert_shared_feed_forward_length")
+    return config
+
+
 def _write_whole(gguf_path: str, out: str) -> None:
     """The model's fp32 folder (but the tokenizer) through transformers' own loading of the
     whole file: every weight in fp32 in memory at once."""
     from transformers import AutoModelForCausalLM
 
     folder, fname = os.path.split(gguf_path)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32)
+    model, info = AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=fname, dtype=torch.float32, output_loading_info=True
+    )
+    if info["missing_keys"]:  # transformers would fill them with random values
+        raise UnmappedGGUF(f"model: {gguf_path} has no tensors transformers maps to {sorted(info['missing_keys'])[:8]}")
     # transformers refuses to save a model it loaded from GGUF; the weights are plain fp32 now.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):

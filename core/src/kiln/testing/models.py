@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 # Multi-head latent attention (a 32-wide latent, 16 rotary dims) and grouped routing: DeepSeek V2 / V3.
@@ -236,4 +237,122 @@ def requantized_gguf(src: str, dst: str, quant_type: str, overrides: dict[str, s
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return dst
+
+
+def hf_as_gguf(
+    src: str,
+    dst: str,
+    arch: str,
+    quant_type: str = "F32",
+    *,
+    stacked_experts: bool = True,
+    reference: str | None = None,
+) -> str:
+    """The Hugging Face model in ``src`` (a ``build_tiny_model`` folder) as a GGUF file of
+    llama.cpp's ``arch`` (``llama``, with experts for Mixtral; ``qwen2moe``; ``qwen3moe``), laid
+    out as llama.cpp's converter lays it out: its tensor names, the ``llama`` architecture's query
+    and key rows in GGUF's rotary order, each layer's experts stacked in one tensor per projection
+    (or, ``stacked_experts=False``, one tensor per expert, as older Mixtral files have them), and
+    the tokenizer of the default model's GGUF. Matrices whose rows are whole blocks of 32 are
+    quantized to ``quant_type``; the rest, and the routers, stay F32. ``reference``: also write there ``src``'s
+    checkpoint holding exactly the values the GGUF holds. Returns ``dst``."""
+    import json
+    import shutil
+
+    import numpy as np
+    import torch
+    from gguf import (
+        MODEL_ARCH_NAMES,
+        GGMLQuantizationType,
+        GGUFReader,
+        GGUFValueType,
+        GGUFWriter,
+        dequantize,
+        get_tensor_name_map,
+        quantize,
+    )
+    from safetensors.torch import load_file, save_file
+
+    from kiln.models.loader import default_model_path
+
+    cfg = json.loads((Path(src) / "config.json").read_text())
+    weights = load_file(str(Path(src) / "model.safetensors"))
+    layers, heads, kv_heads = cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    experts = cfg.get("num_local_experts") or cfg["num_experts"]
+    kind = GGMLQuantizationType[quant_type]
+
+    writer = GGUFWriter(dst, arch)
+    tokenizer = GGUFReader(default_model_path())
+    for field in tokenizer.fields.values():
+        if field.name.startswith("tokenizer."):
+            types = field.types
+            writer.add_key_value(field.name, field.contents(), types[0],
+                                 sub_type=types[-1] if types[0] == GGUFValueType.ARRAY else None)  # fmt: skip
+    writer.add_block_count(layers)
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_expert_count(experts)
+    writer.add_expert_used_count(cfg["num_experts_per_tok"])
+    if "moe_intermediate_size" in cfg:
+        writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    if cfg.get("shared_expert_intermediate_size"):
+        writer.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+
+    def rotary_order(w: torch.Tensor, n_head: int) -> torch.Tensor:  # llama.cpp's rows of q and k
+        return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+    def add(name: str, values: torch.Tensor) -> torch.Tensor:
+        """Write one tensor; returns the values it holds."""
+        array = values.float().numpy()
+        router = name.endswith("ffn_gate_inp.weight")  # llama.cpp's quantize keeps routers F32
+        if values.dim() >= 2 and values.shape[-1] % 32 == 0 and kind != GGMLQuantizationType.F32 and not router:
+            data = quantize(array, kind)
+            writer.add_tensor(name, data, raw_dtype=kind)
+            return torch.from_numpy(np.ascontiguousarray(dequantize(data, kind))).reshape(values.shape)
+        writer.add_tensor(name, np.ascontiguousarray(array))
+        return values
+
+    names = get_tensor_name_map(next(k for k, v in MODEL_ARCH_NAMES.items() if v == arch), layers)
+    expert_tensor = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
+    projections = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+    held, stacks = {}, {}
+    for hf_name, tensor in weights.items():
+        if m := expert_tensor.fullmatch(hf_name):
+            stacks.setdefault((int(m[1]), projections[m[3]]), {})[int(m[2])] = hf_name
+            continue
+        base, _, suffix = hf_name.rpartition(".")
+        values = tensor
+        if arch == "llama" and base.endswith(("q_proj", "k_proj")):
+            values = rotary_order(tensor, heads if base.endswith("q_proj") else kv_heads)
+        if base.endswith("shared_expert_gate"):
+            values = values.reshape(-1)  # llama.cpp keeps this (1, hidden) gate as a vector
+        stored = add(f"{names.get_name(base)}.{suffix}", values)
+        if arch == "llama" and base.endswith(("q_proj", "k_proj")):  # back to transformers' order
+            n = heads if base.endswith("q_proj") else kv_heads
+            stored = stored.reshape(n, stored.shape[0] // n // 2, 2, -1).transpose(1, 2).reshape(tensor.shape)
+        held[hf_name] = stored.reshape(tensor.shape)
+    for (layer, proj), per_expert in sorted(stacks.items()):
+        ordered = [per_expert[e] for e in range(experts)]
+        if stacked_experts:
+            stored = add(f"blk.{layer}.ffn_{proj}_exps.weight", torch.stack([weights[n] for n in ordered]))
+            held.update(zip(ordered, stored))
+        else:
+            held.update((n, add(f"blk.{layer}.ffn_{proj}.{e}.weight", weights[n])) for e, n in enumerate(ordered))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    if reference is not None:
+        shutil.copytree(src, reference)
+        save_file({n: t.contiguous() for n, t in held.items()}, str(Path(reference) / "model.safetensors"))
     return dst
