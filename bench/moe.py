@@ -9,11 +9,12 @@ faster transformers dtype's output tokens/s.
 
 Then Kiln alone (transformers reads neither format without extra packages) on copies of the
 model with every projection rounded to nearest (``--quantized``: int8 per channel as
-compressed-tensors, AWQ 4-bit in groups of 128), in the CPU's default dtype: the experts held as
-integer tiles and multiplied with int8 activations.
+compressed-tensors, AWQ 4-bit in groups of 128, or a GGUF file as llama.cpp lays Mixtral out,
+``gguf-q4_0`` / ``gguf-q8_0``), in the CPU's default dtype: the experts held as integer tiles and
+multiplied with int8 activations.
 
     python bench/moe.py [--repeats 3] [--systems kiln-16seqs,kiln-16seqs-bf16,hf-float32,hf-bfloat16]
-                        [--quantized weight_only_int8,awq]
+                        [--quantized weight_only_int8,awq,gguf-q4_0]
 
 Prints a table each and writes ``bench/results/moe.json`` (and ``moe_<method>.json``).
 """
@@ -37,10 +38,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=1, help="best of N runs per system")
     parser.add_argument("--systems", default="kiln-16seqs,kiln-16seqs-bf16,hf-float32,hf-bfloat16")
-    parser.add_argument("--quantized", default="weight_only_int8,awq", help="quantized copies to serve ('' for none)")
+    parser.add_argument(
+        "--quantized", default="weight_only_int8,awq,gguf-q4_0", help="quantized copies to serve ('' for none)"
+    )
     args = parser.parse_args()
     from kiln.models.loader import resolve_model
-    from kiln.testing.models import build_tiny_model
+    from kiln.testing.models import build_tiny_model, hf_as_gguf
     from kiln.testing.quantization import rounded_copy
 
     model = build_tiny_model("mixtral", MODEL, resolve_model(None, "auto").path, **CONFIG)
@@ -51,10 +54,16 @@ def main() -> None:
     ])  # fmt: skip
     for method in filter(None, args.quantized.split(",")):
         folder = MODEL.parent / f"{MODEL.name}-{method}"
-        quantized = folder / "q"
-        if not (quantized / "config.json").exists():
+        gguf = method.startswith("gguf-")
+        quantized = folder / (f"model.{method[5:].upper()}.gguf" if gguf else "q")
+        if not (quantized if gguf else quantized / "config.json").exists():
             shutil.rmtree(folder, ignore_errors=True)  # a copy cut short
-            rounded_copy(model, folder, method, group=128)
+            if gguf:
+                folder.mkdir(parents=True)
+                hf_as_gguf(model, str(folder / "partial.gguf"), "llama", method[5:].upper())
+                (folder / "partial.gguf").rename(quantized)
+            else:
+                rounded_copy(model, folder, method, group=128)
         print(f"\n{method} copy: {quantized}")
         offline_throughput.main([
             "--model", str(quantized), "--input-len", "128", "--systems", "kiln-16seqs", "--repeats",

@@ -61,7 +61,9 @@ def test_moe_gguf_experts_stay_in_their_blocks(tiny_model_dir, tmp_path, monkeyp
     from kiln import LLM, SamplingParams
 
     monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
-    llm = LLM(_gguf(tiny_model_dir, tmp_path, "mixtral", "Q4_0"), max_model_len=256)
+    _gguf(tiny_model_dir, tmp_path, "mixtral", "Q4_0")
+    monkeypatch.chdir(tmp_path)  # a bare file name (transformers had taken it for a Hub repo id)
+    llm = LLM("model.gguf", max_model_len=256)
     moe = next(m for m in llm.engine.executor.runner.model.modules() if hasattr(m, "load_expert"))
     assert {w.fmt for w in moe.w13.experts + moe.w2.experts} == {4}  # Q4_0: 4-bit codes, a scale and offset
     assert moe.w13.int8_activations  # multiplied in integers, as GGUF models' other layers are

@@ -46,6 +46,7 @@ class UnmappedGGUF(ValueError):
 def convert_gguf(gguf_path: str, cache: Path) -> str:
     """The folder under ``cache`` holding ``gguf_path`` as an fp32 Hugging Face model,
     converted first if no file of the same content has been."""
+    gguf_path = os.path.abspath(gguf_path)  # transformers takes a bare file name for a Hub repo's
     stem = Path(gguf_path).stem
     target = cache / f"{stem}-{_digest(gguf_path, cache)[:16]}"
     if not (target / "config.json").exists():
