@@ -159,27 +159,34 @@ def build_model(
             weights = fp8_weights(weights, fp8)
         elif quant is not None:
             weights = canonical_weights(weights, quant) if method is not None else widen_quantized(weights, quant)
-        # Layer by layer as they fill, where the model's loader offers it and no quantized layer's
-        # method has yet to process its layer (it runs after the whole load, below).
+        # Layer by layer as they fill, where the model's loader offers it: the layer's quantized
+        # linear layers processed first, so that the platform finds them as they will serve.
         per_layer = {}
-        if (
-            method is None
-            and _repacks_by_layer(platform)
-            and "layer_loaded" in inspect.signature(model.load_weights).parameters
-        ):
-            per_layer["layer_loaded"] = lambda layer: platform.process_layer_weights(layer, config)
+        if _repacks_by_layer(platform) and "layer_loaded" in inspect.signature(model.load_weights).parameters:
+
+            def layer_loaded(layer: torch.nn.Module) -> None:
+                _process_quantized(layer, method)
+                platform.process_layer_weights(layer, config)
+
+            per_layer["layer_loaded"] = layer_loaded
         in_turn(config.max_parallel_loading_workers, tp, lambda: model.load_weights(weights, **per_layer))
     model.eval()
     if config.enable_expert_parallel and not any(hasattr(m, "load_expert") for m in model.modules()):
         logger.warning("--enable-expert-parallel changes nothing: the model has no experts")
     if method is not None:
-        layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
-        for layer in layers:
-            layer.method = method
-            method.process(layer)
-        logger.info("%d linear layers quantized (%s) via %s", len(layers), quant.label, type(method).__name__)
+        _process_quantized(model, method)
+        layers = sum(isinstance(m, QuantLinear) for m in model.modules())
+        logger.info("%d linear layers quantized (%s) via %s", layers, quant.label, type(method).__name__)
     _process_weights(platform, model, config)
     return model
+
+
+def _process_quantized(module: torch.nn.Module, method: LinearMethod | None) -> None:
+    """Hand ``module``'s quantized linear layers not yet processed to ``method``."""
+    for layer in module.modules():
+        if method is not None and isinstance(layer, QuantLinear) and layer.method is not method:
+            layer.method = method
+            method.process(layer)
 
 
 def _repacks_by_layer(platform: Platform) -> bool:
