@@ -38,6 +38,25 @@ def test_quantized_moe_serves_its_dequantized_weights(tiny_model_dir, tmp_path, 
     assert {w.fmt for w in moe.w13.experts + moe.w2.experts} == {EXPERT_FORMATS[method]}
 
 
+@pytest.mark.parametrize("method", ["awq", "weight_only_int8"])
+def test_quantized_experts_go_straight_into_their_tiles(tiny_model_dir, tmp_path, monkeypatch, method):
+    """Groups of 32 inputs: the CPU plugin takes the experts' codes as they are (gate and up
+    stacked), never widening them: AWQ's 4-bit codes stay 4-bit (found back from widened
+    values, they had come out as 8-bit codes, and the search took most of a start)."""
+    from kiln_cpu import gguf_blocks
+
+    monkeypatch.setenv("KILN_CPU_INT8_ACTIVATIONS", "0")
+    recovered = []
+    search = gguf_blocks.recover_blocks
+    monkeypatch.setattr(gguf_blocks, "recover_blocks", lambda w, *a: recovered.append(w.shape) or search(w, *a))
+    llm = assert_serves_dequantized(tiny_model_dir("mixtral"), tmp_path, method, 32, PROMPTS)
+    moe = next(m for m in llm.engine.executor.runner.model.modules() if hasattr(m, "load_expert"))
+    assert {w.fmt for w in moe.w13.experts + moe.w2.experts} == {4 if method == "awq" else 8}
+    assert [w.shape for w in moe.w13.experts] == [(256, 64)] * 4 and moe.w13.shape == (4, 256, 64)
+    assert not {(256, 64), (64, 128)} & set(recovered)  # no expert's blocks were searched for
+    assert not moe.quantized  # handed on, not held
+
+
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["sliced-experts", "expert-parallel"])
 def test_quantized_experts_split_over_two_ranks(tiny_model_dir, cpu_plugins, tmp_path, monkeypatch, expert_parallel):
     from kiln.testing.engine import run_and_shut_down

@@ -47,6 +47,15 @@ class LinearMethod(ABC):
     def apply(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
         """``x @ W.T + bias`` for rows ``x`` (..., in_features), in ``x``'s dtype."""
 
+    def process_experts(self, moe: nn.Module, experts: dict[tuple[int, str], dict[str, torch.Tensor]]) -> bool:
+        """Optional: take a mixture-of-experts layer's quantized experts as they are. ``experts``:
+        per (local expert, projection: ``gate_proj``, ``up_proj``, ``down_proj``), the canonical
+        tensors (``weight``, ``weight_scale``, and ``weight_zero`` / ``g_idx`` where the scheme
+        has them). Replace ``moe.w13`` / ``moe.w2`` (the stacked weights, not filled) with what
+        the platform's ``fused_experts`` op takes and return True; return False (the default)
+        to have them widened into ``moe.w13`` / ``moe.w2`` in the model's dtype."""
+        return False
+
 
 class QuantLinear(nn.Module):
     """A linear layer whose weight is quantized per ``scheme`` (tensors: see the module doc)."""

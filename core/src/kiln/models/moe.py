@@ -19,6 +19,7 @@ from torch import nn
 
 from kiln.distributed import TensorParallel
 from kiln.interfaces.model import PRE_NORM_MOE_LAYER
+from kiln.interfaces.quantization import widen
 from kiln.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from kiln.quantization.checkpoint import QuantizedParts, is_quantized
 from kiln.quantization.config import QuantConfig
@@ -61,8 +62,12 @@ class FusedMoE(nn.Module):
             "w13": {(e, p) for e in range(self.num_local) for p in GATE_UP},
             "w2": set(range(self.num_local)),
         }
-        # Quantized experts' canonical tensors, per (expert, projection), until each is whole.
+        # Quantized experts' canonical tensors, per (expert, projection), until each is whole;
+        # whole, they are held for the linear method (``take_quantized``) where this rank has
+        # whole experts, else widened as they arrive.
         self._parts = None if quant is None else QuantizedParts(quant)
+        self.quantized: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+        self._hold = tp.size == 1 or tp.expert_parallel
         self.prefix = prefix  # this block's name (Kiln's: mlp, down_proj...), for messages
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,8 +88,9 @@ class FusedMoE(nn.Module):
     def load_expert(self, expert: int, proj: str, leaf: str, tensor: torch.Tensor) -> list[str]:
         """Copy one expert's checkpoint projection (``gate_proj``, ``up_proj`` or ``down_proj``)
         into this rank's stacked weights; returns the parameters it completed. A quantized
-        projection's canonical tensors (``kiln.quantization.checkpoint``) are widened to the
-        model's dtype once all have arrived: no platform has a quantized experts kernel yet."""
+        projection's canonical tensors (``kiln.quantization.checkpoint``) are held once all have
+        arrived (``take_quantized`` hands them on), or, where this rank holds a slice of every
+        expert, widened to the model's dtype."""
         quantized = is_quantized(leaf, tensor)
         if quantized and (self._parts is None or leaf not in self._parts.leaves):
             what = "biased experts" if leaf == "bias" else f"quantized experts without a quantization_config ({leaf})"
@@ -94,21 +100,41 @@ class FusedMoE(nn.Module):
             if self.tp.expert_parallel and 0 <= expert < self.num_experts:
                 return []  # another rank's expert
             raise ValueError(f"checkpoint has expert {expert}; the model has {self.num_experts}")
+        name = "w2" if proj == "down_proj" else "w13"
         if quantized:
-            tensor = self._parts.add(f"{self.prefix}.experts.{expert}.{proj}", leaf, tensor)
-            if tensor is None:
+            parts = self._parts.add(f"{self.prefix}.experts.{expert}.{proj}", leaf, tensor, widened=not self._hold)
+            if parts is None:
                 return []
+            if self._hold:
+                self.quantized[local, proj] = parts
+            else:
+                self._store(local, proj, parts)
+        else:
+            self._store(local, proj, tensor)
+        pending = self._pending[name]
+        pending.discard(local if name == "w2" else (local, proj))
+        return [name] if not pending else []
+
+    def _store(self, local: int, proj: str, weight: torch.Tensor) -> None:
+        """One expert's projection, as the checkpoint has it, into this rank's stacked weights."""
         slice_of = (lambda t, dim: t) if self.tp.expert_parallel else self.tp.slice
         if proj == "down_proj":
-            name, key, target, tensor = "w2", local, self.w2.data[local], slice_of(tensor, 1)
+            self.w2.data[local].copy_(slice_of(weight, 1))
         else:
             inter, half = self.w2.shape[-1], GATE_UP.index(proj)
-            name, key = "w13", (local, proj)
-            target, tensor = self.w13.data[local, half * inter : (half + 1) * inter], slice_of(tensor, 0)
-        target.copy_(tensor)
-        pending = self._pending[name]
-        pending.discard(key)
-        return [name] if not pending else []
+            self.w13.data[local, half * inter : (half + 1) * inter].copy_(slice_of(weight, 0))
+
+    def take_quantized(self, method) -> None:
+        """Hand the quantized experts held to ``method`` (``LinearMethod.process_experts``), or,
+        where it does not take them, widen them into the stacked weights."""
+        if not self.quantized:
+            return
+        if not method.process_experts(self, self.quantized):
+            for (local, proj), parts in self.quantized.items():
+                self._store(
+                    local, proj, widen(*(parts.get(k) for k in ("weight", "weight_scale", "weight_zero", "g_idx")))
+                )
+        self.quantized = {}
 
     def check_loaded(self) -> None:
         """Raise, naming the expert, when the checkpoint lacks one of this rank's experts'

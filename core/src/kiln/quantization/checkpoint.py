@@ -125,8 +125,9 @@ class QuantizedParts:
         self.leaves = quantized_leaves(quant)
         self.pending: dict[object, dict[str, torch.Tensor]] = {}
 
-    def add(self, layer: object, leaf: str, tensor: torch.Tensor) -> torch.Tensor | None:
-        """The layer's widened weight once ``tensor`` completes it, else None."""
+    def add(self, layer: object, leaf: str, tensor: torch.Tensor, widened: bool = True):
+        """Once ``tensor`` completes the layer: its widened weight, or (``widened=False``) its
+        canonical tensors by leaf; else None."""
         from kiln.interfaces.quantization import widen
 
         parts = self.pending.setdefault(layer, {})
@@ -134,7 +135,7 @@ class QuantizedParts:
         if len(parts) < len(self.leaves):
             return None
         del self.pending[layer]
-        return widen(*(parts.get(k) for k in ("weight", "weight_scale", "weight_zero", "g_idx")))
+        return widen(*(parts.get(k) for k in ("weight", "weight_scale", "weight_zero", "g_idx"))) if widened else parts
 
     def check_complete(self) -> None:
         if self.pending:

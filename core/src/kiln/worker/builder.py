@@ -182,11 +182,14 @@ def build_model(
 
 
 def _process_quantized(module: torch.nn.Module, method: LinearMethod | None) -> None:
-    """Hand ``module``'s quantized linear layers not yet processed to ``method``."""
+    """Hand ``module``'s quantized linear layers not yet processed, and its mixtures' quantized
+    experts, to ``method``."""
     for layer in module.modules():
         if method is not None and isinstance(layer, QuantLinear) and layer.method is not method:
             layer.method = method
             method.process(layer)
+        elif method is not None and hasattr(layer, "take_quantized"):
+            layer.take_quantized(method)
 
 
 def _repacks_by_layer(platform: Platform) -> bool:

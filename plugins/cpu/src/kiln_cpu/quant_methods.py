@@ -68,6 +68,27 @@ class Int8GemmMethod(LinearMethod):
         return out.to(x.dtype).view(*x.shape[:-1], layer.out_features)
 
 
+def _tiles(
+    bits: int, weight: torch.Tensor, index: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None
+) -> TiledWeight:
+    """Canonical tensors (inputs in group order: ``index``, each input's group) as the tiles."""
+    blocks = index[::BLOCK]  # each 32-input block lies in one group (group sizes are multiples of 32)
+    scale = scale[:, blocks]
+    if bits == 8:
+        return TiledWeight(8, pack_tiles(scale), None, pack_q8(weight))
+    zero = zero[:, blocks].float() if zero is not None else None
+    codes = weight.to(torch.int16) + (8 if zero is None else 0)  # unsigned 0..15
+    offset = -(8.0 if zero is None else zero) * scale  # w = code * scale + offset
+    return TiledWeight(4, pack_tiles(scale), pack_tiles(offset), pack_q4(codes))
+
+
+def _activations(scheme: QuantScheme) -> int:
+    """How the scheme's tiles multiply (``tiled_matmul``'s modes; see the module doc)."""
+    if scheme.activation_bits == 8:
+        return INT8_PER_ROW
+    return INT8_PER_BLOCK if os.environ.get("KILN_CPU_INT8_ACTIVATIONS", "1") != "0" else 0
+
+
 class TiledIntMethod(LinearMethod):
     """Every scheme through the tiled C kernels (see the module doc)."""
 
@@ -77,21 +98,11 @@ class TiledIntMethod(LinearMethod):
         if layer.g_idx is not None:  # act-order: sort the inputs by group, and the activations with them
             perm = torch.argsort(index, stable=True)
             weight, index = weight[:, perm], index[perm]
-        blocks = index[::BLOCK]  # each 32-input block lies in one group (group sizes are multiples of 32)
-        scale = layer.weight_scale.data[:, blocks]
-        if layer.scheme.weight_bits == 8:
-            tiled = TiledWeight(8, pack_tiles(scale), None, pack_q8(weight))
-        else:
-            zero = layer.weight_zero.data[:, blocks].float() if layer.weight_zero is not None else None
-            codes = weight.to(torch.int16) + (8 if zero is None else 0)  # unsigned 0..15
-            offset = -(8.0 if zero is None else zero) * scale  # w = code * scale + offset
-            tiled = TiledWeight(4, pack_tiles(scale), pack_tiles(offset), pack_q4(codes))
-        if layer.scheme.activation_bits == 8:
-            activations = INT8_PER_ROW
-        else:
-            activations = INT8_PER_BLOCK if os.environ.get("KILN_CPU_INT8_ACTIVATIONS", "1") != "0" else 0
+        zero = None if layer.weight_zero is None else layer.weight_zero.data
+        tiled = _tiles(layer.scheme.weight_bits, weight, index, layer.weight_scale.data, zero)
         bias = None if layer.bias is None else layer.bias.data
-        layer.tiled = TiledLinear(tiled, bias, activations, perm)  # what the fused decoder layer runs
+        # what the fused decoder layer runs
+        layer.tiled = TiledLinear(tiled, bias, _activations(layer.scheme), perm)
         del layer.weight, layer.weight_scale, layer.weight_zero, layer.g_idx
 
     def apply(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
@@ -127,6 +138,40 @@ class CpuLinearMethod(LinearMethod):
 
     def apply(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
         return layer.cpu_method.apply(layer, x)
+
+    def process_experts(self, moe, experts: dict[tuple[int, str], dict[str, torch.Tensor]]) -> bool:
+        """Each expert's codes straight into the tiles ``kiln_cpu.experts`` packs (gate and up
+        stacked, as ``w13`` stacks them), where they fit as for a linear layer and inputs are in
+        group order; else False: widened, the blocks are then found back from the values, which
+        took most of a start and gave 4-bit groups as 8-bit codes."""
+        from kiln_cpu.experts import PackedExperts
+
+        projections = [[experts[e, p] for p in ("gate_proj", "up_proj", "down_proj")] for e in range(moe.num_local)]
+        inter, hidden = moe.w2.shape[2], moe.w2.shape[1]
+        groups = {parts["weight"].shape[1] // parts["weight_scale"].shape[1] for e in projections for parts in e}
+        if (
+            native.load_kernels() is None
+            or moe.w13.dtype != torch.float32
+            or "g_idx" in projections[0][0]
+            or inter % BLOCK or hidden % BLOCK  # both are a matmul's inputs and outputs (tiles of 16)
+            or any(g % BLOCK for g in groups)
+        ):  # fmt: skip
+            return False
+        bits = self.scheme.weight_bits
+
+        def tiles(parts: list[dict[str, torch.Tensor]]) -> TiledWeight:
+            weight, scale = torch.cat([p["weight"] for p in parts]), torch.cat([p["weight_scale"] for p in parts])
+            zero = torch.cat([p["weight_zero"] for p in parts]) if "weight_zero" in parts[0] else None
+            index = torch.arange(weight.shape[1]) // (weight.shape[1] // scale.shape[1])
+            return _tiles(bits, weight, index, scale, zero)
+
+        w13 = [tiles([gate, up]) for gate, up, _ in projections]
+        w2 = [tiles([down]) for _, _, down in projections]
+        shapes = tuple(moe.w13.shape), tuple(moe.w2.shape)
+        del moe._parameters["w13"], moe._parameters["w2"]
+        moe.w13 = PackedExperts(w13, shapes[0], _activations(self.scheme))
+        moe.w2 = PackedExperts(w2, shapes[1], _activations(self.scheme))
+        return True
 
 
 def linear_method(scheme: QuantScheme) -> LinearMethod:
