@@ -71,23 +71,68 @@ def test_moe_gguf_experts_stay_in_their_blocks(tiny_model_dir, tmp_path, monkeyp
     assert len(out[0].outputs[0].token_ids) == 8
 
 
-def test_a_moe_gguf_missing_an_expert_tensor_is_an_error(tiny_model_dir, tmp_path, monkeypatch):
-    from kiln import LLM
-
-    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
-    full = GGUFReader(_gguf(tiny_model_dir, tmp_path, "mixtral", "F32"))
-    cut = GGUFWriter(str(tmp_path / "cut.gguf"), "llama")
+def _copy_without(src: str, dst: str, tensor: str = "", fields: tuple[str, ...] = ()) -> str:
+    """The GGUF file ``src`` without the tensor and metadata fields named."""
+    full = GGUFReader(src)
+    cut = GGUFWriter(dst, full.fields["general.architecture"].contents())
     for field in full.fields.values():
-        if not field.name.startswith(("GGUF.", "general.architecture")):
+        if not field.name.startswith(("GGUF.", "general.architecture")) and field.name not in fields:
             cut.add_key_value(field.name, field.contents(), field.types[0],
                               sub_type=field.types[-1] if len(field.types) > 1 else None)  # fmt: skip
     for t in full.tensors:
-        if t.name != "blk.1.ffn_down_exps.weight":
+        if t.name != tensor:
             cut.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
     cut.write_header_to_file()
     cut.write_kv_data_to_file()
     cut.write_tensors_to_file()
     cut.close()
+    return dst
+
+
+def test_expert_sizes_missing_from_the_metadata_come_from_the_tensors(tiny_model_dir, tmp_path, monkeypatch):
+    """As llama.cpp reads such a file; transformers took its Qwen2-MoE defaults (1408, 5632)."""
+    from kiln import LLM, SamplingParams
+
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
+    reference = str(tmp_path / "reference")
+    full = _gguf(tiny_model_dir, tmp_path, "qwen2_moe", "F32", reference=reference)
+    sizes = ("qwen2moe.expert_feed_forward_length", "qwen2moe.expert_shared_feed_forward_length")
+    llm = LLM(_copy_without(full, str(tmp_path / "bare.gguf"), fields=sizes), max_model_len=256, quantization="none")
+    params = SamplingParams(max_tokens=16, min_tokens=16, temperature=0)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(reference, PROMPTS, 16)
+
+
+def test_a_moe_gguf_missing_an_expert_tensor_is_an_error(tiny_model_dir, tmp_path, monkeypatch):
+    from kiln import LLM
+
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
+    full = _gguf(tiny_model_dir, tmp_path, "mixtral", "F32")
+    cut = _copy_without(full, str(tmp_path / "cut.gguf"), tensor="blk.1.ffn_down_exps.weight")
     # Before: served as a dense Llama whose MLPs transformers had filled with random values.
-    with pytest.raises(ValueError, match="has no tensors transformers maps to"):
-        LLM(str(tmp_path / "cut.gguf"), max_model_len=256)
+    missing = r"has no tensor for 4 of the model's weights, e.g. \['model.layers.1.mlp.experts.0.down_proj.weight'"
+    with pytest.raises(ValueError, match=missing):
+        LLM(cut, max_model_len=256)
+    no_count = _copy_without(full, str(tmp_path / "no-count.gguf"), fields=("llama.expert_used_count",))
+    with pytest.raises(ValueError, match="has 4 experts but no llama.expert_used_count"):
+        LLM(no_count, max_model_len=256)
+
+
+def test_an_architecture_transformers_cannot_read_says_so(tiny_model_dir, tmp_path, monkeypatch):
+    from kiln import LLM
+
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
+    full = GGUFReader(_gguf(tiny_model_dir, tmp_path, "mixtral", "F32"))
+    other = GGUFWriter(str(tmp_path / "other.gguf"), "deepseek2")  # llama.cpp's DeepSeek-V2/V3
+    for field in full.fields.values():
+        if field.name.startswith("tokenizer."):
+            other.add_key_value(field.name, field.contents(), field.types[0],
+                                sub_type=field.types[-1] if len(field.types) > 1 else None)  # fmt: skip
+    other.add_tensor("token_embd.weight", full.tensors[1].data)
+    other.write_header_to_file()
+    other.write_kv_data_to_file()
+    other.write_tensors_to_file()
+    other.close()
+    with pytest.raises(ValueError, match="architecture deepseek2 is not supported yet") as raised:
+        LLM(str(tmp_path / "other.gguf"), max_model_len=256)
+    assert "is the file complete" not in str(raised.value)  # it was: the damaged-file hint

@@ -3,7 +3,8 @@ of Mixtral and Qwen2-MoE (attention, dense and shared-expert projections and eve
 quantized, the router left in full precision, as AutoAWQ, AutoGPTQ and llm-compressor write
 them). The experts are widened to the model's dtype at load, the other layers stay quantized,
 and Kiln serves exactly what transformers serves from the dequantized weights, on one rank and
-on two. Models without quantized layers (DeepSeek, the transformers fallback) widen every layer."""
+on two. DeepSeek keeps its layers quantized but ``kv_b_proj``; models without quantized layers
+(the transformers fallback) widen every layer."""
 
 from __future__ import annotations
 
@@ -43,27 +44,34 @@ def test_quantized_experts_go_straight_into_their_tiles(tiny_model_dir, tmp_path
     """Groups of 32 inputs: the CPU plugin takes the experts' codes as they are (gate and up
     stacked), never widening them: AWQ's 4-bit codes stay 4-bit (found back from widened
     values, they had come out as 8-bit codes, and the search took most of a start)."""
-    from kiln_cpu import gguf_blocks
+    from kiln_cpu import tiled_weights
 
     monkeypatch.setenv("KILN_CPU_INT8_ACTIVATIONS", "0")
     recovered = []
-    search = gguf_blocks.recover_blocks
-    monkeypatch.setattr(gguf_blocks, "recover_blocks", lambda w, *a: recovered.append(w.shape) or search(w, *a))
+    search = tiled_weights.recover_blocks
+    monkeypatch.setattr(
+        tiled_weights, "recover_blocks", lambda w, *a: recovered.append(tuple(w.shape)) or search(w, *a)
+    )
     llm = assert_serves_dequantized(tiny_model_dir("mixtral"), tmp_path, method, 32, PROMPTS)
     moe = next(m for m in llm.engine.executor.runner.model.modules() if hasattr(m, "load_expert"))
     assert {w.fmt for w in moe.w13.experts + moe.w2.experts} == {4 if method == "awq" else 8}
     assert [w.shape for w in moe.w13.experts] == [(256, 64)] * 4 and moe.w13.shape == (4, 256, 64)
-    assert not {(256, 64), (64, 128)} & set(recovered)  # no expert's blocks were searched for
+    assert recovered and not {(256, 64), (64, 128)} & set(recovered)  # the embeddings were; no expert
     assert not moe.quantized  # handed on, not held
 
 
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["sliced-experts", "expert-parallel"])
-def test_quantized_experts_split_over_two_ranks(tiny_model_dir, cpu_plugins, tmp_path, monkeypatch, expert_parallel):
+@pytest.mark.parametrize(("family", "group"), [("mixtral", 32), ("deepseek_v2", GROUP)])
+def test_quantized_experts_split_over_two_ranks(
+    tiny_model_dir, cpu_plugins, tmp_path, monkeypatch, expert_parallel, family, group
+):
+    """Each rank's slice of every expert (widened), or its whole experts (Mixtral's groups of 32:
+    their codes into the tiles); DeepSeek's quantized query rows and scales cut per rank."""
     from kiln.testing.engine import run_and_shut_down
 
     monkeypatch.setenv("KILN_CPU_INT8_ACTIVATIONS", "0")
-    source = tiny_model_dir("mixtral")
-    quantized, dequantized = rounded_copy(source, tmp_path, "awq", GROUP)
+    source = tiny_model_dir(family)
+    quantized, dequantized = rounded_copy(source, tmp_path, "awq", group)
     split, _ = run_and_shut_down(
         cpu_plugins, PROMPTS, model=quantized, device="cpu", dtype="float32", tensor_parallel_size=2,
         enable_expert_parallel=expert_parallel,
@@ -137,19 +145,45 @@ def test_w8a8_experts_are_their_dequantized_weights(tiny_model_dir, tmp_path):
         )
 
 
-@pytest.mark.parametrize("method", ["awq", "weight_only_int8"])
-@pytest.mark.parametrize(("family", "impl"), [("deepseek_v2", "auto"), ("opt", "transformers")])
-def test_a_model_without_quantized_layers_widens_its_checkpoint(
-    tiny_model_dir, tmp_path, monkeypatch, caplog, method, family, impl
+@pytest.mark.parametrize(
+    ("family", "method", "group", "expert_format"),
+    [("deepseek_v2", "awq", 32, 4), ("deepseek_v2", "gptq", GROUP, 32), ("deepseek_v3", "weight_only_int8", None, 8)],
+)
+def test_quantized_deepseek_keeps_its_layers_quantized(
+    tiny_model_dir, tmp_path, monkeypatch, family, method, group, expert_format
 ):
-    """DeepSeek-V2 (latent attention: its kv_b_proj is split into per-head halves at load) and
-    ``--model-impl transformers`` (OPT) have no quantized layers: a quantized checkpoint's layers
+    """DeepSeek's latent attention projections, dense and shared-expert MLPs stay quantized and
+    its routed experts go into the CPU's tiles; ``kv_b_proj``, whose per-head halves attention
+    multiplies by directly, is widened. Query rows (reordered for the rotary, cut per rank) are
+    reordered alike in every quantized tensor. GPTQ act-order experts are widened (fp32 tiles)."""
+    from kiln.interfaces.quantization import QuantLinear
+
+    monkeypatch.setenv("KILN_CPU_INT8_ACTIVATIONS", "0")
+    llm = assert_serves_dequantized(tiny_model_dir(family), tmp_path, method, group, PROMPTS)
+    model = llm.engine.executor.runner.model
+    attention = model.layers[1].self_attn
+    projections = ("q_a_proj", "q_b_proj") if family == "deepseek_v3" else ("q_proj",)
+    for name in (*projections, "kv_a_proj_with_mqa", "o_proj"):
+        assert isinstance(getattr(attention, name), QuantLinear), name
+    assert attention.w_uk.dtype == torch.float32
+    moe = model.layers[1].mlp
+    assert isinstance(moe.shared_experts.down_proj, QuantLinear) and isinstance(
+        model.layers[0].mlp.down_proj, QuantLinear
+    )
+    assert {w.fmt for w in moe.w13.experts + moe.w2.experts} == {expert_format}
+
+
+@pytest.mark.parametrize("method", ["awq", "weight_only_int8"])
+def test_a_model_without_quantized_layers_widens_its_checkpoint(tiny_model_dir, tmp_path, monkeypatch, caplog, method):
+    """``--model-impl transformers`` (OPT) has no quantized layers: a quantized checkpoint's layers
     are widened as they are read, and serve what transformers serves from the dequantized weights."""
     from kiln.interfaces.quantization import QuantLinear
 
     monkeypatch.setenv("KILN_CPU_INT8_ACTIVATIONS", "0")
     with caplog.at_level("INFO", logger="kiln"):
-        llm = assert_serves_dequantized(tiny_model_dir(family), tmp_path, method, GROUP, PROMPTS, model_impl=impl)
+        llm = assert_serves_dequantized(
+            tiny_model_dir("opt"), tmp_path, method, GROUP, PROMPTS, model_impl="transformers"
+        )
     assert "has no quantized layers: the" in caplog.text
     assert not any(isinstance(m, QuantLinear) for m in llm.engine.executor.runner.model.modules())
 
@@ -159,8 +193,8 @@ def test_weights_quantized_at_load_need_quantized_layers(tiny_model_dir, caplog)
     quantized layers, and a mixture of experts says its routed experts stay unquantized."""
     from kiln import LLM
 
-    with pytest.raises(ValueError, match="weight_only_int8: DeepseekV2ForCausalLM has no quantized layers"):
-        LLM(tiny_model_dir("deepseek_v2"), quantization="weight_only_int8", max_model_len=128)
+    with pytest.raises(ValueError, match="weight_only_int8: TransformersForCausalLM has no quantized layers"):
+        LLM(tiny_model_dir("opt"), quantization="weight_only_int8", max_model_len=128, model_impl="transformers")
     with caplog.at_level("WARNING", logger="kiln"):
         LLM(tiny_model_dir("mixtral"), quantization="weight_only_int8", max_model_len=128)
     assert "the routed experts stay in the model's dtype" in caplog.text

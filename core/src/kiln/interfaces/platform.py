@@ -135,8 +135,9 @@ class Platform(ABC):
 
     def process_layer_weights(self, layer: torch.nn.Module, config: EngineConfig) -> None:
         """Called on each decoder layer as soon as the checkpoint has filled its weights, before
-        later layers load, where the model's loader can tell (Kiln's decoder families) and the
-        model has no quantized layers; ``process_weights`` still runs on the whole model after.
+        later layers load, where the model's loader can tell (Kiln's decoder families), after
+        the quantization method has processed the layer's quantized linear layers and experts;
+        ``process_weights`` still runs on the whole model after.
         A platform whose repacked weights are smaller than the loaded ones (the CPU's GGUF
         blocks: fp32 in, 4-8 bits kept) repacks here, so that peak memory at load stays near the
         final size instead of the whole model in floats. It must leave the layer in a state that

@@ -26,6 +26,9 @@ from kiln.interfaces.model import StepContext
 from kiln.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, RMSNorm
 from kiln.models.moe import GATE_UP, FusedMoE
 from kiln.models.rope import mscale, rope_kind, rope_settings, rotary_permutation
+from kiln.quantization.checkpoint import QuantizedParts, is_quantized
+from kiln.quantization.config import QuantConfig
+from kiln.quantization.layers import make_linear
 
 
 def latent_dims(cfg, tp: TensorParallel) -> tuple[int, int, int]:
@@ -42,7 +45,7 @@ def _softmax_scale(cfg) -> float:
 
 
 class LatentAttention(nn.Module):
-    def __init__(self, cfg, layer_idx: int, ops, backend, tp: TensorParallel) -> None:
+    def __init__(self, cfg, layer_idx: int, ops, backend, tp: TensorParallel, quant: QuantConfig | None = None) -> None:
         super().__init__()
         self.layer_idx, self.ops, self.backend, self.tp = layer_idx, ops, backend, tp
         self.qk_norm = False  # (the Llama layer's layout check asks)
@@ -53,18 +56,21 @@ class LatentAttention(nn.Module):
         )  # fmt: skip
         if getattr(cfg, "attention_bias", False):
             raise ValueError("DeepSeek with attention biases (config 'attention_bias': true) is not supported")
-        q_out = heads * (self.nope + self.rope)
+        q_out, prefix = heads * (self.nope + self.rope), f"model.layers.{layer_idx}.self_attn"
         if cfg.q_lora_rank:
-            self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
+            self.q_a_proj = make_linear(quant, [f"{prefix}.q_a_proj"], cfg.hidden_size, cfg.q_lora_rank)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, ops)
-            self.q_b_proj = nn.Linear(cfg.q_lora_rank, q_out, bias=False)
+            self.q_b_proj = make_linear(quant, [f"{prefix}.q_b_proj"], cfg.q_lora_rank, q_out)
         else:
-            self.q_proj = nn.Linear(cfg.hidden_size, q_out, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, self.latent + self.rope, bias=False)
+            self.q_proj = make_linear(quant, [f"{prefix}.q_proj"], cfg.hidden_size, q_out)
+        self.kv_a_proj_with_mqa = make_linear(
+            quant, [f"{prefix}.kv_a_proj_with_mqa"], cfg.hidden_size, self.latent + self.rope
+        )
         self.kv_a_layernorm = RMSNorm(self.latent, cfg.rms_norm_eps, ops)
-        self.w_uk = nn.Parameter(torch.empty(heads, self.nope, self.latent))  # kv_b_proj's key half
-        self.w_uv = nn.Parameter(torch.empty(heads, self.v_dim, self.latent))  # and its value half
-        self.o_proj = nn.Linear(heads * self.v_dim, cfg.hidden_size, bias=False)
+        # kv_b_proj's key and value halves, in the model's dtype (widened if quantized)
+        self.w_uk = nn.Parameter(torch.empty(heads, self.nope, self.latent))
+        self.w_uv = nn.Parameter(torch.empty(heads, self.v_dim, self.latent))
+        self.o_proj = make_linear(quant, [f"{prefix}.o_proj"], heads * self.v_dim, cfg.hidden_size)
         self.scale = _softmax_scale(cfg)
 
     def forward(self, positions, x, rope_cache, ctx: StepContext):
@@ -95,11 +101,10 @@ class DeepseekMoE(FusedMoE):
     """Routed experts plus always-on shared experts; V2 routes by softmax (optionally in groups),
     V3 by sigmoid with a per-expert correction and groups ranked by their two best scores."""
 
-    def __init__(self, cfg, ops, tp: TensorParallel, prefix: str) -> None:
-        experts = cfg.n_routed_experts
-        super().__init__(
-            cfg.hidden_size, experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, False, ops, tp, prefix=prefix
-        )  # fmt: skip
+    def __init__(self, cfg, ops, tp: TensorParallel, prefix: str, quant: QuantConfig | None = None) -> None:
+        experts, inter = cfg.n_routed_experts, cfg.moe_intermediate_size
+        super().__init__(cfg.hidden_size, experts, cfg.num_experts_per_tok, inter, False, ops, tp, quant=quant,
+                         prefix=prefix)  # fmt: skip
         self.v3 = cfg.model_type == "deepseek_v3"
         self.groups, self.top_groups = getattr(cfg, "n_group", None) or 1, getattr(cfg, "topk_group", None) or 1
         self.grouped = self.v3 or getattr(cfg, "topk_method", "greedy") == "group_limited_greedy"
@@ -108,7 +113,7 @@ class DeepseekMoE(FusedMoE):
         if self.v3:
             self.e_score_correction_bias = nn.Parameter(torch.zeros(experts, dtype=torch.float32))
         shared = cfg.moe_intermediate_size * cfg.n_shared_experts
-        self.shared_experts = LlamaMLP(cfg, ops, tp, f"{prefix}.shared_experts", intermediate_size=shared)
+        self.shared_experts = LlamaMLP(cfg, ops, tp, f"{prefix}.shared_experts", quant, intermediate_size=shared)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scores = self.gate(x).float()
@@ -132,23 +137,31 @@ class DeepseekMoE(FusedMoE):
 
 class DeepseekDecoderLayer(LlamaDecoderLayer):
     def make_attention(self, cfg, layer_idx, ops, backend, tp, quant, sliding_window) -> nn.Module:
-        return LatentAttention(cfg, layer_idx, ops, backend, tp)
+        return LatentAttention(cfg, layer_idx, ops, backend, tp, quant)
 
     def make_mlp(self, cfg, layer_idx, ops, tp, quant) -> nn.Module:
         if layer_idx < (getattr(cfg, "first_k_dense_replace", 0) or 0):
             return super().make_mlp(cfg, layer_idx, ops, tp, quant)
-        return DeepseekMoE(cfg, ops, tp, f"model.layers.{layer_idx}.mlp")
+        return DeepseekMoE(cfg, ops, tp, f"model.layers.{layer_idx}.mlp", quant)
 
 
 class DeepseekV2ForCausalLM(LlamaForCausalLM):
     lora_modules = {}
     decoder_layer = DeepseekDecoderLayer
-    supports_quantization = False
+    widens_quantized_experts = True  # as Qwen2MoeForCausalLM's
     merged_projections = {p: ("gate_up_proj", GATE_UP) for p in GATE_UP}  # q_proj stands alone here
+
+    def __init__(self, cfg, ops, backend, max_positions: int, tp: TensorParallel = TensorParallel(),
+                 quant_config: QuantConfig | None = None) -> None:  # fmt: skip
+        super().__init__(cfg, ops, backend, max_positions, tp, quant_config)
+        # A quantized kv_b_proj's canonical tensors until each layer's are whole: it is widened,
+        # since attention multiplies by its halves directly.
+        self._kv_b = None if quant_config is None else QuantizedParts(quant_config)
 
     def checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
         """Rotary rows reordered; the query projection and ``kv_b_proj``'s per-head halves cut to
-        this rank's heads (the base loader splits only Llama's projections)."""
+        this rank's heads (the base loader splits only Llama's projections). A quantized layer's
+        tensors with a row per output feature are reordered and cut alike."""
         cfg, tp = self.config, self.tp
         nope, rope = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
         interleaved = cfg.model_type == "deepseek_v2" or getattr(cfg, "rope_interleave", True)
@@ -158,20 +171,30 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
             parts = name.split(".")
             if parts[:2] == ["model", "layers"] and int(parts[2]) >= cfg.num_hidden_layers:
                 continue  # V3's multi-token-prediction layer: a speculative head, not part of the model
-            if name.endswith(("self_attn.q_proj.weight", "self_attn.q_b_proj.weight")):
+            module, _, leaf = name.rpartition(".")
+            rows = leaf in ("weight", "weight_scale", "weight_zero")  # one row per output feature
+            if rows and module.endswith(("self_attn.q_proj", "self_attn.q_b_proj")):
                 heads = tensor.view(cfg.num_attention_heads, nope + rope, -1)
                 if order is not None:
                     heads = torch.cat((heads[:, :nope], heads[:, nope:][:, order]), dim=1)
                 yield name, tp.slice(heads, 0).reshape(-1, tensor.shape[-1])
-            elif name.endswith("self_attn.kv_a_proj_with_mqa.weight") and order is not None:
+            elif rows and module.endswith("self_attn.kv_a_proj_with_mqa") and order is not None:
                 yield name, torch.cat((tensor[: cfg.kv_lora_rank], tensor[cfg.kv_lora_rank :][order]))
-            elif name.endswith("self_attn.kv_b_proj.weight"):
+            elif module.endswith("self_attn.kv_b_proj") and (leaf == "weight" or self._kv_b is not None):
+                if is_quantized(leaf, tensor):
+                    if self._kv_b is None or leaf not in self._kv_b.leaves:
+                        raise ValueError(f"{name}: a quantized kv_b_proj without a quantization_config")
+                    tensor = self._kv_b.add(module, leaf, tensor)
+                    if tensor is None:
+                        continue
                 heads = tp.slice(tensor.view(cfg.num_attention_heads, nope + cfg.v_head_dim, -1), 0)
-                prefix = name.removesuffix("kv_b_proj.weight")
-                yield f"{prefix}w_uk", heads[:, :nope]
-                yield f"{prefix}w_uv", heads[:, nope:]
+                attention = module.removesuffix("kv_b_proj")
+                yield f"{attention}w_uk", heads[:, :nope]
+                yield f"{attention}w_uv", heads[:, nope:]
             else:
                 yield name.replace("mlp.gate.e_score_correction_bias", "mlp.e_score_correction_bias"), tensor
+        if self._kv_b is not None:
+            self._kv_b.check_complete()
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

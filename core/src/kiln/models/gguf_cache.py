@@ -115,10 +115,12 @@ def _convert(gguf_path: str, target: Path) -> None:
             raise
         except ImportError as exc:
             raise ValueError(f"model: reading GGUF needs `pip install gguf accelerate` ({exc})") from None
-        except (ValueError, KeyError, IndexError, struct.error) as exc:  # what a damaged file raises
-            raise ValueError(
-                f"model: {gguf_path} could not be converted from GGUF (is the file complete?): {exc}"
-            ) from exc
+        except ValueError as exc:
+            if "is not supported yet" not in str(exc):  # transformers' word for an architecture it cannot read
+                raise _damaged(gguf_path, exc) from exc
+            raise ValueError(f"model: {gguf_path}: {exc} (Kiln reads GGUF files through transformers)") from exc
+        except (KeyError, IndexError, struct.error) as exc:  # what a damaged file raises
+            raise _damaged(gguf_path, exc) from exc
         os.replace(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -171,7 +173,9 @@ def _write_by_tensor(gguf_path: str, out: str) -> bool:
     for layer in {int(m[1]) for n in model.state_dict() if (m := FUSED_EXPERTS.search(n))}:
         expected |= {_expert_name(layer, e, p) for e in range(experts) for p in ("gate", "up", "down")}
     tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
-    if expected - tied - {name for name, _, _ in parts}:
+    if missing := expected - tied - {name for name, _, _ in parts}:
+        if experts:  # transformers' whole-model loading would not map a mixture's either
+            raise UnmappedGGUF(_unmapped(gguf_path, missing))
         return False
     # safetensors: a JSON header of every tensor's place, then the data: each tensor as the
     # model holds it (an expert as GGUF lists its dimensions, innermost first, less the stack's).
@@ -191,6 +195,8 @@ def _write_by_tensor(gguf_path: str, out: str) -> bool:
                     weights=values, name=t.name, tensor_key_mapping=names, parsed_parameters={"tensors": {}}
                 ).weights
             values = np.ascontiguousarray(values, dtype=np.float32)
+            if [d for d in values.shape if d != 1] == [d for d in header[name]["shape"] if d != 1]:
+                values = values.reshape(header[name]["shape"])  # a vector stored as a (1, n) matrix or back
             if list(values.shape) != header[name]["shape"]:
                 raise ValueError(f"model: GGUF tensor {t.name} came out {values.shape}, not {header[name]['shape']}")
             f.write(memoryview(values).cast("B"))
@@ -217,15 +223,22 @@ def _experts_config(config, reader, arch: str):
     """``config`` (transformers' reading of the GGUF's metadata) with what it leaves out of a
     mixture of experts: llama.cpp writes Mixtral as ``llama`` with an expert count, which
     transformers reads as a dense Llama, and the Qwen MoEs' expert sizes are not mapped (the
-    defaults of their configs are taken instead)."""
+    defaults of their configs were taken instead): taken from the metadata, else, as llama.cpp
+    does without it, from the tensors."""
 
     def field(key: str, default=None):
         f = reader.fields.get(f"{arch}.{key}")
         return default if f is None else f.contents()
 
+    def rows(tensor: str) -> int | None:  # the output features of a layer's tensor ``blk.N.<tensor>``
+        t = next((t for t in reader.tensors if t.name.endswith(f".{tensor}.weight")), None)
+        return None if t is None else int(t.shape[1])
+
     experts = field("expert_count", 0)
     if not experts:
         return config
+    if field("expert_used_count") is None:
+        raise UnmappedGGUF(f"model: the GGUF file has {experts} experts but no {arch}.expert_used_count")
     if arch == "llama":
         from transformers import MixtralConfig
 
@@ -236,11 +249,19 @@ def _experts_config(config, reader, arch: str):
         config = MixtralConfig(**{k: dense[k] for k in keep if dense.get(k) is not None}, sliding_window=None)
         config.num_local_experts, config.num_experts_per_tok = experts, field("expert_used_count")
     elif arch in ("qwen2moe", "qwen3moe"):
-        if field("expert_feed_forward_length"):
-            config.moe_intermediate_size = field("expert_feed_forward_length")
-        if field("expert_shared_feed_forward_length"):
-            config.shared_expert_intermediate_size = field("expert_shared_feed_forward_length")
+        if size := field("expert_feed_forward_length") or rows("ffn_gate_exps"):
+            config.moe_intermediate_size = size
+        if size := field("expert_shared_feed_forward_length") or rows("ffn_gate_shexp"):
+            config.shared_expert_intermediate_size = size
     return config
+
+
+def _damaged(gguf_path: str, exc: Exception) -> ValueError:
+    return ValueError(f"model: {gguf_path} could not be converted from GGUF (is the file complete?): {exc}")
+
+
+def _unmapped(gguf_path: str, missing) -> str:
+    return f"model: {gguf_path} has no tensor for {len(missing)} of the model's weights, e.g. {sorted(missing)[:6]}"
 
 
 def _write_whole(gguf_path: str, out: str) -> None:
@@ -253,7 +274,7 @@ def _write_whole(gguf_path: str, out: str) -> None:
         folder, gguf_file=fname, dtype=torch.float32, output_loading_info=True
     )
     if info["missing_keys"]:  # transformers would fill them with random values
-        raise UnmappedGGUF(f"model: {gguf_path} has no tensors transformers maps to {sorted(info['missing_keys'])[:8]}")
+        raise UnmappedGGUF(_unmapped(gguf_path, info["missing_keys"]))
     # transformers refuses to save a model it loaded from GGUF; the weights are plain fp32 now.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):

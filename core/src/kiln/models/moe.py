@@ -19,9 +19,8 @@ from torch import nn
 
 from kiln.distributed import TensorParallel
 from kiln.interfaces.model import PRE_NORM_MOE_LAYER
-from kiln.interfaces.quantization import widen
 from kiln.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
-from kiln.quantization.checkpoint import QuantizedParts, is_quantized
+from kiln.quantization.checkpoint import QuantizedParts, is_quantized, widen_parts
 from kiln.quantization.config import QuantConfig
 
 GATE_UP = ("gate_proj", "up_proj")  # the halves of w13 (and of a dense MLP's merged gate_up_proj)
@@ -62,6 +61,10 @@ class FusedMoE(nn.Module):
             "w13": {(e, p) for e in range(self.num_local) for p in GATE_UP},
             "w2": set(range(self.num_local)),
         }
+        group = quant.scheme.group_size if quant is not None else None
+        for name, inputs in (("hidden size", hidden_size), ("experts' intermediate size on a rank", inter)):
+            if group and inputs % group:
+                raise ValueError(f"{prefix}: the {name}, {inputs}, is not a multiple of the group size {group}")
         # Quantized experts' canonical tensors, per (expert, projection), until each is whole;
         # whole, they are held for the linear method (``take_quantized``) where this rank has
         # whole experts, else widened as they arrive.
@@ -131,9 +134,7 @@ class FusedMoE(nn.Module):
             return
         if not method.process_experts(self, self.quantized):
             for (local, proj), parts in self.quantized.items():
-                self._store(
-                    local, proj, widen(*(parts.get(k) for k in ("weight", "weight_scale", "weight_zero", "g_idx")))
-                )
+                self._store(local, proj, widen_parts(parts))
         self.quantized = {}
 
     def check_loaded(self) -> None:
@@ -182,7 +183,9 @@ class Qwen2MoeForCausalLM(LlamaForCausalLM):
     # layers are refused (not mapped yet).
     lora_modules = {k: v for k, v in LlamaForCausalLM.lora_modules.items() if k.startswith("self_attn.")}
     decoder_layer = MoEDecoderLayer
-    widens_quantized_experts = True  # see FusedMoE.load_expert
+    # Experts have no fp8 kernel, and are not quantized at load (--quantization on a float
+    # checkpoint); a quantized checkpoint's are widened where the platform does not take them.
+    widens_quantized_experts = True
 
 
 class Qwen3MoeForCausalLM(Qwen2MoeForCausalLM):

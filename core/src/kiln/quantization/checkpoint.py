@@ -125,23 +125,30 @@ class QuantizedParts:
         self.leaves = quantized_leaves(quant)
         self.pending: dict[object, dict[str, torch.Tensor]] = {}
 
-    def add(self, layer: object, leaf: str, tensor: torch.Tensor, widened: bool = True):
+    def add(
+        self, layer: object, leaf: str, tensor: torch.Tensor, widened: bool = True
+    ) -> torch.Tensor | dict[str, torch.Tensor] | None:
         """Once ``tensor`` completes the layer: its widened weight, or (``widened=False``) its
         canonical tensors by leaf; else None."""
-        from kiln.interfaces.quantization import widen
-
         parts = self.pending.setdefault(layer, {})
         parts[leaf] = tensor
         if len(parts) < len(self.leaves):
             return None
         del self.pending[layer]
-        return widen(*(parts.get(k) for k in ("weight", "weight_scale", "weight_zero", "g_idx"))) if widened else parts
+        return widen_parts(parts) if widened else parts
 
     def check_complete(self) -> None:
         if self.pending:
             layer, parts = next(iter(self.pending.items()))
             missing = ", ".join(f"{layer}.{m}" for m in sorted(self.leaves - set(parts)))
             raise ValueError(f"checkpoint is missing {missing}")
+
+
+def widen_parts(parts: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A quantized layer's canonical tensors by leaf, widened to its fp32 weight."""
+    from kiln.interfaces.quantization import widen
+
+    return widen(*(parts.get(k) for k in ("weight", "weight_scale", "weight_zero", "g_idx")))
 
 
 def widen_quantized(

@@ -184,11 +184,13 @@ def build_model(
 def _process_quantized(module: torch.nn.Module, method: LinearMethod | None) -> None:
     """Hand ``module``'s quantized linear layers not yet processed, and its mixtures' quantized
     experts, to ``method``."""
+    if method is None:
+        return
     for layer in module.modules():
-        if method is not None and isinstance(layer, QuantLinear) and layer.method is not method:
+        if isinstance(layer, QuantLinear) and layer.method is not method:
             layer.method = method
             method.process(layer)
-        elif method is not None and hasattr(layer, "take_quantized"):
+        elif hasattr(layer, "take_quantized"):
             layer.take_quantized(method)
 
 

@@ -148,13 +148,13 @@ class CpuLinearMethod(LinearMethod):
 
         projections = [[experts[e, p] for p in ("gate_proj", "up_proj", "down_proj")] for e in range(moe.num_local)]
         inter, hidden = moe.w2.shape[2], moe.w2.shape[1]
-        groups = {parts["weight"].shape[1] // parts["weight_scale"].shape[1] for e in projections for parts in e}
+        group = self.scheme.group_size  # FusedMoE checked that it divides both sizes; None: per row
         if (
             native.load_kernels() is None
             or moe.w13.dtype != torch.float32
             or "g_idx" in projections[0][0]
             or inter % BLOCK or hidden % BLOCK  # both are a matmul's inputs and outputs (tiles of 16)
-            or any(g % BLOCK for g in groups)
+            or (group or BLOCK) % BLOCK
         ):  # fmt: skip
             return False
         bits = self.scheme.weight_bits
@@ -162,7 +162,7 @@ class CpuLinearMethod(LinearMethod):
         def tiles(parts: list[dict[str, torch.Tensor]]) -> TiledWeight:
             weight, scale = torch.cat([p["weight"] for p in parts]), torch.cat([p["weight_scale"] for p in parts])
             zero = torch.cat([p["weight_zero"] for p in parts]) if "weight_zero" in parts[0] else None
-            index = torch.arange(weight.shape[1]) // (weight.shape[1] // scale.shape[1])
+            index = torch.arange(weight.shape[1]) // (group or weight.shape[1])
             return _tiles(bits, weight, index, scale, zero)
 
         w13 = [tiles([gate, up]) for gate, up, _ in projections]
