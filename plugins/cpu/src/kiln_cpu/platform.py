@@ -55,7 +55,7 @@ class CpuPlatform(Platform):
         torch.set_num_threads(threads)
         self.libc = _glibc()
         self._malloc_tuned = False
-        self._repacked = [0, 0, 0]  # weights tiled, of them in GGUF blocks, expert layers packed
+        self._repacked = [0, 0]  # weights tiled, of them in GGUF blocks
 
     def device(self) -> torch.device:
         return torch.device("cpu")
@@ -138,8 +138,12 @@ class CpuPlatform(Platform):
         from kiln_cpu.fused_decode import use_fused_decode
 
         self._repack(model, config)
-        swapped, gguf, experts = self._repacked
-        self._repacked = [0, 0, 0]
+        from kiln_cpu.experts import PackedExperts
+
+        swapped, gguf = self._repacked
+        self._repacked = [0, 0]
+        # counted here: a quantized checkpoint's experts are packed by its linear method
+        experts = sum(isinstance(getattr(m, "w13", None), PackedExperts) for m in model.modules())
         if swapped:
             int8 = config.quantization == "gguf"
             logger.info(
@@ -164,13 +168,12 @@ class CpuPlatform(Platform):
         # --quantization none asks for the exact fp32 products. The fp32 originals are freed.
         int8 = config.quantization == "gguf"
         swapped, gguf = use_tiled_weights(module, int8_activations=int8)
-        experts = 0
         if "fused_experts" in self.custom_ops():  # packed experts need it (absent without the C kernels)
-            experts = use_packed_experts(module, _integer_activations(module, int8))
+            use_packed_experts(module, _integer_activations(module, int8))
         if prepacking_works():
             replace_linears(module, {torch.bfloat16: bf16_linear})
-        for i, n in enumerate((swapped, gguf, experts)):
-            self._repacked[i] += n
+        self._repacked[0] += swapped
+        self._repacked[1] += gguf
 
     def linear_method(self, scheme):
         from kiln_cpu.quant_methods import linear_method
