@@ -9,7 +9,7 @@ from kiln.interfaces.quantization import QuantLinear, ReferenceLinearMethod, deq
 from kiln.quantization.config import QuantScheme
 from kiln.testing.quantization import SCHEMES, random_quant_layer
 from kiln_cpu import native
-from kiln_cpu.quant_methods import linear_method
+from kiln_cpu.quant_methods import TiledIntMethod, linear_method
 
 pytestmark = pytest.mark.skipif(native.load_kernels() is None, reason="no C compiler for the CPU kernels")
 
@@ -82,10 +82,18 @@ def test_w8a8_quantizes_activations_per_token():
     assert 0 < (alone - exact).abs().max() < 0.05 * exact.abs().max()  # quantized, but close
 
 
-def test_bf16_activations_fall_back_to_the_reference():
-    layer = random_quant_layer(SCHEMES["w4a16-awq"], 128, 32, seed=0, dtype=torch.bfloat16)
-    expected = ReferenceLinearMethod().apply(layer, torch.ones(3, 128, dtype=torch.bfloat16))
-    assert torch.equal(processed(layer)(torch.ones(3, 128, dtype=torch.bfloat16)), expected)
+@pytest.mark.parametrize("name", ["w4a16-awq", "w8a8"])
+def test_bf16_activations_run_the_tiles_in_fp32(name):
+    """A bf16 model's rows go through the fp32 kernels and come back rounded to bf16: the fp32
+    layer's outputs exactly, and close to the (slow) reference's."""
+    bf16, fp32 = (random_quant_layer(SCHEMES[name], 128, 32, 0, True, dtype=d) for d in (torch.bfloat16, torch.float32))
+    fp32.bias.data.copy_(bf16.bias.data)  # the same bf16 values
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    reference = ReferenceLinearMethod().apply(bf16, x)
+    got = processed(bf16)(x)
+    assert got.dtype == torch.bfloat16 and isinstance(bf16.cpu_method, TiledIntMethod)
+    assert torch.equal(got, processed(fp32)(x.float()).to(torch.bfloat16))
+    torch.testing.assert_close(got.float(), reference.float(), rtol=0.05, atol=0.05 * reference.float().abs().max())
 
 
 def test_act_order_blocks_that_would_span_two_groups_use_the_reference(caplog):

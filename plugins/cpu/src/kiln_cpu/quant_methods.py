@@ -16,9 +16,11 @@ the fused decoder layer (``fused_decode``).
   (bench/quantization.py). ``KILN_CPU_INT8_ACTIVATIONS=0`` keeps fp32 activations: the tiles
   are widened and the products are exactly those of the dequantized weights.
 
-Layers the tiles do not fit (bf16 activations, widths not multiples of 16 and 32, act-order
-groups not multiples of 32 inputs): W8A8 through ``torch._int_mm`` (oneDNN's int8 GEMM), the
-others through the reference method.
+bf16 models (the default with AMX) run the same tiles on their rows widened to fp32, the
+outputs rounded back to bf16: the reference method, their fallback before, widened every
+weight on every call (an AWQ MoE at bf16 ran at half its fp32 speed). Layers the tiles do not
+fit (fp16, widths not multiples of 16 and 32, act-order groups not multiples of 32 inputs):
+W8A8 through ``torch._int_mm`` (oneDNN's int8 GEMM), the others through the reference method.
 """
 
 from __future__ import annotations
@@ -100,13 +102,15 @@ class TiledIntMethod(LinearMethod):
             weight, index = weight[:, perm], index[perm]
         zero = None if layer.weight_zero is None else layer.weight_zero.data
         tiled = _tiles(layer.scheme.weight_bits, weight, index, layer.weight_scale.data, zero)
-        bias = None if layer.bias is None else layer.bias.data
+        bias = None if layer.bias is None else layer.bias.data.float()  # the kernels add an fp32 bias
         # what the fused decoder layer runs
         layer.tiled = TiledLinear(tiled, bias, _activations(layer.scheme), perm)
         del layer.weight, layer.weight_scale, layer.weight_zero, layer.g_idx
 
     def apply(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
-        return layer.tiled(x)
+        if x.dtype == torch.float32:
+            return layer.tiled(x)
+        return layer.tiled(x.float()).to(x.dtype)  # bf16 models: the kernels take fp32 rows
 
 
 class CpuLinearMethod(LinearMethod):
@@ -122,7 +126,7 @@ class CpuLinearMethod(LinearMethod):
         group = self.scheme.group_size or BLOCK
         return (
             native.load_kernels() is not None
-            and layer.dtype == torch.float32
+            and layer.dtype in (torch.float32, torch.bfloat16)
             and layer.out_features % TILE == 0
             and layer.in_features % BLOCK == 0
             and group % BLOCK == 0
