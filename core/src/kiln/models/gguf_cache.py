@@ -168,9 +168,10 @@ def _write_by_tensor(gguf_path: str, out: str) -> bool:
             parts.append((_expert_name(m["layer"], m["expert"], m["proj"]), t, None))
         elif t.name in names:  # transformers skips the others too
             parts.append((names[t.name], t, None))
-    expected = {n for n in model.state_dict() if not FUSED_EXPERTS.search(n)}
+    shapes = {n: list(p.shape) for n, p in model.state_dict().items()}
+    expected = {n for n in shapes if not FUSED_EXPERTS.search(n)}
     experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
-    for layer in {int(m[1]) for n in model.state_dict() if (m := FUSED_EXPERTS.search(n))}:
+    for layer in {int(m[1]) for n in shapes if (m := FUSED_EXPERTS.search(n))}:
         expected |= {_expert_name(layer, e, p) for e in range(experts) for p in ("gate", "up", "down")}
     tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
     if missing := expected - tied - {name for name, _, _ in parts}:
@@ -179,7 +180,7 @@ def _write_by_tensor(gguf_path: str, out: str) -> bool:
         return False
     # safetensors: a JSON header of every tensor's place, then the data: each tensor as the
     # model holds it (an expert as GGUF lists its dimensions, innermost first, less the stack's).
-    header, offset, shapes = {}, 0, {n: list(p.shape) for n, p in model.state_dict().items()}
+    header, offset = {}, 0
     for name, t, expert in parts:
         shape = shapes.get(name) or [int(d) for d in reversed(t.shape.tolist())][0 if expert is None else 1 :]
         header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + 4 * math.prod(shape)]}
@@ -194,12 +195,10 @@ def _write_by_tensor(gguf_path: str, out: str) -> bool:
                 values = processor.process(
                     weights=values, name=t.name, tensor_key_mapping=names, parsed_parameters={"tensors": {}}
                 ).weights
-            values = np.ascontiguousarray(values, dtype=np.float32)
-            if [d for d in values.shape if d != 1] == [d for d in header[name]["shape"] if d != 1]:
-                values = values.reshape(header[name]["shape"])  # a vector stored as a (1, n) matrix or back
-            if list(values.shape) != header[name]["shape"]:
-                raise ValueError(f"model: GGUF tensor {t.name} came out {values.shape}, not {header[name]['shape']}")
-            f.write(memoryview(values).cast("B"))
+            values, shape = np.ascontiguousarray(values, dtype=np.float32), header[name]["shape"]
+            if [d for d in values.shape if d != 1] != [d for d in shape if d != 1]:  # (1, n) and (n,) are alike
+                raise ValueError(f"model: GGUF tensor {t.name} came out {values.shape}, not {shape}")
+            f.write(memoryview(values.reshape(shape)).cast("B"))
     config.architectures = [type(model).__name__]
     setattr(config, "dtype" if hasattr(config, "dtype") else "torch_dtype", torch.float32)
     config.save_pretrained(out)

@@ -331,16 +331,14 @@ def hf_as_gguf(
             stacks.setdefault((int(m[1]), projections[m[3]]), {})[int(m[2])] = hf_name
             continue
         base, _, suffix = hf_name.rpartition(".")
-        values = tensor
+        rows = torch.arange(tensor.shape[0])
         if arch == "llama" and base.endswith(("q_proj", "k_proj")):
-            values = rotary_order(tensor, heads if base.endswith("q_proj") else kv_heads)
+            rows = rotary_order(rows, heads if base.endswith("q_proj") else kv_heads)
+        values = tensor[rows]
         if base.endswith("shared_expert_gate"):
             values = values.reshape(-1)  # llama.cpp keeps this (1, hidden) gate as a vector
         stored = add(f"{names.get_name(base)}.{suffix}", values)
-        if arch == "llama" and base.endswith(("q_proj", "k_proj")):  # back to transformers' order
-            n = heads if base.endswith("q_proj") else kv_heads
-            stored = stored.reshape(n, stored.shape[0] // n // 2, 2, -1).transpose(1, 2).reshape(tensor.shape)
-        held[hf_name] = stored.reshape(tensor.shape)
+        held[hf_name] = stored.reshape(tensor.shape)[rows.argsort()]  # back in transformers' row order
     for (layer, proj), per_expert in sorted(stacks.items()):
         ordered = [per_expert[e] for e in range(experts)]
         if stacked_experts:

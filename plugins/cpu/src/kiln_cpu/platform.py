@@ -135,11 +135,10 @@ class CpuPlatform(Platform):
             self.libc.malloc_trim(0)  # the heap's freed originals and temporaries back to the kernel
 
     def process_weights(self, model: torch.nn.Module, config) -> None:
+        from kiln_cpu.experts import PackedExperts
         from kiln_cpu.fused_decode import use_fused_decode
 
         self._repack(model, config)
-        from kiln_cpu.experts import PackedExperts
-
         swapped, gguf = self._repacked
         self._repacked = [0, 0]
         # counted here: a quantized checkpoint's experts are packed by its linear method
