@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from kiln.interfaces import model as REFERENCE
 from kiln.testing.models import hf_greedy
 from kiln.testing.quantization import assert_serves_dequantized, rounded_copy
 
@@ -58,6 +59,36 @@ def test_quantized_experts_go_straight_into_their_tiles(tiny_model_dir, tmp_path
     assert [w.shape for w in moe.w13.experts] == [(256, 64)] * 4 and moe.w13.shape == (4, 256, 64)
     assert recovered and not {(256, 64), (64, 128)} & set(recovered)  # the embeddings were; no expert
     assert not moe.quantized  # handed on, not held
+
+
+def test_a_bf16_model_keeps_its_quantized_experts_in_tiles(tiny_model_dir, tmp_path, monkeypatch):
+    """At ``--dtype bfloat16`` (the CPU's default with AMX) AWQ's experts stay 4-bit tiles, as
+    at fp32, where they had been widened to bf16: bf16 rows go through the fp32 kernel and come
+    back rounded, the dequantized weights' products to within bf16's rounding."""
+    from kiln import LLM, SamplingParams
+    from kiln_cpu.experts import PackedExperts
+    from kiln_cpu.fused_ops import fused_experts
+
+    monkeypatch.setenv("KILN_CPU_INT8_ACTIVATIONS", "0")  # the exact products of the dequantized weights
+    quantized, dequantized = rounded_copy(tiny_model_dir("mixtral"), tmp_path, "awq", 32)
+    llm = LLM(quantized, max_model_len=128, dtype="bfloat16")
+    moe = llm.engine.executor.runner.model.layers[1].mlp
+    assert isinstance(moe.w13, PackedExperts) and {w.fmt for w in moe.w13.experts + moe.w2.experts} == {4}
+    weights = load_file(str(Path(dequantized) / "model.safetensors"))
+    expert = "model.layers.1.block_sparse_moe.experts.{}.{}.weight".format
+    w13 = torch.stack([torch.cat([weights[expert(e, "w1")], weights[expert(e, "w3")]]) for e in range(4)])
+    w2 = torch.stack([weights[expert(e, "w2")] for e in range(4)])
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(5, w13.shape[2], generator=generator).to(torch.bfloat16)
+    route = torch.rand(5, 2, generator=generator)
+    ids = torch.stack([torch.randperm(4, generator=generator)[:2] for _ in range(5)])
+    got = fused_experts(x, moe.w13, moe.w2, route, ids)
+    exact = REFERENCE.fused_experts(x.float(), w13, w2, route, ids)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), exact, rtol=1e-2, atol=1e-2 * exact.abs().max().item())
+    params = SamplingParams(max_tokens=8, min_tokens=8, temperature=0)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)  # prefill and decode steps
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [8, 8]
 
 
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["sliced-experts", "expert-parallel"])

@@ -168,6 +168,8 @@ def _check(status: int, kernel: str, experts: int) -> None:
 
 
 def _fused_experts_tiled(x, w13: PackedExperts, w2: PackedExperts, weights, ids) -> torch.Tensor:
+    if x.dtype != torch.float32:  # a bf16 model's quantized experts: the kernel takes fp32 rows
+        return _fused_experts_tiled(x.float(), w13, w2, weights, ids).to(x.dtype)
     x, ids, weights = x.contiguous(), ids.to(torch.int64).contiguous(), weights.to(torch.float32).contiguous()
     experts, hidden, inter = w2.shape
     out = torch.empty_like(x)

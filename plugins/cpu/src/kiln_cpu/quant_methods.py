@@ -147,7 +147,9 @@ class CpuLinearMethod(LinearMethod):
         """Each expert's codes straight into the tiles ``kiln_cpu.experts`` packs (gate and up
         stacked, as ``w13`` stacks them), where they fit as for a linear layer and inputs are in
         group order; else False: widened, the blocks are then found back from the values, which
-        took most of a start and gave 4-bit groups as 8-bit codes."""
+        took most of a start and gave 4-bit groups as 8-bit codes. A bf16 model's experts go
+        into the same tiles, their rows widened to fp32 per call as for its linear layers:
+        widened at load they had held bf16 values, 4x a 4-bit checkpoint's bytes."""
         from kiln_cpu.experts import PackedExperts
 
         projections = [[experts[e, p] for p in ("gate_proj", "up_proj", "down_proj")] for e in range(moe.num_local)]
@@ -155,7 +157,7 @@ class CpuLinearMethod(LinearMethod):
         group = self.scheme.group_size  # FusedMoE checked that it divides both sizes; None: per row
         if (
             native.load_kernels() is None
-            or moe.w13.dtype != torch.float32
+            or moe.w13.dtype not in (torch.float32, torch.bfloat16)
             or "g_idx" in projections[0][0]
             or inter % BLOCK or hidden % BLOCK  # both are a matmul's inputs and outputs (tiles of 16)
             or (group or BLOCK) % BLOCK
