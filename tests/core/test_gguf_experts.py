@@ -123,7 +123,7 @@ def test_an_architecture_transformers_cannot_read_says_so(tiny_model_dir, tmp_pa
 
     monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
     full = GGUFReader(_gguf(tiny_model_dir, tmp_path, "mixtral", "F32"))
-    other = GGUFWriter(str(tmp_path / "other.gguf"), "deepseek2")  # llama.cpp's DeepSeek-V2/V3
+    other = GGUFWriter(str(tmp_path / "other.gguf"), "glm4moe")  # llama.cpp's GLM-4.5
     for field in full.fields.values():
         if field.name.startswith("tokenizer."):
             other.add_key_value(field.name, field.contents(), field.types[0],
@@ -133,6 +133,6 @@ def test_an_architecture_transformers_cannot_read_says_so(tiny_model_dir, tmp_pa
     other.write_kv_data_to_file()
     other.write_tensors_to_file()
     other.close()
-    with pytest.raises(ValueError, match="architecture deepseek2 is not supported yet") as raised:
+    with pytest.raises(ValueError, match="architecture glm4moe is not supported yet") as raised:
         LLM(str(tmp_path / "other.gguf"), max_model_len=256)
     assert "is the file complete" not in str(raised.value)  # it was: the damaged-file hint

@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from kiln.models import gguf_deepseek
+
 logger = logging.getLogger("kiln.loader")
 
 INDEX = "sources.json"  # {real path: {"size", "mtime_ns", "sha256"}}
@@ -101,14 +103,16 @@ def _prune(cache: Path, stem: str) -> None:
 
 def _convert(gguf_path: str, target: Path) -> None:
     logger.info("converting %s to a cached fp32 folder at %s (first start only)", gguf_path, target)
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     folder, fname = os.path.split(gguf_path)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = tempfile.mkdtemp(dir=target.parent)
     try:
         try:
-            AutoTokenizer.from_pretrained(folder, gguf_file=fname).save_pretrained(tmp)
+            # AutoTokenizer reads the model's config first, which transformers cannot for every architecture.
+            tokenizer = PreTrainedTokenizerFast if _architecture(gguf_path) == gguf_deepseek.ARCH else AutoTokenizer
+            tokenizer.from_pretrained(folder, gguf_file=fname).save_pretrained(tmp)
             if not _write_by_tensor(gguf_path, tmp):
                 _write_whole(gguf_path, tmp)
         except UnmappedGGUF:
@@ -126,6 +130,12 @@ def _convert(gguf_path: str, target: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         if not (target / "config.json").exists():  # else another process's conversion won the race
             raise
+
+
+def _architecture(gguf_path: str) -> str:
+    from gguf import GGUFReader
+
+    return GGUFReader(gguf_path).fields["general.architecture"].contents()
 
 
 def _write_by_tensor(gguf_path: str, out: str) -> bool:
@@ -151,7 +161,10 @@ def _write_by_tensor(gguf_path: str, out: str) -> bool:
     folder, fname = os.path.split(gguf_path)
     reader = GGUFReader(gguf_path)
     arch = read_field(reader, "general.architecture")[0]
-    config = _experts_config(AutoConfig.from_pretrained(folder, gguf_file=fname), reader, arch)
+    if arch == gguf_deepseek.ARCH:  # transformers reads neither its config nor two of its tensors
+        config = gguf_deepseek.deepseek_config(reader)
+    else:
+        config = _experts_config(AutoConfig.from_pretrained(folder, gguf_file=fname), reader, arch)
     per_tensor = TENSOR_PROCESSORS.get(arch, TensorProcessor)
     if per_tensor not in (TensorProcessor, LlamaTensorProcessor, Gemma2TensorProcessor, Qwen2MoeTensorProcessor):
         return False
@@ -159,45 +172,55 @@ def _write_by_tensor(gguf_path: str, out: str) -> bool:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     names = get_gguf_hf_weights_map(model, processor, model_type=arch)  # GGUF name -> transformers'
-    # (name, GGUF tensor, expert or None): the tensors transformers reads, experts one by one.
+    shapes = {n: list(p.shape) for n, p in model.state_dict().items()}
+
+    def dequantized(t, expert: int | None = None) -> np.ndarray:
+        return dequantize(t.data if expert is None else t.data[expert], t.tensor_type)
+
+    def processed(t) -> np.ndarray:
+        return processor.process(
+            weights=dequantized(t), name=t.name, tensor_key_mapping=names, parsed_parameters={"tensors": {}}
+        ).weights
+
+    def dims(t) -> list[int]:  # a GGUF tensor's shape as torch lists it
+        return [int(d) for d in reversed(t.shape.tolist())]
+
+    # (name, shape as the model holds it, values): the tensors transformers reads, experts one by
+    # one (an expert as GGUF lists its dimensions, less the stack's).
     parts = []
     for t in reader.tensors:
         if m := STACKED_EXPERTS.fullmatch(t.name):
-            parts += [(_expert_name(m["layer"], e, m["proj"]), t, e) for e in range(int(t.shape[-1]))]
+            parts += [(_expert_name(m["layer"], e, m["proj"]), dims(t)[1:], lambda t=t, e=e: dequantized(t, e))
+                      for e in range(int(t.shape[-1]))]  # fmt: skip
         elif m := ONE_EXPERT.fullmatch(t.name):
-            parts.append((_expert_name(m["layer"], m["expert"], m["proj"]), t, None))
+            parts.append((_expert_name(m["layer"], m["expert"], m["proj"]), dims(t), lambda t=t: dequantized(t)))
         elif t.name in names:  # transformers skips the others too
-            parts.append((names[t.name], t, None))
-    shapes = {n: list(p.shape) for n, p in model.state_dict().items()}
+            parts.append((names[t.name], shapes[names[t.name]], lambda t=t: processed(t)))
+    if arch == gguf_deepseek.ARCH:
+        parts += gguf_deepseek.deepseek_parts(reader, dequantized)
     expected = {n for n in shapes if not FUSED_EXPERTS.search(n)}
     experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
+    experts = experts or getattr(config, "n_routed_experts", None) or 0
     for layer in {int(m[1]) for n in shapes if (m := FUSED_EXPERTS.search(n))}:
         expected |= {_expert_name(layer, e, p) for e in range(experts) for p in ("gate", "up", "down")}
     tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
     if missing := expected - tied - {name for name, _, _ in parts}:
-        if experts:  # transformers' whole-model loading would not map a mixture's either
+        if experts or arch == gguf_deepseek.ARCH:  # transformers' whole-model loading would not map these either
             raise UnmappedGGUF(_unmapped(gguf_path, missing))
         return False
-    # safetensors: a JSON header of every tensor's place, then the data: each tensor as the
-    # model holds it (an expert as GGUF lists its dimensions, innermost first, less the stack's).
+    # safetensors: a JSON header of every tensor's place, then the data.
     header, offset = {}, 0
-    for name, t, expert in parts:
-        shape = shapes.get(name) or [int(d) for d in reversed(t.shape.tolist())][0 if expert is None else 1 :]
+    for name, shape, _ in parts:
         header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + 4 * math.prod(shape)]}
         offset = header[name]["data_offsets"][1]
     raw = json.dumps({"__metadata__": {"format": "pt"}, **header}, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     with open(os.path.join(out, "model.safetensors"), "wb") as f:
         f.write(len(raw).to_bytes(8, "little") + raw)
-        for name, t, expert in parts:
-            values = dequantize(t.data if expert is None else t.data[expert], t.tensor_type)
-            if expert is None:
-                values = processor.process(
-                    weights=values, name=t.name, tensor_key_mapping=names, parsed_parameters={"tensors": {}}
-                ).weights
-            values, shape = np.ascontiguousarray(values, dtype=np.float32), header[name]["shape"]
+        for name, shape, read in parts:
+            values = np.ascontiguousarray(read(), dtype=np.float32)
             if [d for d in values.shape if d != 1] != [d for d in shape if d != 1]:  # (1, n) and (n,) are alike
-                raise ValueError(f"model: GGUF tensor {t.name} came out {values.shape}, not {shape}")
+                raise ValueError(f"model: GGUF tensor for {name} came out {values.shape}, not {shape}")
             f.write(memoryview(values.reshape(shape)).cast("B"))
     config.architectures = [type(model).__name__]
     setattr(config, "dtype" if hasattr(config, "dtype") else "torch_dtype", torch.float32)

@@ -240,6 +240,45 @@ def requantized_gguf(src: str, dst: str, quant_type: str, overrides: dict[str, s
     return dst
 
 
+def _deepseek2_fields(writer, cfg: dict, split_kv_b: bool) -> None:
+    """A DeepSeek-V2/V3 config as llama.cpp's converter writes it: latent attention as one
+    key/value head of the latent's lengths (the per-head ones apart), the routing settings."""
+    from gguf import ExpertGatingFuncType, RopeScalingType
+
+    rope, latent = cfg["qk_rope_head_dim"], cfg["kv_lora_rank"]
+    writer.add_head_count_kv(1)
+    if split_kv_b:
+        writer.add_key_length(latent + rope)
+        writer.add_value_length(latent)
+        writer.add_key_length_mla(cfg["qk_nope_head_dim"] + rope)
+        writer.add_value_length_mla(cfg["v_head_dim"])
+    else:
+        writer.add_key_length(cfg["qk_nope_head_dim"] + rope)
+        writer.add_value_length(cfg["v_head_dim"])
+    writer.add_rope_dimension_count(rope)
+    writer.add_kv_lora_rank(latent)
+    if cfg.get("q_lora_rank"):
+        writer.add_q_lora_rank(cfg["q_lora_rank"])
+    writer.add_vocab_size(cfg["vocab_size"])
+    writer.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+    writer.add_expert_shared_count(cfg["n_shared_experts"])
+    writer.add_expert_weights_scale(cfg["routed_scaling_factor"])
+    if cfg.get("norm_topk_prob"):
+        writer.add_expert_weights_norm(True)
+    writer.add_expert_group_count(cfg["n_group"])
+    writer.add_expert_group_used_count(cfg["topk_group"])
+    if cfg["model_type"] == "deepseek_v3":  # its released configs say scoring_func "sigmoid"
+        writer.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+    rope_parameters = cfg["rope_parameters"]
+    if rope_parameters.get("rope_type") == "yarn":
+        writer.add_rope_scaling_type(RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope_parameters["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope_parameters["original_max_position_embeddings"])
+        writer.add_rope_scaling_yarn_beta_fast(rope_parameters["beta_fast"])
+        writer.add_rope_scaling_yarn_beta_slow(rope_parameters["beta_slow"])
+        writer.add_rope_scaling_yarn_log_mul(0.1 * rope_parameters["mscale_all_dim"])
+
+
 def hf_as_gguf(
     src: str,
     dst: str,
@@ -247,14 +286,18 @@ def hf_as_gguf(
     quant_type: str = "F32",
     *,
     stacked_experts: bool = True,
+    split_kv_b: bool = True,
     reference: str | None = None,
 ) -> str:
     """The Hugging Face model in ``src`` (a ``build_tiny_model`` folder) as a GGUF file of
-    llama.cpp's ``arch`` (``llama``, with experts for Mixtral; ``qwen2moe``; ``qwen3moe``), laid
-    out as llama.cpp's converter lays it out: its tensor names, the ``llama`` architecture's query
-    and key rows in GGUF's rotary order, each layer's experts stacked in one tensor per projection
-    (or, ``stacked_experts=False``, one tensor per expert, as older Mixtral files have them), and
-    the tokenizer of the default model's GGUF. Matrices whose rows are whole blocks of 32 are
+    llama.cpp's ``arch`` (``llama``, with experts for Mixtral; ``qwen2moe``; ``qwen3moe``;
+    ``deepseek2`` for DeepSeek-V2/V3), laid out as llama.cpp's converter lays it out: its tensor
+    names, the ``llama`` architecture's query and key rows in GGUF's rotary order, each layer's
+    experts stacked in one tensor per projection (or, ``stacked_experts=False``, one tensor per
+    expert, as older Mixtral files have them), DeepSeek's latent attention as one key/value head
+    with its ``kv_b_proj`` split per head into transposed key rows and value rows (or,
+    ``split_kv_b=False``, whole, with the per-head lengths, as older files have them), and the
+    tokenizer of the default model's GGUF. Matrices whose rows are whole blocks of 32 are
     quantized to ``quant_type``; the rest, and the routers, stay F32. ``reference``: also write there ``src``'s
     checkpoint holding exactly the values the GGUF holds. Returns ``dst``."""
     import json
@@ -280,7 +323,7 @@ def hf_as_gguf(
     weights = load_file(str(Path(src) / "model.safetensors"))
     layers, heads, kv_heads = cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    experts = cfg.get("num_local_experts") or cfg["num_experts"]
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg["n_routed_experts"]
     kind = GGMLQuantizationType[quant_type]
 
     writer = GGUFWriter(dst, arch)
@@ -295,12 +338,16 @@ def hf_as_gguf(
     writer.add_embedding_length(cfg["hidden_size"])
     writer.add_feed_forward_length(cfg["intermediate_size"])
     writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
-    writer.add_rope_freq_base(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
+    rope = cfg.get("rope_parameters") or {"rope_theta": cfg["rope_theta"]}
+    writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    if arch == "deepseek2":
+        _deepseek2_fields(writer, cfg, split_kv_b)
+    else:
+        writer.add_head_count_kv(kv_heads)
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+        writer.add_rope_dimension_count(head_dim)
     writer.add_expert_count(experts)
     writer.add_expert_used_count(cfg["num_experts_per_tok"])
     if "moe_intermediate_size" in cfg:
@@ -331,6 +378,17 @@ def hf_as_gguf(
             stacks.setdefault((int(m[1]), projections[m[3]]), {})[int(m[2])] = hf_name
             continue
         base, _, suffix = hf_name.rpartition(".")
+        if arch == "deepseek2" and base.endswith("kv_b_proj") and split_kv_b:
+            layer = hf_name.split(".")[2]
+            nope = cfg["qk_nope_head_dim"]
+            per_head = tensor.reshape(heads, nope + cfg["v_head_dim"], -1)
+            keys = add(f"blk.{layer}.attn_k_b.weight", per_head[:, :nope].transpose(1, 2).contiguous())
+            values = add(f"blk.{layer}.attn_v_b.weight", per_head[:, nope:].contiguous())
+            held[hf_name] = torch.cat([keys.transpose(1, 2), values], dim=1).reshape(tensor.shape)
+            continue
+        if suffix == "e_score_correction_bias":  # DeepSeek-V3's routing bias
+            held[hf_name] = add(f"blk.{hf_name.split('.')[2]}.exp_probs_b.bias", tensor)
+            continue
         rows = torch.arange(tensor.shape[0])
         if arch == "llama" and base.endswith(("q_proj", "k_proj")):
             rows = rotary_order(rows, heads if base.endswith("q_proj") else kv_heads)
