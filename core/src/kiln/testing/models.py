@@ -334,6 +334,8 @@ def hf_as_gguf(
             writer.add_key_value(field.name, field.contents(), types[0],
                                  sub_type=types[-1] if types[0] == GGUFValueType.ARRAY else None)  # fmt: skip
     writer.add_block_count(layers)
+    if arch == "llama":
+        writer.add_vocab_size(cfg["vocab_size"])
     writer.add_context_length(cfg["max_position_embeddings"])
     writer.add_embedding_length(cfg["hidden_size"])
     writer.add_feed_forward_length(cfg["intermediate_size"])
@@ -393,8 +395,6 @@ def hf_as_gguf(
         if arch == "llama" and base.endswith(("q_proj", "k_proj")):
             rows = rotary_order(rows, heads if base.endswith("q_proj") else kv_heads)
         values = tensor[rows]
-        if base.endswith("shared_expert_gate"):
-            values = values.reshape(-1)  # llama.cpp keeps this (1, hidden) gate as a vector
         stored = add(f"{names.get_name(base)}.{suffix}", values)
         held[hf_name] = stored.reshape(tensor.shape)[rows.argsort()]  # back in transformers' row order
     for (layer, proj), per_expert in sorted(stacks.items()):
