@@ -71,7 +71,9 @@ def test_an_unreadable_index_is_rebuilt(tmp_path):
     digest = hashlib.sha256(gguf.read_bytes()).hexdigest()
     converted = cache / f"model-{digest[:16]}"
     converted.mkdir()
-    (converted / "config.json").write_text("{}")  # found by content: no conversion is tried
+    (converted / gguf_cache.MARKER).write_text(
+        json.dumps({"conversion": gguf_cache.CONVERSION})
+    )  # found by content: no conversion is tried
     assert convert_gguf(str(gguf), cache) == str(converted)
     assert json.loads((cache / INDEX).read_text()) == {
         os.path.realpath(gguf): {"size": 104, "mtime_ns": os.stat(gguf).st_mtime_ns, "sha256": digest}
@@ -92,3 +94,21 @@ def test_weights_written_tensor_by_tensor_are_transformers_conversion(tmp_path):
         assert {k: v for k, v in ours.items() if k != "_name_or_path"} == {
             k: v for k, v in theirs.items() if k != "_name_or_path"
         }
+
+
+def test_a_folder_an_older_kiln_converted_is_converted_again(tiny_model_dir, tmp_path):
+    """Conversions changed (the tokenizers, 2026-11-27): a folder without this Kiln's mark is
+    replaced, in place, by a new conversion."""
+    from kiln.testing.models import hf_as_gguf
+
+    cache, gguf = tmp_path / "cache", hf_as_gguf(tiny_model_dir("llama"), str(tmp_path / "model.gguf"), "llama")
+    digest = hashlib.sha256(open(gguf, "rb").read()).hexdigest()
+    older = cache / f"model-{digest[:16]}"
+    older.mkdir(parents=True)
+    (older / "config.json").write_text("{}")  # as an older Kiln left it: no mark
+    (older / "tokenizer.json").write_text("{}")
+    assert convert_gguf(gguf, cache) == str(older)
+    assert json.loads((older / gguf_cache.MARKER).read_text()) == {"conversion": gguf_cache.CONVERSION}
+    assert json.loads((older / "config.json").read_text())["model_type"] == "llama"
+    assert json.loads((older / "tokenizer.json").read_text())["model"]["type"] == "BPE"
+    assert sorted(p.name for p in cache.iterdir()) == [older.name, INDEX]  # the temporary folder is gone

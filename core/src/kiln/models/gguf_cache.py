@@ -34,10 +34,14 @@ from pathlib import Path
 import torch
 
 from kiln.models import gguf_deepseek
+from kiln.models.gguf_tokenizer import gguf_tokenizer
 
 logger = logging.getLogger("kiln.loader")
 
 INDEX = "sources.json"  # {real path: {"size", "mtime_ns", "sha256"}}
+# In each folder: {"conversion": CONVERSION}. Raised when conversions change, so that folders an
+# older Kiln converted are converted again (2: tokenizers tokenize as llama.cpp does).
+MARKER, CONVERSION = "kiln-conversion.json", 2
 FOLDER_KEY = re.compile(r"[0-9a-f]{16}")  # what follows "<file stem>-" in a folder's name
 
 
@@ -51,10 +55,18 @@ def convert_gguf(gguf_path: str, cache: Path) -> str:
     gguf_path = os.path.abspath(gguf_path)  # transformers takes a bare file name for a Hub repo's
     stem = Path(gguf_path).stem
     target = cache / f"{stem}-{_digest(gguf_path, cache)[:16]}"
-    if not (target / "config.json").exists():
+    if not _current(target):
         _convert(gguf_path, target)
         _prune(cache, stem)
     return str(target)
+
+
+def _current(target: Path) -> bool:
+    """Whether ``target`` holds a conversion as this Kiln makes them."""
+    try:
+        return json.loads((target / MARKER).read_text()).get("conversion") == CONVERSION
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _read_index(cache: Path) -> dict[str, dict]:
@@ -103,16 +115,13 @@ def _prune(cache: Path, stem: str) -> None:
 
 def _convert(gguf_path: str, target: Path) -> None:
     logger.info("converting %s to a cached fp32 folder at %s (first start only)", gguf_path, target)
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    folder, fname = os.path.split(gguf_path)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = tempfile.mkdtemp(dir=target.parent)
     try:
         try:
-            # AutoTokenizer reads the model's config first, which transformers cannot for every architecture.
-            tokenizer = PreTrainedTokenizerFast if _architecture(gguf_path) == gguf_deepseek.ARCH else AutoTokenizer
-            tokenizer.from_pretrained(folder, gguf_file=fname).save_pretrained(tmp)
+            # transformers cannot read a deepseek2 file's config, which AutoTokenizer would read first.
+            fast_only = _architecture(gguf_path) == gguf_deepseek.ARCH
+            gguf_tokenizer(gguf_path, fast_only=fast_only).save_pretrained(tmp)
             if not _write_by_tensor(gguf_path, tmp):
                 _write_whole(gguf_path, tmp)
         except UnmappedGGUF:
@@ -125,10 +134,15 @@ def _convert(gguf_path: str, target: Path) -> None:
             raise ValueError(f"model: {gguf_path}: {exc} (Kiln reads GGUF files through transformers)") from exc
         except (KeyError, IndexError, struct.error) as exc:  # what a damaged file raises
             raise _damaged(gguf_path, exc) from exc
+        (Path(tmp) / MARKER).write_text(json.dumps({"conversion": CONVERSION}))
+        if _current(target):  # another process's conversion won the race
+            shutil.rmtree(tmp)
+            return
+        shutil.rmtree(target, ignore_errors=True)  # an older Kiln's conversion
         os.replace(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
-        if not (target / "config.json").exists():  # else another process's conversion won the race
+        if not _current(target):  # else another process's conversion won the race
             raise
 
 

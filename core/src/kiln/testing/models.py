@@ -323,7 +323,7 @@ def hf_as_gguf(
     weights = load_file(str(Path(src) / "model.safetensors"))
     layers, heads, kv_heads = cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    experts = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg["n_routed_experts"]
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts") or 0
     kind = GGMLQuantizationType[quant_type]
 
     writer = GGUFWriter(dst, arch)
@@ -350,8 +350,9 @@ def hf_as_gguf(
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
         writer.add_rope_dimension_count(head_dim)
-    writer.add_expert_count(experts)
-    writer.add_expert_used_count(cfg["num_experts_per_tok"])
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(cfg["num_experts_per_tok"])
     if "moe_intermediate_size" in cfg:
         writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     if cfg.get("shared_expert_intermediate_size"):
