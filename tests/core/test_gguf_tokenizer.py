@@ -4,8 +4,6 @@ for what transformers' conversion alone got wrong."""
 
 from __future__ import annotations
 
-import glob
-import os
 from pathlib import Path
 
 import pytest
@@ -13,9 +11,9 @@ from gguf import GGUFReader, GGUFValueType, GGUFWriter, TokenType
 
 from kiln.models.gguf_tokenizer import gguf_tokenizer
 from kiln.models.loader import default_model_path
+from kiln.testing.models import llama_cpp_source
 
-PEERS = Path(os.environ.get("PEERS") or Path.home() / ".cache" / "kiln-peers")
-VOCABS = sorted(glob.glob(str(PEERS / "dl" / "llama_cpp_python-*" / "vendor" / "llama.cpp" / "models")))
+SOURCE = llama_cpp_source()
 # llama.cpp's vocabularies with test texts that Kiln's architectures (and the transformers fallback's
 # GGUF families) use; Falcon, MPT and BERT's are left out: they still part from llama.cpp.
 CHECKED = ["llama-spm", "llama-bpe", "phi-3", "qwen2", "qwen35", "gpt-2", "gemma-4", "deepseek-llm",
@@ -23,13 +21,13 @@ CHECKED = ["llama-spm", "llama-bpe", "phi-3", "qwen2", "qwen35", "gpt-2", "gemma
 
 
 @pytest.mark.skipif(
-    not VOCABS, reason="llama.cpp's source is not at hand: ../shared/peers/llama_server.sh setup fetches it"
+    SOURCE is None, reason="llama.cpp's source is not at hand: ../shared/peers/llama_server.sh setup fetches it"
 )
 @pytest.mark.parametrize("vocab", CHECKED)
 def test_llama_cpp_test_texts_tokenize_as_llama_cpp_expects(vocab):
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
-    path = f"{VOCABS[-1]}/ggml-vocab-{vocab}.gguf"
+    path = f"{SOURCE}/models/ggml-vocab-{vocab}.gguf"
     arch = GGUFReader(path).fields["general.architecture"].contents()
     # As the conversion builds it: through the model's config where transformers reads it (not
     # from Gemma 4's vocabulary-only file, whose config transformers refuses).

@@ -7,17 +7,15 @@ configs give it; lengths llama.cpp would derive)."""
 
 from __future__ import annotations
 
-import glob
 import importlib.util
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from gguf import GGUFReader
 
-from kiln.testing.models import hf_as_gguf
+from kiln.testing.models import hf_as_gguf, llama_cpp_source
 
 YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=40.0, original_max_position_embeddings=16, beta_fast=32.0,
             beta_slow=1.0, mscale=0.707, mscale_all_dim=0.707)  # fmt: skip
@@ -36,16 +34,9 @@ FAMILIES = {
 }
 
 
-def _converter() -> Path | None:
-    peers = Path(os.environ.get("PEERS") or Path.home() / ".cache" / "kiln-peers")
-    found = sorted(
-        glob.glob(str(peers / "dl" / "llama_cpp_python-*" / "vendor" / "llama.cpp" / "convert_hf_to_gguf.py"))
-    )
-    return Path(found[-1]) if found else None
-
-
 @pytest.mark.skipif(
-    _converter() is None, reason="llama.cpp's source is not at hand: ../shared/peers/llama_server.sh setup fetches it"
+    llama_cpp_source() is None,
+    reason="llama.cpp's source is not at hand: ../shared/peers/llama_server.sh setup fetches it",
 )
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_hf_as_gguf_writes_what_llama_cpp_converter_writes(tiny_model_dir, tmp_path, family):
@@ -53,7 +44,7 @@ def test_hf_as_gguf_writes_what_llama_cpp_converter_writes(tiny_model_dir, tmp_p
     if arch == "llama" and importlib.util.find_spec("sentencepiece") is None:
         pytest.skip("llama.cpp's converter reads a llama-architecture vocabulary with sentencepiece, not installed")
     source = tiny_model_dir(model_type, **overrides)
-    converter = _converter()
+    converter = llama_cpp_source() / "convert_hf_to_gguf.py"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(converter.parent / "gguf-py"), *filter(None, sys.path)])}
     theirs = tmp_path / "theirs.gguf"
     subprocess.run([sys.executable, str(converter), source, "--outfile", str(theirs), "--outtype", "f32"],

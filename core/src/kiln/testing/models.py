@@ -240,6 +240,16 @@ def requantized_gguf(src: str, dst: str, quant_type: str, overrides: dict[str, s
     return dst
 
 
+def llama_cpp_source() -> Path | None:
+    """llama.cpp's source tree (its converter, its vocabularies and their test texts) where
+    ``../shared/peers/llama_server.sh setup`` left it under ``$PEERS`` (``~/.cache/kiln-peers``)."""
+    import glob
+
+    peers = Path(os.environ.get("PEERS") or Path.home() / ".cache" / "kiln-peers")
+    found = sorted(glob.glob(str(peers / "dl" / "llama_cpp_python-*" / "vendor" / "llama.cpp")))
+    return Path(found[-1]) if found else None
+
+
 def _deepseek2_fields(writer, cfg: dict, split_kv_b: bool) -> None:
     """A DeepSeek-V2/V3 config as llama.cpp's converter writes it: latent attention as one
     key/value head of the latent's lengths (the per-head ones apart), the routing settings."""
