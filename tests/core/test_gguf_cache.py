@@ -13,6 +13,7 @@ import shutil
 
 import pytest
 import torch
+from gguf import GGUFReader
 from safetensors.torch import load_file
 
 from kiln.models import gguf_cache
@@ -84,7 +85,9 @@ def test_an_unreadable_index_is_rebuilt(tmp_path):
 def test_weights_written_tensor_by_tensor_are_transformers_conversion(tmp_path):
     by_tensor, whole = tmp_path / "by_tensor", tmp_path / "whole"
     by_tensor.mkdir(), whole.mkdir()
-    assert gguf_cache._write_by_tensor(default_model_path(), str(by_tensor))  # the default model: Llama
+    assert gguf_cache._write_by_tensor(
+        default_model_path(), str(by_tensor), GGUFReader(default_model_path())
+    )  # the default model: Llama
     gguf_cache._write_whole(default_model_path(), str(whole))
     ours, theirs = load_file(by_tensor / "model.safetensors"), load_file(whole / "model.safetensors")
     assert ours.keys() == theirs.keys() and len(ours) == 272

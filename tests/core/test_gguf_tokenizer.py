@@ -87,14 +87,17 @@ def test_a_vocabulary_that_asks_for_no_prefix_gets_none(tmp_path):
     assert tokenizer.backend_tokenizer.normalizer is None  # transformers' conversion as it is
 
 
-def _default_vocab_as(tmp_path: Path, pre: str) -> str:
-    """The default model's BPE vocabulary, its pre-tokenizer type replaced."""
+def _default_vocab_as(tmp_path: Path, pre: str, renamed: dict[int, str] | None = None) -> str:
+    """The default model's BPE vocabulary, its pre-tokenizer type replaced, and the tokens of
+    ``renamed``'s ids spelled as it says."""
     source = GGUFReader(default_model_path())
     writer = GGUFWriter(str(tmp_path / f"{pre}.gguf"), "llama")
     for field in source.fields.values():
         if field.name.startswith("tokenizer.") and field.name != "tokenizer.ggml.pre":
-            types = field.types
-            writer.add_key_value(field.name, field.contents(), types[0],
+            types, value = field.types, field.contents()
+            if field.name == "tokenizer.ggml.tokens":
+                value = [(renamed or {}).get(i, token) for i, token in enumerate(value)]
+            writer.add_key_value(field.name, value, types[0],
                                  sub_type=types[-1] if types[0] == GGUFValueType.ARRAY else None)  # fmt: skip
     writer.add_string("tokenizer.ggml.pre", pre)
     writer.write_header_to_file()
@@ -109,7 +112,7 @@ def _default_vocab_as(tmp_path: Path, pre: str) -> str:
     [
         ("deepseek-v3", ["ied", "Ġ", "123", "45", "Ġ", "ä½łå¥½", "Ġmonths"]),  # digits three at a time
         ("deepseek-llm", ["ied", "Ġ", "12345", "Ġ", "ä½łå¥½", "Ġmonths"]),  # digits and CJK apart
-        ("smollm", ["ied", "Ġ12345", "Ġä½łå¥½", "Ġmonths"]),  # the default's: GPT-2's split, untouched
+        ("smollm", ["ied", "Ġ12345", "Ġä½łå¥½", "Ġmonths"]),  # the default's, as its tokenizer.json splits
     ],
 )
 def test_pre_tokenizers_transformers_does_not_know_split_as_their_models_do(tmp_path, pre, pieces):
@@ -121,3 +124,34 @@ def test_pre_tokenizers_transformers_does_not_know_split_as_their_models_do(tmp_
 def test_llama3_vocabularies_take_a_word_in_the_vocabulary_whole(tmp_path):
     tokenizer = gguf_tokenizer(_default_vocab_as(tmp_path, "llama-bpe"), fast_only=True)
     assert tokenizer.backend_tokenizer.model.ignore_merges
+
+
+BOS = "<\uff5cbegin\u2581of\u2581sentence\uff5c>"  # DeepSeek's, spelled outside the byte alphabet
+
+
+def test_special_tokens_spelled_outside_the_byte_alphabet_keep_their_ids(tmp_path):
+    """The default vocabulary with its BOS (id 1) spelled as DeepSeek spells its own: transformers'
+    conversion had respelled it as bytes and added it again, with GPT-2's "<|endoftext|>" (renamed
+    away here), past the vocabulary, where the model has no embedding."""
+    path = _default_vocab_as(tmp_path, "deepseek-v3", renamed={0: "<pad>", 1: BOS})
+    tokenizer = gguf_tokenizer(path, fast_only=True)
+    assert len(tokenizer) == 49152 and tokenizer.bos_token == BOS and tokenizer.bos_token_id == 1
+    ids = tokenizer(f"{BOS}Hi", add_special_tokens=False).input_ids
+    assert ids == [1, *tokenizer("Hi", add_special_tokens=False).input_ids]  # matched whole, as its id
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "Hi"
+
+
+def test_the_mended_tokenizers_save_and_load_as_they_are(tmp_path):
+    """The cache folder's tokenizer is what Kiln loads: AutoTokenizer on the saved files."""
+    from transformers import AutoTokenizer
+
+    spm = gguf_tokenizer(_vocab_file(tmp_path / "spm.gguf", SPM_TOKENS, model="llama"), fast_only=True)
+    bpe = gguf_tokenizer(_default_vocab_as(tmp_path, "deepseek-v3", renamed={0: "<pad>", 1: BOS}), fast_only=True)
+    for name, tokenizer, text in [("spm", spm, "<s> Hello world"), ("bpe", bpe, f"{BOS}ied 12345 months")]:
+        tokenizer.save_pretrained(tmp_path / name)
+        loaded = AutoTokenizer.from_pretrained(tmp_path / name)
+        assert loaded(text).input_ids == tokenizer(text).input_ids and len(loaded) == len(tokenizer)
+    assert loaded(f"{BOS}123", add_special_tokens=False).input_ids == [
+        1,
+        *loaded("123", add_special_tokens=False).input_ids,
+    ]

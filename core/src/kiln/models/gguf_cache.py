@@ -4,7 +4,8 @@ each named and reordered as transformers' GGUF loading does (the file then holds
 values as transformers' own conversion, bit for bit), so the whole model in floats is never
 in memory. Mixtures of experts (llama.cpp's Mixtral, Qwen2-MoE, Qwen3-MoE) are written one
 expert at a time, with the config transformers' GGUF reading leaves incomplete for them;
-other architectures whose tensors transformers rearranges across tensors go through its
+DeepSeek's ``deepseek2``, which transformers does not read, through ``gguf_deepseek``; the
+tokenizer through ``gguf_tokenizer``, which tokenizes as llama.cpp does; other architectures whose tensors transformers rearranges across tensors go through its
 loading of the whole model, which must then give every weight a tensor of the file.
 
 A conversion is named for the file's content (its SHA-256), not for where the file lies: the
@@ -15,7 +16,8 @@ mtime, as before, piled up one per reinstall of the same file.
 Hashing a file of several GB takes seconds, so ``sources.json`` beside the folders remembers
 each path's digest under its size and mtime, and a file unchanged since is not read again.
 After a conversion, the folders of files of the same name that no remembered path maps to
-any more (the file's earlier content, or a folder of an older Kiln) are removed.
+any more (the file's earlier content, or a folder of an older Kiln) are removed. A folder that
+an older Kiln's conversion made (``MARKER`` says which made it) is converted again in place.
 """
 
 from __future__ import annotations
@@ -119,10 +121,13 @@ def _convert(gguf_path: str, target: Path) -> None:
     tmp = tempfile.mkdtemp(dir=target.parent)
     try:
         try:
+            from gguf import GGUFReader
+
+            reader = GGUFReader(gguf_path)
             # transformers cannot read a deepseek2 file's config, which AutoTokenizer would read first.
-            fast_only = _architecture(gguf_path) == gguf_deepseek.ARCH
-            gguf_tokenizer(gguf_path, fast_only=fast_only).save_pretrained(tmp)
-            if not _write_by_tensor(gguf_path, tmp):
+            fast_only = reader.fields["general.architecture"].contents() == gguf_deepseek.ARCH
+            gguf_tokenizer(gguf_path, fast_only=fast_only, reader=reader).save_pretrained(tmp)
+            if not _write_by_tensor(gguf_path, tmp, reader):
                 _write_whole(gguf_path, tmp)
         except UnmappedGGUF:
             raise
@@ -135,24 +140,32 @@ def _convert(gguf_path: str, target: Path) -> None:
         except (KeyError, IndexError, struct.error) as exc:  # what a damaged file raises
             raise _damaged(gguf_path, exc) from exc
         (Path(tmp) / MARKER).write_text(json.dumps({"conversion": CONVERSION}))
-        if _current(target):  # another process's conversion won the race
-            shutil.rmtree(tmp)
-            return
-        shutil.rmtree(target, ignore_errors=True)  # an older Kiln's conversion
-        os.replace(tmp, target)
+        _install(Path(tmp), target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         if not _current(target):  # else another process's conversion won the race
             raise
 
 
-def _architecture(gguf_path: str) -> str:
-    from gguf import GGUFReader
+def _install(tmp: Path, target: Path) -> None:
+    """Move the finished conversion ``tmp`` to ``target``, in place of an older Kiln's conversion
+    there; if another process installed a current one first, ``tmp`` is dropped. Under a lock on
+    the cache, so that no process removes a folder another has just installed."""
+    import fcntl
 
-    return GGUFReader(gguf_path).fields["general.architecture"].contents()
+    with open(target.parent / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _current(target):
+            shutil.rmtree(tmp)
+            return
+        if target.exists():  # moved aside whole first: a removal that fails partway leaves nothing behind
+            stale = Path(tempfile.mkdtemp(dir=target.parent))
+            os.replace(target, stale / "old")
+            shutil.rmtree(stale, ignore_errors=True)
+        os.replace(tmp, target)
 
 
-def _write_by_tensor(gguf_path: str, out: str) -> bool:
+def _write_by_tensor(gguf_path: str, out: str, reader) -> bool:
     """Write the model's fp32 folder (but the tokenizer) one tensor at a time, as transformers'
     GGUF loading names and reorders each: the whole model in floats is never in memory (for an
     8B model, 32 GB). A mixture of experts' stacked expert tensors are written one expert at a
@@ -160,7 +173,7 @@ def _write_by_tensor(gguf_path: str, out: str) -> bool:
     nothing, for an architecture whose tensors transformers rearranges across tensors in other
     ways, or a file it does not map whole: ``_write_whole`` converts those."""
     import numpy as np
-    from gguf import GGUFReader, dequantize
+    from gguf import dequantize
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
     from transformers.modeling_gguf_pytorch_utils import (
         TENSOR_PROCESSORS,
@@ -173,7 +186,6 @@ def _write_by_tensor(gguf_path: str, out: str) -> bool:
     )
 
     folder, fname = os.path.split(gguf_path)
-    reader = GGUFReader(gguf_path)
     arch = read_field(reader, "general.architecture")[0]
     if arch == gguf_deepseek.ARCH:  # transformers reads neither its config nor two of its tensors
         config = gguf_deepseek.deepseek_config(reader)
@@ -214,7 +226,6 @@ def _write_by_tensor(gguf_path: str, out: str) -> bool:
         parts += gguf_deepseek.deepseek_parts(reader, dequantized)
     expected = {n for n in shapes if not FUSED_EXPERTS.search(n)}
     experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
-    experts = experts or getattr(config, "n_routed_experts", None) or 0
     for layer in {int(m[1]) for n in shapes if (m := FUSED_EXPERTS.search(n))}:
         expected |= {_expert_name(layer, e, p) for e in range(experts) for p in ("gate", "up", "down")}
     tied = {"lm_head.weight"} if config.tie_word_embeddings else set()

@@ -16,10 +16,13 @@ llama.cpp's converter lays out other than transformers' names map them.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable
 
 import numpy as np
+
+logger = logging.getLogger("kiln.loader")
 
 ARCH = "deepseek2"
 SIGMOID = 2  # llama.cpp's expert_gating_func: 1 softmax, 2 sigmoid
@@ -32,8 +35,8 @@ def deepseek_config(reader):
     file's metadata."""
     from transformers import DeepseekV2Config, DeepseekV3Config
 
-    def field(key: str, default=None):
-        f = reader.fields.get(f"{ARCH}.{key}")
+    def field(key: str, default=None, prefix: str = ARCH):
+        f = reader.fields.get(f"{prefix}.{key}")
         return default if f is None else f.contents()
 
     def required(key: str):
@@ -53,13 +56,16 @@ def deepseek_config(reader):
     groups = field("expert_group_count", 1)
     rope_parameters = {"rope_type": "default", "rope_theta": field("rope.freq_base", 10000.0)}
     if field("rope.scaling.type") == "yarn":
-        mscale = field("rope.scaling.yarn_log_multiplier", 0.0) / 0.1
         rope_parameters |= {
             "rope_type": "yarn", "factor": required("rope.scaling.factor"),
             "original_max_position_embeddings": required("rope.scaling.original_context_length"),
             "beta_fast": field("rope.scaling.yarn_beta_fast", 32.0), "beta_slow": field("rope.scaling.yarn_beta_slow", 1.0),
-            "mscale": mscale, "mscale_all_dim": mscale,
         }  # fmt: skip
+        if (log_multiplier := field("rope.scaling.yarn_log_multiplier")) is not None:
+            rope_parameters["mscale"] = rope_parameters["mscale_all_dim"] = log_multiplier / 0.1
+    if not v3 and field("expert_weights_norm"):
+        logger.warning("the GGUF file asks for renormalised softmax routing, which DeepSeek-V2 (as transformers "
+                       "runs it) does not do: served without")  # fmt: skip
     settings = dict(
         vocab_size=field("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data),
         hidden_size=required("embedding_length"),
@@ -86,6 +92,10 @@ def deepseek_config(reader):
         topk_group=field("expert_group_used_count", 1),
         rope_parameters=rope_parameters,
         tie_word_embeddings="output.weight" not in names,
+        # The configs' own defaults are other models' ids (V2's EOS 2 is "#" in its vocabulary).
+        bos_token_id=field("bos_token_id", prefix="tokenizer.ggml"),
+        eos_token_id=field("eos_token_id", prefix="tokenizer.ggml"),
+        pad_token_id=field("padding_token_id", prefix="tokenizer.ggml"),
     )
     if v3:
         return DeepseekV3Config(**settings, rope_interleave=True)
@@ -99,7 +109,7 @@ def deepseek_parts(reader, dequantized: Callable) -> list[tuple[str, list[int], 
     tensors = {t.name: t for t in reader.tensors}
     parts = []
     for name, t in tensors.items():
-        if m := K_B.fullmatch(name):
+        if (m := K_B.fullmatch(name)) and f"blk.{m['layer']}.attn_kv_b.weight" not in tensors:  # else read whole
             v_b = tensors.get(f"blk.{m['layer']}.attn_v_b.weight")
             if v_b is None:
                 raise ValueError(f"model: the GGUF file has {name} but no blk.{m['layer']}.attn_v_b.weight")

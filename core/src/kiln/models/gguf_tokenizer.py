@@ -8,6 +8,11 @@ from them (measured on llama.cpp's vocabularies and their test texts, ``tests/co
   ``<s>[INST]``): 15 of llama.cpp's 47 test texts came out other tokens.
 - BPE vocabularies that llama.cpp reads with ``ignore_merges`` (Llama 3 and others): a word that is
   itself in the vocabulary is one token, as Llama 3's own tokenizer says (``Việt``: 3 tokens before).
+- Special tokens of BPE vocabularies spelled outside the byte alphabet (DeepSeek's
+  ``<｜begin▁of▁sentence｜>``): transformers' conversion respelled them as bytes, skipped them as
+  special tokens and then added the file's BOS and EOS again past the vocabulary (DeepSeek LLM's
+  BOS came out id 102401 of 102400), so every prompt with a BOS was refused. They keep their ids,
+  and no token is added past the vocabulary (Llama 3's had GPT-2's ``<|endoftext|>`` at 128256).
 - Pre-tokenizers transformers does not know, and splits as GPT-2 does: DeepSeek's (``deepseek-llm``:
   DeepSeek LLM and V2; ``deepseek-coder``; ``deepseek-v3``: V3 and R1), StarCoder's, Refact's and
   Command R's: their own splits (digits one or three at a time, CJK runs apart), the expressions
@@ -21,8 +26,9 @@ import os
 # llama.cpp's pre-tokenizer types read with ignore_merges (src/llama-vocab.cpp).
 IGNORE_MERGES = {
     "llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2", "jina-v5-nano",
-    "minicpm5", "spark2_5", "youtu", "chatglm-bpe", "glm4", "glm5", "jais", "tekken", "kanana2", "talkie",
+    "minicpm5", "youtu", "glm4", "glm5", "tekken", "granite-embed-multi-97m",
 }  # fmt: skip
+CONTROL, USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
 _CJK = "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+"
 # Each pre-tokenizer's expressions, applied in turn to every piece: what one matches is a piece of
 # its own, and so is what lies between matches.
@@ -60,17 +66,18 @@ SPLITS |= dict.fromkeys(
 )
 
 
-def gguf_tokenizer(gguf_path: str, fast_only: bool = False):
+def gguf_tokenizer(gguf_path: str, fast_only: bool = False, reader=None):
     """The Hugging Face tokenizer of ``gguf_path`` (transformers' conversion, mended as above).
     ``fast_only``: build it without reading the model's config (``PreTrainedTokenizerFast``), for
-    architectures whose config transformers cannot read."""
+    architectures whose config transformers cannot read. ``reader``: the file's ``GGUFReader``,
+    where the caller has one."""
     from gguf import GGUFReader
     from tokenizers import Regex, normalizers, pre_tokenizers
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     folder, name = os.path.split(gguf_path)
     tokenizer = (PreTrainedTokenizerFast if fast_only else AutoTokenizer).from_pretrained(folder, gguf_file=name)
-    fields = GGUFReader(gguf_path).fields
+    fields = (reader or GGUFReader(gguf_path)).fields
 
     def field(key: str, default=None):
         f = fields.get(f"tokenizer.ggml.{key}")
@@ -81,11 +88,61 @@ def gguf_tokenizer(gguf_path: str, fast_only: bool = False):
     if kind == "llama" and field("add_space_prefix", True) and type(backend.pre_tokenizer) is pre_tokenizers.Metaspace:
         backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
         backend.pre_tokenizer = None
-    elif kind == "gpt2" and pre in IGNORE_MERGES:
-        backend.model.ignore_merges = True
-    elif kind == "gpt2" and pre in SPLITS:
-        backend.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(e), behavior="isolated") for e in SPLITS[pre]]
-            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
-        )
+    elif kind == "gpt2":
+        if pre in IGNORE_MERGES:
+            backend.model.ignore_merges = True
+        elif pre in SPLITS:
+            backend.pre_tokenizer = pre_tokenizers.Sequence(
+                [pre_tokenizers.Split(Regex(e), behavior="isolated") for e in SPLITS[pre]]
+                + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+            )
+        _keep_special_ids(tokenizer, field("tokens"), field("token_type") or [])
     return tokenizer
+
+
+def _keep_special_ids(tokenizer, tokens: list[str], types: list[int]) -> None:
+    """Give the control and user-defined tokens of a byte-level vocabulary that are spelled
+    outside its byte alphabet their own ids back, as added tokens (matched whole in the text, as
+    llama.cpp matches them), and drop the tokens the conversion added past the vocabulary."""
+    import json
+
+    from tokenizers import Tokenizer
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    spelling = bytes_to_unicode()
+    alphabet = set(spelling.values())
+    kept = {
+        token: i
+        for i, (token, kind) in enumerate(zip(tokens, types))
+        if kind in (CONTROL, USER_DEFINED) and not set(token) <= alphabet
+    }
+    state = json.loads(tokenizer.backend_tokenizer.to_str())
+    # e.g. GPT-2's "<|endoftext|>", which transformers adds to a Llama 3 vocabulary: past the model's
+    # embeddings, a prompt spelling it out would be refused.
+    past = [a for a in state["added_tokens"] if a["id"] >= len(tokens)]
+    if not kept and not past:
+        return
+    vocab = state["model"]["vocab"]
+    for token, i in kept.items():
+        vocab.pop("".join(spelling[b] for b in token.encode("utf-8")), None)
+        vocab[token] = i
+    state["added_tokens"] = [a for a in state["added_tokens"] if a["id"] < len(tokens) and a["content"] not in kept]
+    state["added_tokens"] += [
+        {"id": i, "content": token, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+         "special": types[i] == CONTROL}
+        for token, i in kept.items()
+    ]  # fmt: skip
+    ids = {**vocab, **{a["content"]: a["id"] for a in state["added_tokens"]}}
+
+    def renumber(node) -> None:  # the post-processor's BOS/EOS entries hold the ids they were added under
+        if isinstance(node, dict):
+            if "tokens" in node and "ids" in node:
+                node["ids"] = [ids[t] for t in node["tokens"]]
+            for value in node.values():
+                renumber(value)
+        elif isinstance(node, list):
+            for value in node:
+                renumber(value)
+
+    renumber(state.get("post_processor"))
+    tokenizer._tokenizer = Tokenizer.from_str(json.dumps(state))
