@@ -6,6 +6,7 @@ give one rank's tokens."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -16,9 +17,11 @@ from kiln.testing.engine import run_and_shut_down
 from kiln.testing.models import FAMILY_TOKENS, FAMILY_VARIANTS, assert_generates, hf_greedy
 
 
-def as_released(path: str) -> str:
-    """V3's routing correction is zeros in a fresh model: give it values that change the choice;
-    and add a layer past the last, as V3's multi-token-prediction head ships (both ignore it)."""
+def as_released(path: str, copy: Path) -> str:
+    """A copy of ``path`` (the tiny models are shared) as V3 is released: its routing correction,
+    zeros in a fresh model, given values that change the choice; and a layer past the last, as
+    V3's multi-token-prediction head ships (both ignore it)."""
+    path = str(shutil.copytree(path, copy))
     file = Path(path, "model.safetensors")
     state = load_file(str(file))
     gen = torch.Generator().manual_seed(3)
@@ -30,10 +33,10 @@ def as_released(path: str) -> str:
 
 
 @pytest.fixture(scope="module", params=["deepseek_v2", "deepseek_v3"])
-def deepseek_reference(request, tiny_model_dir, varied_prompts):
+def deepseek_reference(request, tiny_model_dir, varied_prompts, tmp_path_factory):
     path = tiny_model_dir(request.param)
     if request.param == "deepseek_v3":
-        path = as_released(path)
+        path = as_released(path, tmp_path_factory.mktemp("released") / "deepseek_v3")
     return path, hf_greedy(path, varied_prompts, FAMILY_TOKENS)
 
 

@@ -114,4 +114,4 @@ def test_a_folder_an_older_kiln_converted_is_converted_again(tiny_model_dir, tmp
     assert json.loads((older / gguf_cache.MARKER).read_text()) == {"conversion": gguf_cache.CONVERSION}
     assert json.loads((older / "config.json").read_text())["model_type"] == "llama"
     assert json.loads((older / "tokenizer.json").read_text())["model"]["type"] == "BPE"
-    assert sorted(p.name for p in cache.iterdir()) == [older.name, INDEX]  # the temporary folder is gone
+    assert sorted(p.name for p in cache.iterdir()) == [".lock", older.name, INDEX]  # the temporary folders are gone

@@ -387,6 +387,8 @@ def hf_as_gguf(
     projections = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
     held, stacks = {}, {}
     for hf_name, tensor in weights.items():
+        if (layer := re.match(r"model\.layers\.(\d+)\.", hf_name)) and int(layer[1]) >= layers:
+            continue  # a multi-token-prediction layer past the last (DeepSeek-V3's): llama.cpp skips it
         if m := expert_tensor.fullmatch(hf_name):
             stacks.setdefault((int(m[1]), projections[m[3]]), {})[int(m[2])] = hf_name
             continue
