@@ -87,13 +87,13 @@ def test_a_vocabulary_that_asks_for_no_prefix_gets_none(tmp_path):
     assert tokenizer.backend_tokenizer.normalizer is None  # transformers' conversion as it is
 
 
-def _default_vocab_as(tmp_path: Path, pre: str, renamed: dict[int, str] | None = None) -> str:
-    """The default model's BPE vocabulary, its pre-tokenizer type replaced, and the tokens of
-    ``renamed``'s ids spelled as it says."""
+def _default_vocab_as(tmp_path: Path, pre: str, renamed: dict[int, str] | None = None, without: tuple = ()) -> str:
+    """The default model's BPE vocabulary, its pre-tokenizer type replaced, the tokens of
+    ``renamed``'s ids spelled as it says, and the fields ``without`` names left out."""
     source = GGUFReader(default_model_path())
     writer = GGUFWriter(str(tmp_path / f"{pre}.gguf"), "llama")
     for field in source.fields.values():
-        if field.name.startswith("tokenizer.") and field.name != "tokenizer.ggml.pre":
+        if field.name.startswith("tokenizer.") and field.name not in ("tokenizer.ggml.pre", *without):
             types, value = field.types, field.contents()
             if field.name == "tokenizer.ggml.tokens":
                 value = [(renamed or {}).get(i, token) for i, token in enumerate(value)]
@@ -121,9 +121,15 @@ def test_pre_tokenizers_transformers_does_not_know_split_as_their_models_do(tmp_
     assert [piece for piece, _ in split] == pieces
 
 
-def test_llama3_vocabularies_take_a_word_in_the_vocabulary_whole(tmp_path):
-    tokenizer = gguf_tokenizer(_default_vocab_as(tmp_path, "llama-bpe"), fast_only=True)
+def test_llama3_vocabularies_take_a_word_in_the_vocabulary_whole_and_add_a_bos(tmp_path):
+    """The default vocabulary says nothing of a BOS (as Llama 3's files do not), and llama.cpp adds
+    one for Llama 3's kind: Kiln too (the completions API; chat templates write their own)."""
+    unsaid = ("tokenizer.ggml.add_bos_token",)
+    tokenizer = gguf_tokenizer(_default_vocab_as(tmp_path, "llama-bpe", without=unsaid), fast_only=True)
     assert tokenizer.backend_tokenizer.model.ignore_merges
+    assert tokenizer("Hi").input_ids == [tokenizer.bos_token_id, *tokenizer("Hi", add_special_tokens=False).input_ids]
+    other = gguf_tokenizer(_default_vocab_as(tmp_path, "smollm", without=unsaid), fast_only=True)
+    assert other("Hi").input_ids == tokenizer("Hi", add_special_tokens=False).input_ids  # the default's kind: none
 
 
 BOS = "<\uff5cbegin\u2581of\u2581sentence\uff5c>"  # DeepSeek's, spelled outside the byte alphabet

@@ -8,6 +8,8 @@ from them (measured on llama.cpp's vocabularies and their test texts, ``tests/co
   ``<s>[INST]``): 15 of llama.cpp's 47 test texts came out other tokens.
 - BPE vocabularies that llama.cpp reads with ``ignore_merges`` (Llama 3 and others): a word that is
   itself in the vocabulary is one token, as Llama 3's own tokenizer says (``Việt``: 3 tokens before).
+  Llama 3's files do not say whether to add a BOS (its tokenizer adds one in a post-processor,
+  which llama.cpp's converter does not read); llama.cpp adds one, and so does Kiln now.
 - Special tokens of BPE vocabularies spelled outside the byte alphabet (DeepSeek's
   ``<｜begin▁of▁sentence｜>``): transformers' conversion respelled them as bytes, skipped them as
   special tokens and then added the file's BOS and EOS again past the vocabulary (DeepSeek LLM's
@@ -23,11 +25,11 @@ from __future__ import annotations
 
 import os
 
-# llama.cpp's pre-tokenizer types read with ignore_merges (src/llama-vocab.cpp).
-IGNORE_MERGES = {
-    "llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2", "jina-v5-nano",
-    "minicpm5", "youtu", "glm4", "glm5", "tekken", "granite-embed-multi-97m",
-}  # fmt: skip
+# llama.cpp's pre-tokenizer types (src/llama-vocab.cpp): Llama 3's kin, those read with
+# ignore_merges, and those that add a BOS where the file does not say.
+LLAMA3 = {"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2", "jina-v5-nano"}
+IGNORE_MERGES = LLAMA3 | {"minicpm5", "youtu", "glm4", "glm5", "tekken", "granite-embed-multi-97m"}
+BOS_BY_DEFAULT = LLAMA3 | {"tekken", "chameleon"}
 CONTROL, USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
 _CJK = "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+"
 # Each pre-tokenizer's expressions, applied in turn to every piece: what one matches is a piece of
@@ -89,6 +91,8 @@ def gguf_tokenizer(gguf_path: str, fast_only: bool = False, reader=None):
         backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
         backend.pre_tokenizer = None
     elif kind == "gpt2":
+        if pre in BOS_BY_DEFAULT and field("add_bos_token") is None:
+            tokenizer.add_bos_token = True
         if pre in IGNORE_MERGES:
             backend.model.ignore_merges = True
         elif pre in SPLITS:
