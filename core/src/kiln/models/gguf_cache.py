@@ -5,8 +5,9 @@ values as transformers' own conversion, bit for bit), so the whole model in floa
 in memory. Mixtures of experts (llama.cpp's Mixtral, Qwen2-MoE, Qwen3-MoE) are written one
 expert at a time, with the config transformers' GGUF reading leaves incomplete for them;
 DeepSeek's ``deepseek2``, which transformers does not read, through ``gguf_deepseek``; the
-tokenizer through ``gguf_tokenizer``, which tokenizes as llama.cpp does; other architectures whose tensors transformers rearranges across tensors go through its
-loading of the whole model, which must then give every weight a tensor of the file.
+tokenizer through ``gguf_tokenizer``, which tokenizes as llama.cpp does; other architectures
+whose tensors transformers rearranges across tensors go through its loading of the whole
+model, which must then give every weight a tensor of the file.
 
 A conversion is named for the file's content (its SHA-256), not for where the file lies: the
 same file installed again, or in another environment, finds its folder already there. Each
