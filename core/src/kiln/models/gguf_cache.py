@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from kiln.models import gguf_deepseek
+from kiln.models import gguf_deepseek, gguf_split
 from kiln.models.gguf_tokenizer import gguf_tokenizer
 
 logger = logging.getLogger("kiln.loader")
@@ -54,12 +54,14 @@ class UnmappedGGUF(ValueError):
 
 def convert_gguf(gguf_path: str, cache: Path) -> str:
     """The folder under ``cache`` holding ``gguf_path`` as an fp32 Hugging Face model,
-    converted first if no file of the same content has been."""
+    converted first if no file of the same content has been. A split model
+    (``<name>-00001-of-0000N.gguf``) is named by its first file and read whole."""
     gguf_path = os.path.abspath(gguf_path)  # transformers takes a bare file name for a Hub repo's
-    stem = Path(gguf_path).stem
-    target = cache / f"{stem}-{_digest(gguf_path, cache)[:16]}"
+    files = gguf_split.model_files(gguf_path)
+    stem = gguf_split.model_stem(gguf_path)
+    target = cache / f"{stem}-{_digest(files, cache)[:16]}"
     if not _current(target):
-        _convert(gguf_path, target)
+        _convert(files, target)
         _prune(cache, stem)
     return str(target)
 
@@ -83,21 +85,27 @@ def _read_index(cache: Path) -> dict[str, dict]:
     return {p: e for p, e in index.items() if isinstance(e, dict) and isinstance(e.get("sha256"), str)}
 
 
-def _digest(path: str, cache: Path) -> str:
-    """The file's SHA-256 (hex): remembered in the index while its size and mtime hold."""
-    real, stat = os.path.realpath(path), os.stat(path)
+def _digest(files: list[str], cache: Path) -> str:
+    """The SHA-256 (hex) of the files' bytes one after another: remembered in the index under
+    the first file while their sizes and mtimes hold (one of each for a file alone, lists for
+    a split model's files)."""
+    real, stats = os.path.realpath(files[0]), [os.stat(f) for f in files]
+    size, mtime = [s.st_size for s in stats], [s.st_mtime_ns for s in stats]
+    if len(files) == 1:
+        size, mtime = size[0], mtime[0]
     index = _read_index(cache)
     known = index.get(real)
-    if known is not None and (known.get("size"), known.get("mtime_ns")) == (stat.st_size, stat.st_mtime_ns):
+    if known is not None and (known.get("size"), known.get("mtime_ns")) == (size, mtime):
         return known["sha256"]
-    logger.info("hashing %s (%.2f GB) to find its converted folder", path, stat.st_size / 1e9)
+    logger.info("hashing %s (%.2f GB) to find its converted folder", files[0], sum(s.st_size for s in stats) / 1e9)
     sha = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            sha.update(chunk)
+    for path in files:
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 24):
+                sha.update(chunk)
     # Remembered before the folder exists, so that a concurrent prune keeps it.
     index = {p: e for p, e in index.items() if os.path.exists(p)}
-    index[real] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": sha.hexdigest()}
+    index[real] = {"size": size, "mtime_ns": mtime, "sha256": sha.hexdigest()}
     cache.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=cache, suffix=".json")
     with os.fdopen(fd, "w") as f:
@@ -116,21 +124,26 @@ def _prune(cache: Path, stem: str) -> None:
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def _convert(gguf_path: str, target: Path) -> None:
+def _convert(files: list[str], target: Path) -> None:
+    gguf_path = files[0]
     logger.info("converting %s to a cached fp32 folder at %s (first start only)", gguf_path, target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = tempfile.mkdtemp(dir=target.parent)
     try:
         try:
-            from gguf import GGUFReader
-
-            reader = GGUFReader(gguf_path)
+            reader = gguf_split.read_model(files)
             # transformers cannot read a deepseek2 file's config, which AutoTokenizer would read first.
             fast_only = reader.fields["general.architecture"].contents() == gguf_deepseek.ARCH
             gguf_tokenizer(gguf_path, fast_only=fast_only, reader=reader).save_pretrained(tmp)
             if not _write_by_tensor(gguf_path, tmp, reader):
+                if len(files) > 1:  # transformers reads one file
+                    raise gguf_split.SplitModelError(
+                        f"model: {gguf_path}: a split GGUF model of this architecture is not read (Kiln converts "
+                        "split files tensor by tensor, which this architecture's conversion through transformers "
+                        "does not allow); join its files with llama.cpp's `llama-gguf-split --merge`"
+                    )
                 _write_whole(gguf_path, tmp)
-        except UnmappedGGUF:
+        except (UnmappedGGUF, gguf_split.SplitModelError):
             raise
         except ImportError as exc:
             raise ValueError(f"model: reading GGUF needs `pip install gguf accelerate` ({exc})") from None

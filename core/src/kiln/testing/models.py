@@ -298,6 +298,7 @@ def hf_as_gguf(
     stacked_experts: bool = True,
     split_kv_b: bool = True,
     reference: str | None = None,
+    split_max_tensors: int = 0,
 ) -> str:
     """The Hugging Face model in ``src`` (a ``build_tiny_model`` folder) as a GGUF file of
     llama.cpp's ``arch`` (``llama``, with experts for Mixtral; ``qwen2moe``; ``qwen3moe``;
@@ -309,7 +310,9 @@ def hf_as_gguf(
     ``split_kv_b=False``, whole, with the per-head lengths, as older files have them), and the
     tokenizer of the default model's GGUF. Matrices whose rows are whole blocks of 32 are
     quantized to ``quant_type``; the rest, and the routers, stay F32. ``reference``: also write there ``src``'s
-    checkpoint holding exactly the values the GGUF holds. Returns ``dst``."""
+    checkpoint holding exactly the values the GGUF holds. ``split_max_tensors``: split the model
+    into files of at most that many tensors, named as llama.cpp names them (``dst`` less
+    ``.gguf``, then ``-00001-of-0000N.gguf`` and on). Returns the (first) file's path."""
     import json
     import shutil
 
@@ -336,7 +339,7 @@ def hf_as_gguf(
     experts = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts") or 0
     kind = GGMLQuantizationType[quant_type]
 
-    writer = GGUFWriter(dst, arch)
+    writer = GGUFWriter(dst, arch, split_max_tensors=split_max_tensors)
     tokenizer = GGUFReader(default_model_path())
     for field in tokenizer.fields.values():
         if field.name.startswith("tokenizer."):
@@ -424,4 +427,4 @@ def hf_as_gguf(
     if reference is not None:
         shutil.copytree(src, reference)
         save_file({n: t.contiguous() for n, t in held.items()}, str(Path(reference) / "model.safetensors"))
-    return dst
+    return str(writer.format_shard_names(Path(dst))[0])
