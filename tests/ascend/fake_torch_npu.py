@@ -335,7 +335,9 @@ def npu_weight_quant_batchmatmul(
 # y_i = x_i @ weight_i + bias_i, the non-quantized cases of A2/A3. It is a plain function (list and
 # keyword-only arguments); the one form a decode graph holds (MoE experts: one x, one 3-D weight, a
 # Tensor group_list, no bias) runs as the registered operator ``npu::_grouped_matmul_m``, so dynamo
-# sees one node. Quantization, activations and group_list_type 2 (int8 only) raise NotImplementedError.
+# sees one node, and so do that form's per-token W8A8 and per-channel int8 pseudo-quantized cases
+# (``npu::_grouped_matmul_quant_m``, the API reference's table 2). Other quantized forms, activations
+# and group_list_type 2 (int8 only) raise NotImplementedError.
 
 GMM_BIAS_DTYPE = {torch.float16: torch.float16, torch.bfloat16: torch.float32, torch.float32: torch.float32}
 
@@ -369,6 +371,19 @@ def npu_grouped_matmul(
                  activation_quant_scale, activation_quant_offset)  # fmt: skip
         if all(q is None for q in quant) and act_type == 0 and output_dtype in (None, x[0].dtype):
             return [_grouped_matmul_m(x[0], weight[0], group_list, split_item, group_list_type)]
+        unused = (offset, activation_input, activation_quant_scale, activation_quant_offset)
+        if all(q is None for q in unused) and act_type == 0 and weight[0].dtype in (torch.int8, torch.int32):
+
+            def one(tensors):
+                assert tensors is None or len(tensors) == 1, "one scale tensor per weight tensor"
+                return None if tensors is None else tensors[0]
+
+            return [
+                _grouped_matmul_quant_m(
+                    x[0], weight[0], group_list, one(scale), one(per_token_scale), one(antiquant_scale),
+                    one(antiquant_offset), split_item, group_list_type, output_dtype,
+                )
+            ]  # fmt: skip
     return _grouped_matmul(
         x, weight, bias=bias, scale=scale, offset=offset, antiquant_scale=antiquant_scale,
         antiquant_offset=antiquant_offset, per_token_scale=per_token_scale, group_list=group_list,
@@ -376,6 +391,84 @@ def npu_grouped_matmul(
         activation_quant_offset=activation_quant_offset, split_item=split_item, group_type=group_type,
         group_list_type=group_list_type, act_type=act_type, output_dtype=output_dtype,
     )  # fmt: skip
+
+
+def _tensor_group_ends(group_list: torch.Tensor, group_list_type: int, m: int, groups: int, limit: int) -> list[int]:
+    """Each group's end row from a Tensor group_list (group_type 0): cumulative ends (type 0) or
+    sizes (type 1), checked as the op checks them."""
+    assert group_list.dtype == torch.int64 and group_list.dim() == 1, "group_list: 1-D int64"
+    values = group_list.tolist()
+    assert len(values) == groups and len(values) <= limit, f"group_list has {len(values)} entries for {groups} weights"
+    assert all(v >= 0 for v in values), "group_list must be non-negative"
+    if group_list_type == 0:
+        assert values == sorted(values) and values[-1] == m, f"cumulative group ends ending at {m}: {values}"
+        return values
+    assert group_list_type == 1 and len(values) != 1 and sum(values) == m, f"group sizes summing to {m}"
+    return [sum(values[: i + 1]) for i in range(len(values))]
+
+
+@custom_op("npu::_grouped_matmul_quant_m", mutates_args=())
+def _grouped_matmul_quant_m(
+    x: torch.Tensor, weight: torch.Tensor, group_list: torch.Tensor, scale: torch.Tensor | None,
+    per_token_scale: torch.Tensor | None, antiquant_scale: torch.Tensor | None,
+    antiquant_offset: torch.Tensor | None, split_item: int, group_list_type: int, output_dtype: torch.dtype | None,
+) -> torch.Tensor:  # fmt: skip
+    """One x (m, k) split by group_list, one int8 weight (e, k, n) (or its transpose) or int32 (e, k,
+    n / 8) holding int4 (eight per int32 along n, as npu_convert_weight_to_int4pack packs them), one
+    output:
+    per-token W8A8 (formula 3): x int8, int8 weight, scale (e, n) bf16 with output bf16, or fp32
+      with output fp16, per_token_scale fp32 (m,): y = (x @ w_i) * scale_i * per_token_scale, the
+      products exact in int32, then rounded once to the output dtype;
+    pseudo-quantized (formula 4): x fp16/bf16, antiquant_scale and antiquant_offset (or None) in x's
+      dtype, (e, n) per channel, or for int4 (e, G, n) per group of k / G inputs:
+      y = x @ ((w_i + offset_i) * scale_i), the weight widened in fp32 and rounded once to x's
+      dtype, products summed in fp32, y in x's dtype."""
+    calls.append("npu_grouped_matmul")
+    assert split_item in (2, 3), "group_type 0: split_item 2 or 3 (one output tensor)"
+    assert x.dim() == 2 and x.is_contiguous(), "x: 2-D, contiguous"
+    assert weight.dim() == 3 and _gmm_weight_ok(weight), "weight: 3-D, contiguous or its last two dims transposed"
+    int4 = weight.dtype == torch.int32
+    if int4:
+        assert weight.is_contiguous() and x.dtype in HALF_DTYPES, "emulation: int4 weights contiguous, pseudo-quantized"
+        weight = torch.stack([_unpack_int4(w) for w in weight])
+    e, k, n = weight.shape
+    assert x.shape[1] == k, f"(m, k) @ (e, k, n): {tuple(x.shape)} @ {tuple(weight.shape)}"
+    ends = _tensor_group_ends(group_list, group_list_type, x.shape[0], e, 1024)
+    if x.dtype == torch.int8:
+        assert antiquant_scale is None and antiquant_offset is None, "int8 x: no antiquant parameters"
+        assert scale is not None and scale.shape == (e, n), (
+            f"scale (e, n), not {None if scale is None else scale.shape}"
+        )
+        assert per_token_scale is not None and per_token_scale.dtype == torch.float32, "per_token_scale fp32"
+        assert per_token_scale.shape == (x.shape[0],), "per_token_scale (m,)"
+        rule = {torch.bfloat16: torch.bfloat16, torch.float32: torch.float16}
+        assert rule.get(scale.dtype) == output_dtype, (
+            f"scale {scale.dtype} with output {output_dtype}: not in the table"
+        )
+        acc = torch.cat([x[a:b].double() @ weight[i].double() for i, (a, b) in enumerate(zip([0, *ends], ends))])
+        groups = torch.repeat_interleave(torch.arange(e), torch.tensor([b - a for a, b in zip([0, *ends], ends)]))
+        return (acc.float() * scale.float()[groups] * per_token_scale[:, None]).to(output_dtype)
+    assert x.dtype in HALF_DTYPES, f"x must be int8, float16 or bfloat16 here, not {x.dtype}"
+    assert scale is None and per_token_scale is None, "pseudo-quantized: antiquant parameters only"
+    assert output_dtype in (None, x.dtype), f"output_dtype must be None or {x.dtype}"
+    assert antiquant_scale is not None, "pseudo-quantized: antiquant_scale"
+    per_group = antiquant_scale.dim() == 3
+    assert not per_group or int4, "int8 weights: per channel only"
+    groups = antiquant_scale.shape[1] if per_group else 1
+    assert k % groups == 0, f"the per-group count {groups} must divide k = {k}"
+    shape = (e, groups, n) if per_group else (e, n)
+    for name, t in (("antiquant_scale", antiquant_scale), ("antiquant_offset", antiquant_offset)):
+        assert t is None or (t.dtype == x.dtype and t.shape == shape), f"{name}: {shape} {x.dtype}"
+
+    def per_input(t: torch.Tensor) -> torch.Tensor:  # (e, k, n): each input's scale or offset
+        return t.float().repeat_interleave(k // groups, dim=1) if per_group else t.float()[:, None, :]
+
+    w = weight.float()
+    if antiquant_offset is not None:
+        w = w + per_input(antiquant_offset)
+    w = (w * per_input(antiquant_scale)).to(x.dtype)
+    ys = [x[a:b].float() @ w[i].float() for i, (a, b) in enumerate(zip([0, *ends], ends))]
+    return torch.cat(ys).to(x.dtype)
 
 
 @custom_op("npu::_grouped_matmul_m", mutates_args=())
@@ -430,22 +523,12 @@ def _grouped_matmul(
         return ys if split_item in (0, 1) else [torch.cat(ys, dim=0)]
     if isinstance(group_list, torch.Tensor):
         assert group_type == 0, f"a Tensor group_list groups the m axis here: group_type 0, not {group_type}"
-        assert group_list.dtype == torch.int64 and group_list.dim() == 1, "group_list: 1-D int64"
         assert split_item in (2, 3), "group_type 0: split_item 2 or 3 (one output tensor)"
         assert len(x) == 1 and x[0].dim() == 2, "emulation: one 2-D x split by group_list"
         assert dtype != torch.float32 or single_weight, "float32: x, weight and y single tensors only"
-        values = group_list.tolist()
-        m = x[0].shape[0]
-        assert len(values) == len(groups) and len(values) <= (1024 if single_weight else 128), (
-            f"group_list has {len(values)} entries for {len(groups)} weights"
+        ends = _tensor_group_ends(
+            group_list, group_list_type, x[0].shape[0], len(groups), 1024 if single_weight else 128
         )
-        assert all(v >= 0 for v in values), "group_list must be non-negative"
-        if group_list_type == 0:
-            assert values == sorted(values) and values[-1] == m, f"cumulative group ends ending at {m}: {values}"
-            ends = values
-        else:
-            assert group_list_type == 1 and len(values) != 1 and sum(values) == m, f"group sizes summing to {m}"
-            ends = [sum(values[: i + 1]) for i in range(len(values))]
     else:
         assert group_type is None, "a List[int] group_list takes group_type None"
         assert len(group_list) != 1 and list(group_list) == sorted(group_list), "group_list: increasing, not 1 long"
@@ -547,6 +630,11 @@ npu_swiglu.register_fake(lambda x, dim=-1: x.new_empty(*x.shape[:-1], x.shape[-1
 _npu_reshape_and_cache.register_fake(lambda *args: None)
 _grouped_matmul_m.register_fake(
     lambda x, weight, group_list, split_item, group_list_type: x.new_empty(x.shape[0], weight.shape[-1])
+)
+_grouped_matmul_quant_m.register_fake(
+    lambda x, weight, group_list, scale, token_scale, antiquant_scale, antiquant_offset, split, group_type, dtype: (
+        x.new_empty(x.shape[0], weight.shape[-1], dtype=dtype or x.dtype)
+    )
 )
 npu_moe_gating_top_k_softmax.register_fake(
     lambda x, finished=None, k=1: (

@@ -53,9 +53,10 @@ class LinearMethod(ABC):
         has, for each local expert ``0..moe.num_local - 1`` and projection (``gate_proj``,
         ``up_proj``, ``down_proj``), the canonical
         tensors (``weight``, ``weight_scale``, and ``weight_zero`` / ``g_idx`` where the scheme
-        has them). Replace ``moe.w13`` / ``moe.w2`` (the stacked weights, not filled) with what
-        the platform's ``fused_experts`` op takes and return True; return False (the default)
-        to have them widened into ``moe.w13`` / ``moe.w2`` in the model's dtype."""
+        has them). Replace ``moe.w13`` / ``moe.w2`` (the stacked weights' parameters, on the meta
+        device: their shape and dtype, no memory) with what the platform's ``fused_experts`` op
+        takes and return True; return False (the default) to have them widened into ``moe.w13`` /
+        ``moe.w2`` in the model's dtype, on the device of ``moe.gate``."""
         return False
 
 

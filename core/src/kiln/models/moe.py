@@ -50,8 +50,12 @@ class FusedMoE(nn.Module):
         self.first = tp.rank * self.num_local if tp.expert_parallel else 0
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
-        self.w13 = nn.Parameter(torch.empty(self.num_local, 2 * inter, hidden_size))
-        self.w2 = nn.Parameter(torch.empty(self.num_local, hidden_size, inter))
+        self._hold = quant is not None and (tp.size == 1 or tp.expert_parallel)
+        # Quantized experts held for the platform take no memory in the model's dtype until a
+        # platform declines them (a GPU's allocator would else reserve the widened experts).
+        device = "meta" if self._hold else None
+        self.w13 = nn.Parameter(torch.empty(self.num_local, 2 * inter, hidden_size, device=device))
+        self.w2 = nn.Parameter(torch.empty(self.num_local, hidden_size, inter, device=device))
         if shared_expert is not None:  # Qwen2-MoE: an MLP every token takes, scaled by a sigmoid gate
             self.shared_expert = shared_expert
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
@@ -70,7 +74,6 @@ class FusedMoE(nn.Module):
         # whole experts, else widened as they arrive.
         self._parts = None if quant is None else QuantizedParts(quant)
         self.quantized: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-        self._hold = tp.size == 1 or tp.expert_parallel
         self.prefix = prefix  # this block's name (Kiln's: mlp, down_proj...), for messages
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,6 +123,7 @@ class FusedMoE(nn.Module):
 
     def _store(self, local: int, proj: str, weight: torch.Tensor) -> None:
         """One expert's projection, as the checkpoint has it, into this rank's stacked weights."""
+        self._materialize()
         slice_of = (lambda t, dim: t) if self.tp.expert_parallel else self.tp.slice
         if proj == "down_proj":
             self.w2.data[local].copy_(slice_of(weight, 1))
@@ -131,11 +135,20 @@ class FusedMoE(nn.Module):
         """Hand the quantized experts held to ``method`` (``LinearMethod.process_experts``), or,
         where it does not take them, widen them into the stacked weights."""
         if not self.quantized:
+            self._materialize()  # none held (random weights): the stacked ones are used
             return
         if not method.process_experts(self, self.quantized):
             for (local, proj), parts in self.quantized.items():
                 self._store(local, proj, widen_parts(parts))
         self.quantized = {}
+
+    def _materialize(self) -> None:
+        """Give the stacked weights memory on the layer's device, where they have none yet."""
+        for name in ("w13", "w2"):
+            weight = self._parameters.get(name)
+            if weight is not None and weight.is_meta:
+                device = self.gate.weight.device
+                setattr(self, name, nn.Parameter(torch.empty_like(weight, device=device)))
 
     def check_loaded(self) -> None:
         """Raise, naming the expert, when the checkpoint lacks one of this rank's experts'

@@ -61,6 +61,27 @@ def random_quant_layer(
     return layer
 
 
+def random_experts(
+    scheme: QuantScheme, experts: int, hidden: int, inter: int, seed: int
+) -> tuple[dict[tuple[int, str], dict[str, torch.Tensor]], torch.Tensor, torch.Tensor]:
+    """Random quantized experts (``random_quant_layer``'s codes) as ``LinearMethod.process_experts``
+    is handed them, per (expert, projection), and the stacked weights they widen to: w13
+    (experts, 2 * inter, hidden), gate rows then up rows, and w2 (experts, hidden, inter)."""
+    parts, widened = {}, {}
+    shapes = {"gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
+    for e in range(experts):
+        for i, (proj, shape) in enumerate(shapes.items()):
+            layer = random_quant_layer(scheme, *shape, seed=seed + 3 * e + i)
+            tensors = {"weight": layer.weight.data, "weight_scale": layer.weight_scale.data}
+            if layer.weight_zero is not None:
+                tensors["weight_zero"] = layer.weight_zero.data
+            parts[e, proj] = tensors
+            widened[e, proj] = dequantize(layer)
+    w13 = torch.stack([torch.cat([widened[e, "gate_proj"], widened[e, "up_proj"]]) for e in range(experts)])
+    w2 = torch.stack([widened[e, "down_proj"] for e in range(experts)])
+    return parts, w13, w2
+
+
 def gptq_act_order(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, None, torch.Tensor]:
     """Symmetric 4-bit codes of ``w`` rounded to nearest in groups of shuffled inputs, and the
     g_idx naming them (canonical tensors, as a GPTQ act-order checkpoint holds them): one order per

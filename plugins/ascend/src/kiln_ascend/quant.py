@@ -30,6 +30,13 @@ W8A8 activations are quantized in fp32 by torch ops (``quantize_per_token``, the
 since ``npu_dynamic_quant`` takes fp16/bf16 only and rounding them to fp16 first would move some
 int8 roundings.
 
+Mixtures of experts (``process_experts``): int8 codes per channel (W8A8, weight-only int8) stay
+int8, and 4-bit codes (AWQ, GPTQ without act-order; per channel or in groups of a multiple of 32)
+go in as int4 packed eight to an int32 along the outputs, each expert's (in, out) weight as
+``npu_convert_weight_to_int4pack`` packs a linear layer's, for ``npu_grouped_matmul``'s quantized
+forms (``kiln_ascend.moe``); the op takes int8 pseudo-quantized weights per channel only, so
+grouped 8-bit experts are widened to the model's dtype, as are act-order ones.
+
 Layers the kernels refuse run the reference method instead, with a warning: a group size that is
 not a multiple of 32, inputs or outputs above 65535, 4-bit layers whose packed dimension is not a
 multiple of 8, act-order groups of unequal sizes.
@@ -215,6 +222,55 @@ class AscendLinearMethod(LinearMethod):
 
     def apply(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
         return layer.npu_method.apply(layer, x)
+
+    def process_experts(self, moe, experts: dict[tuple[int, str], dict[str, torch.Tensor]]) -> bool:
+        """The experts' codes stacked (gate and up rows as ``w13`` stacks them) for
+        ``npu_grouped_matmul``: W8A8 with per-token activations; weight-only int8 per channel and
+        int4 pseudo-quantized. Other experts (grouped int8, act-order, groups not a multiple of 32,
+        a dimension past the op's limit or outputs not a multiple of 8 for int4) are widened."""
+        from kiln_ascend.moe import QuantizedExperts
+
+        first, bits = experts[0, "gate_proj"], self.scheme.weight_bits
+        sizes = (*moe.w13.shape[1:], moe.w2.shape[1])
+        groups = first["weight_scale"].shape[1]
+        group = first["weight"].shape[1] // groups if groups > 1 else 0
+        if "g_idx" in first or max(sizes) > MAX_DIM or (bits == 8 and group) or group % 32:
+            return False
+        if bits == 4 and (group and moe.w2.shape[2] % group or min(moe.w13.shape[1], moe.w2.shape[1]) % 8):
+            return False
+        w8a8, dtype = self.scheme.activation_bits == 8, kernel_dtype(moe.w13.dtype)
+        device = moe.gate.weight.device
+        # Unsigned 4-bit codes become signed int4, as for a linear layer: (q - zero) = (q - 8) + (8 - zero).
+        shift = 8 if bits == 4 and "weight_zero" in first else 0
+
+        def stacked(projections: tuple[str, ...], shape: tuple[int, int, int]) -> QuantizedExperts:
+            per_expert = [[experts[e, p] for p in projections] for e in range(moe.num_local)]
+
+            def leaf(name: str) -> torch.Tensor:  # (experts, N, groups or K)
+                return torch.stack([torch.cat([p[name] for p in parts]) for parts in per_expert]).to(device)
+
+            codes = leaf("weight")
+            if bits == 4:
+                import torch_npu
+
+                pack = torch_npu.npu_convert_weight_to_int4pack
+                weight = torch.stack([pack((w.T.to(torch.int32) - shift).contiguous()) for w in codes])  # (E, K, N/8)
+            else:
+                weight = codes.contiguous().transpose(1, 2)  # (experts, K, N), as the op reads it transposed
+            scale = leaf("weight_scale").float().transpose(1, 2)  # (experts, groups, N)
+            offset = shift - leaf("weight_zero").float().transpose(1, 2) if "weight_zero" in first else None
+            if not group:  # per channel: (experts, N)
+                scale, offset = scale.squeeze(1), None if offset is None else offset.squeeze(1)
+            if w8a8:  # fp32 scales give fp16 outputs, bf16 scales bf16 ones (the API reference's table)
+                scale = scale if dtype == torch.float16 else scale.to(torch.bfloat16)
+            else:
+                scale, offset = scale.to(dtype), None if offset is None else offset.to(dtype).contiguous()
+            return QuantizedExperts(weight, scale.contiguous(), offset, w8a8, dtype, shape)
+
+        w13, w2 = stacked(("gate_proj", "up_proj"), tuple(moe.w13.shape)), stacked(("down_proj",), tuple(moe.w2.shape))
+        del moe._parameters["w13"], moe._parameters["w2"]
+        moe.w13, moe.w2 = w13, w2
+        return True
 
 
 def linear_method(scheme: QuantScheme) -> LinearMethod | None:

@@ -12,9 +12,16 @@ Everything is computed on the device with shapes fixed by the step (no host sync
 ``experts x cdiv(tokens * k, BLOCK_M)`` and programs past their expert's run return at once), so a
 CUDA graph holds it. ``kiln_cuda.ops.fused_experts`` puts the pieces together; under expert
 parallelism the slots of other ranks' experts (id -1) are in no run, so no program computes them.
+
+A quantized checkpoint's experts (AWQ, GPTQ without act-order, weight-only int8) stay quantized
+(``QuantizedExperts``): the GEMM widens a tile of an expert's packed codes in registers, as
+``kiln_cuda.quant``'s dequantizing GEMM does for a linear layer, ``(code - zero) * scale``
+rounded to the activations' dtype.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -23,15 +30,32 @@ import triton.language as tl
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 32, 32
 
 
+@dataclass(slots=True, eq=False)
+class QuantizedExperts:
+    """Stacked experts' weights (experts, N, K) kept as integer codes: each expert's (N, K) codes
+    packed as ``kiln_cuda.quant.pack_codes`` packs a linear layer's."""
+
+    qweight: torch.Tensor  # (experts, ceil(K / (32 / bits)), N) int32, unsigned codes
+    scale: torch.Tensor  # (experts, groups, N) fp32
+    zero: torch.Tensor | None  # (experts, groups, N) fp32; None: every zero point is ``offset``
+    bits: int
+    group: int  # inputs per group (K for one scale per output)
+    offset: float
+    shape: tuple[int, int, int]  # of the stacked weight it stands for
+
+
 @triton.jit
 def moe_gemm_kernel(
     a_ptr, w_ptr, c_ptr, order_ptr, first_ptr, count_ptr, scale_ptr, a_stride, w_stride_e, w_stride_n, c_stride,
-    N, K, TOP_K,
+    N, K, TOP_K, qscale_ptr, qzero_ptr, q_stride_e,
     A_BY_TOKEN: tl.constexpr, SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, ZERO: tl.constexpr, HAS_ZERO: tl.constexpr,
 ):  # fmt: skip
     """Grid (experts, cdiv(slots, BLOCK_M), cdiv(N, BLOCK_N)): c[slot, n] = a[row] . w[e, n] for the
-    slots of expert e's run, row = slot // TOP_K if A_BY_TOKEN else slot, times scale[slot] if SCALE."""
+    slots of expert e's run, row = slot // TOP_K if A_BY_TOKEN else slot, times scale[slot] if SCALE.
+    With ``BITS`` (4 or 8; 0: ``w`` is (experts, N, K) floats), ``w`` is ``QuantizedExperts.qweight``
+    and ``qscale``/``qzero`` its (experts, groups, N) scales and zero points (``ZERO`` where not
+    ``HAS_ZERO``), the group of input k being ``k // GROUP``."""
     e = tl.program_id(0)
     m_tile = tl.program_id(1)
     first = tl.load(first_ptr + e)
@@ -50,8 +74,20 @@ def moe_gemm_kernel(
             kmask = ks < K
             at = tl.load(a_ptr + rows[:, None] * a_stride + ks[None, :], mask=rmask[:, None] & kmask[None, :],
                          other=0.0)  # fmt: skip
-            wt = tl.load(w_base + cols[None, :] * w_stride_n + ks[:, None], mask=kmask[:, None] & cmask[None, :],
-                         other=0.0)  # fmt: skip
+            tile_mask = kmask[:, None] & cmask[None, :]
+            if BITS:
+                PACK: tl.constexpr = 32 // BITS
+                words = tl.load(w_base + (ks // PACK)[:, None] * N + cols[None, :], mask=tile_mask, other=0)
+                codes = ((words >> ((ks % PACK) * BITS)[:, None]) & ((1 << BITS) - 1)).to(tl.float32)
+                at_group = e.to(tl.int64) * q_stride_e + (ks // GROUP)[:, None] * N + cols[None, :]
+                qscale = tl.load(qscale_ptr + at_group, mask=tile_mask, other=0.0)
+                if HAS_ZERO:
+                    zero = tl.load(qzero_ptr + at_group, mask=tile_mask, other=0.0)
+                else:
+                    zero = ZERO
+                wt = ((codes - zero) * qscale).to(at.dtype)
+            else:
+                wt = tl.load(w_base + cols[None, :] * w_stride_n + ks[:, None], mask=tile_mask, other=0.0)
             acc += tl.dot(at, wt, input_precision="ieee")
         if SCALE:
             acc = acc * tl.load(scale_ptr + slots, mask=rmask, other=0.0)[:, None]
@@ -72,7 +108,7 @@ def expert_runs(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torc
 
 def grouped_gemm(
     a: torch.Tensor,
-    w: torch.Tensor,
+    w: torch.Tensor | QuantizedExperts,
     runs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     slots: int,
     scale: torch.Tensor | None = None,
@@ -80,14 +116,22 @@ def grouped_gemm(
     by_token: bool = False,
 ) -> torch.Tensor:
     """(slots, N): each slot's row of ``a`` (its token's, ``slot // top_k``, if ``by_token``) times
-    its expert's (N, K) weight of ``w``, times ``scale[slot]`` if given."""
+    its expert's (N, K) weight of ``w`` (stacked floats, or ``QuantizedExperts``), times
+    ``scale[slot]`` if given."""
     order, first, count = runs
     experts, n, k = w.shape
     out = torch.zeros((slots, n), dtype=a.dtype, device=a.device)  # slots in no run stay 0
     grid = (experts, triton.cdiv(slots, BLOCK_M), triton.cdiv(n, BLOCK_N))
+    if isinstance(w, QuantizedExperts):
+        weight, strides, bits = w.qweight, (w.qweight.stride(0), 0), w.bits
+        quant = (w.scale, w.scale if w.zero is None else w.zero, w.scale.stride(0))
+        shape = dict(GROUP=w.group, ZERO=w.offset, HAS_ZERO=w.zero is not None)
+    else:
+        weight, strides, bits, quant = w, (w.stride(0), w.stride(1)), 0, (out, out, 0)
+        shape = dict(GROUP=1, ZERO=0.0, HAS_ZERO=False)
     moe_gemm_kernel[grid](
-        a, w, out, order, first, count, out if scale is None else scale, a.stride(0), w.stride(0), w.stride(1),
-        out.stride(0), n, k, top_k, A_BY_TOKEN=by_token, SCALE=scale is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        BLOCK_K=BLOCK_K,
+        a, weight, out, order, first, count, out if scale is None else scale, a.stride(0), *strides, out.stride(0),
+        n, k, top_k, *quant, A_BY_TOKEN=by_token, SCALE=scale is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        BLOCK_K=BLOCK_K, BITS=bits, **shape,
     )  # fmt: skip
     return out

@@ -12,6 +12,9 @@
   fp32 accumulation (fp32 activations: IEEE fp32 products, not TF32).
 - fp8 weights (fp8 checkpoints): the same GEMM reads them (in, out) as float8, one per input,
   scaled per output feature and group of inputs (a block's scale repeats down its rows).
+- Experts of a mixture (``process_experts``): AWQ, GPTQ without act-order and weight-only int8
+  codes packed per expert as above, stacked, for ``kiln_cuda.moe``'s grouped GEMM, which widens
+  them tile by tile the same way. W8A8, fp8 and act-order experts are widened at load.
 - GPTQ act-order: the inputs are sorted by group (``argsort(g_idx)``) once, and each call gathers
   the activations' columns in the same order. When the sorted groups are contiguous and equal in
   size (GPTQ's) the kernel reads one scale row per K tile, as without act-order; otherwise it
@@ -107,6 +110,9 @@ class TritonDequantMethod(LinearMethod):
 
     takes_float_weights = True
 
+    def __init__(self, scheme: QuantScheme) -> None:
+        self.scheme = scheme
+
     def process(self, layer: QuantLinear) -> None:
         bits, k = layer.scheme.weight_bits, layer.in_features
         weight, device = layer.weight.data, layer.weight.device
@@ -135,6 +141,35 @@ class TritonDequantMethod(LinearMethod):
         layer.qgidx = None if bk is not None else index.to(torch.int32).contiguous()
         layer.qperm, layer.qblock = perm, (bk or 32, group, float(offset))
         del layer.weight, layer.weight_scale, layer.weight_zero, layer.g_idx
+
+    def process_experts(self, moe, experts: dict[tuple[int, str], dict[str, torch.Tensor]]) -> bool:
+        """Each expert's codes packed as ``process`` packs a layer's (gate and up rows stacked, as
+        ``w13`` stacks them) into one ``QuantizedExperts`` per stacked weight; fp8 and act-order
+        experts are left to be widened."""
+        from kiln_cuda.moe import QuantizedExperts
+
+        if self.scheme.float_weights or "g_idx" in experts[0, "gate_proj"]:
+            return False
+        bits, device = self.scheme.weight_bits, moe.gate.weight.device
+        offset = 0 if bits == 4 and "weight_zero" in experts[0, "gate_proj"] else 1 << (bits - 1)
+
+        def stacked(projections: tuple[str, ...], shape: tuple[int, int, int]) -> QuantizedExperts:
+            per_expert = [[experts[e, p] for p in projections] for e in range(moe.num_local)]
+
+            def cat(leaf: str) -> list[torch.Tensor]:
+                return [torch.cat([p[leaf] for p in parts]).to(device) for parts in per_expert]
+
+            scale = torch.stack([s.float().T for s in cat("weight_scale")]).contiguous()  # (experts, groups, N)
+            zero = None
+            if "weight_zero" in per_expert[0][0]:
+                zero = torch.stack([z.float().T + offset for z in cat("weight_zero")]).contiguous()
+            qweight = torch.stack([pack_codes(w.to(torch.int32) + offset, bits) for w in cat("weight")])
+            return QuantizedExperts(qweight, scale, zero, bits, shape[2] // scale.shape[1], float(offset), shape)
+
+        w13, w2 = stacked(("gate_proj", "up_proj"), tuple(moe.w13.shape)), stacked(("down_proj",), tuple(moe.w2.shape))
+        del moe._parameters["w13"], moe._parameters["w2"]
+        moe.w13, moe.w2 = w13, w2
+        return True
 
     def apply(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
         rows = _rows(layer, x)
@@ -165,7 +200,7 @@ def linear_method(scheme: QuantScheme) -> LinearMethod | None:
     if scheme.float_weights and not fp8_loads():
         return None  # widened at load
     if scheme.activation_bits is None and scheme.weight_bits in (4, 8):
-        return TritonDequantMethod()
+        return TritonDequantMethod(scheme)
     return None
 
 

@@ -1,0 +1,104 @@
+"""Quantized experts on the CUDA plugin (``TritonDequantMethod.process_experts``): AWQ, GPTQ and
+weight-only int8 experts stay packed and the grouped GEMM widens them tile by tile, giving the
+core's reference ``fused_experts`` on the widened weights; a quantized Mixtral through the Triton
+kernels serves what the CPU plugin serves from it (tests/quantization/test_quant_moe.py matches
+that to transformers on the dequantized weights). On GPU where one is
+present, else under Triton's interpreter on CPU tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from kiln.interfaces import model as REFERENCE
+from kiln.quantization.config import QuantScheme
+from kiln.testing import quantization as quant_testing
+from kiln.testing.quantization import random_experts
+from kiln_cuda import ops, quant
+from kiln_cuda.moe import QuantizedExperts
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=2e-3, atol=2e-3)}
+SCHEMES = {
+    "w8a16": quant_testing.SCHEMES["w8a16"],  # weight-only int8, per channel
+    "w4a16-awq": QuantScheme(4, 32, False),  # zero points, groups of 32
+    "w4a16-sym": quant_testing.SCHEMES["w4a16-sym"],  # GPTQ without act-order, groups of 64
+    "w8a16-zero": QuantScheme(8, 64, False),  # 8-bit codes with zero points
+}
+EXPERTS, HIDDEN, INTER = 4, 128, 64
+
+
+def mixture(dtype: torch.dtype = torch.float32) -> nn.Module:
+    """A mixture layer as the core hands it over: its router, stacked weights without memory."""
+    moe = nn.Module()
+    moe.num_local, moe.gate = EXPERTS, nn.Linear(HIDDEN, EXPERTS, bias=False, device=DEVICE)
+    moe.w13 = nn.Parameter(torch.empty(EXPERTS, 2 * INTER, HIDDEN, dtype=dtype, device="meta"))
+    moe.w2 = nn.Parameter(torch.empty(EXPERTS, HIDDEN, INTER, dtype=dtype, device="meta"))
+    return moe
+
+
+def packed(scheme: QuantScheme, experts: dict, dtype: torch.dtype) -> nn.Module:
+    moe = mixture(dtype)
+    assert quant.linear_method(scheme).process_experts(moe, experts)
+    return moe
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+@pytest.mark.parametrize("name", list(SCHEMES))
+def test_packed_experts_match_the_reference_on_the_widened_weights(name, tokens, dtype):
+    scheme = SCHEMES[name]
+    experts, w13, w2 = random_experts(scheme, EXPERTS, HIDDEN, INTER, seed=tokens)
+    moe = packed(scheme, experts, dtype)
+    assert isinstance(moe.w13, QuantizedExperts) and moe.w13.shape == tuple(w13.shape)
+    assert moe.w13.qweight.dtype == torch.int32 and moe.w13.bits == scheme.weight_bits
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, HIDDEN, generator=gen).to(DEVICE, dtype)
+    ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:2] for _ in range(tokens)]).to(DEVICE)
+    ids[0, 1] = -1  # another rank's expert
+    weights = torch.rand(tokens, 2, generator=gen).to(DEVICE)
+    want = REFERENCE.fused_experts(x, w13.to(DEVICE, dtype), w2.to(DEVICE, dtype), weights.to(dtype), ids)
+    got = ops.fused_experts(x, moe.w13, moe.w2, weights, ids)
+    assert got.dtype == dtype
+    # Random codes make large intermediates: the tolerance is relative to the outputs' scale.
+    scale = want.float().abs().max().item()
+    torch.testing.assert_close(got.float() / scale, want.float() / scale, **TOL[dtype])
+
+
+def test_act_order_and_fp8_experts_are_left_to_be_widened():
+    act_order = QuantScheme(4, 32, False)
+    experts, _, _ = random_experts(act_order, EXPERTS, HIDDEN, INTER, seed=0)
+    for parts in experts.values():
+        parts["g_idx"] = torch.arange(parts["weight"].shape[1], dtype=torch.int32) // 32
+    moe = mixture()
+    assert not quant.linear_method(act_order).process_experts(moe, experts)
+    fp8 = QuantScheme(8, None, True, float_weights=True)
+    experts, _, _ = random_experts(quant_testing.SCHEMES["w8a16"], EXPERTS, HIDDEN, INTER, seed=1)
+    assert not quant.TritonDequantMethod(fp8).process_experts(moe, experts)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the interpreter path on CPU")
+@pytest.mark.parametrize("method", ["awq", "weight_only_int8"])
+def test_a_quantized_mixtral_through_triton_kernels_matches_the_cpu_plugin(
+    tiny_model_dir, kiln_plugins, tmp_path, monkeypatch, method
+):
+    import test_triton_ops
+
+    import kiln_cpu.plugin
+    import kiln_cuda.plugin
+    from kiln.testing.engine import greedy_tokens, make_engine, run_greedy
+    from kiln.testing.quantization import rounded_copy
+
+    monkeypatch.setenv("KILN_CPU_INT8_ACTIVATIONS", "0")  # the CPU's exact products of the dequantized weights
+
+    for module, name in ((kiln_cpu.plugin, "cpu"), (kiln_cuda.plugin, "cuda"), (test_triton_ops, "test")):
+        kiln_plugins.register(module, name=name)
+    quantized, _ = rounded_copy(tiny_model_dir("mixtral"), tmp_path, method, 32)
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8], [40, 41, 42, 100, 7]]
+    common = dict(model=quantized, dtype="float32", block_size=16)
+    engine = make_engine(kiln_plugins, device="cpu_triton", **common)
+    moe = next(m for m in engine.executor.runner.model.modules() if hasattr(m, "load_expert"))
+    assert isinstance(moe.w13, QuantizedExperts) and isinstance(moe.w2, QuantizedExperts)
+    assert "w13" not in dict(moe.named_parameters())  # no widened copy beside them
+    assert run_greedy(engine, prompts, 8) == greedy_tokens(kiln_plugins, prompts, 8, device="cpu", **common)
