@@ -633,7 +633,7 @@ _grouped_matmul_m.register_fake(
 )
 _grouped_matmul_quant_m.register_fake(
     lambda x, weight, group_list, scale, token_scale, antiquant_scale, antiquant_offset, split, group_type, dtype: (
-        x.new_empty(x.shape[0], weight.shape[-1], dtype=dtype or x.dtype)
+        x.new_empty(x.shape[0], weight.shape[-1] * (8 if weight.dtype == torch.int32 else 1), dtype=dtype or x.dtype)
     )
 )
 npu_moe_gating_top_k_softmax.register_fake(

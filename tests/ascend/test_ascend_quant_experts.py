@@ -35,12 +35,12 @@ SCHEMES = {
 EXPERTS, HIDDEN, INTER = 4, 128, 64
 
 
-def mixture(dtype: torch.dtype) -> nn.Module:
+def mixture(dtype: torch.dtype, hidden: int = HIDDEN, inter: int = INTER) -> nn.Module:
     """A mixture layer as the core hands it over: its router, stacked weights without memory."""
     moe = nn.Module()
-    moe.num_local, moe.gate = EXPERTS, nn.Linear(HIDDEN, EXPERTS, bias=False)
-    moe.w13 = nn.Parameter(torch.empty(EXPERTS, 2 * INTER, HIDDEN, dtype=dtype, device="meta"))
-    moe.w2 = nn.Parameter(torch.empty(EXPERTS, HIDDEN, INTER, dtype=dtype, device="meta"))
+    moe.num_local, moe.gate = EXPERTS, nn.Linear(hidden, EXPERTS, bias=False)
+    moe.w13 = nn.Parameter(torch.empty(EXPERTS, 2 * inter, hidden, dtype=dtype, device="meta"))
+    moe.w2 = nn.Parameter(torch.empty(EXPERTS, hidden, inter, dtype=dtype, device="meta"))
     return moe
 
 
@@ -93,15 +93,19 @@ def test_int8_experts_stay_int8_and_match_the_reference(name, tokens, dtype):
 
 @pytest.mark.parametrize(
     ("scheme", "act_order"),
-    [(QuantScheme(8, 32, True), False), (QuantScheme(4, 16, False), False), (QuantScheme(4, 32, False), True)],
-    ids=["8-bit-groups", "groups-of-16", "act-order"],
+    [(QuantScheme(8, 32, True), False), (QuantScheme(8, INTER, True), False), (QuantScheme(4, 16, False), False),
+     (QuantScheme(4, 32, False), True)],
+    ids=["8-bit-groups", "8-bit-one-group-per-gate-row", "groups-of-16", "act-order"],
 )  # fmt: skip
 def test_other_experts_are_widened(scheme, act_order):
-    parts, _, _ = random_experts(scheme, EXPERTS, HIDDEN, INTER, seed=0)
+    """Among them 8-bit groups as long as the hidden size: the gate's rows have one group, the
+    down projection's several."""
+    hidden, inter = (INTER, HIDDEN) if scheme.group_size == INTER else (HIDDEN, INTER)
+    parts, _, _ = random_experts(scheme, EXPERTS, hidden, inter, seed=0)
     if act_order:
         for tensors in parts.values():
             tensors["g_idx"] = torch.arange(tensors["weight"].shape[1], dtype=torch.int32) // 32
-    assert not linear_method(scheme).process_experts(mixture(torch.float16), parts)
+    assert not linear_method(scheme).process_experts(mixture(torch.float16, hidden, inter), parts)
 
 
 def test_the_emulation_refuses_what_the_op_refuses():
@@ -142,15 +146,16 @@ def test_a_quantized_mixtral_on_the_npu_matches_the_cpu_plugin(tiny_model_dir, t
         assert first is None or gap[first] < tie, f"left the CPU plugin's tokens at {first}, not a near-tie"
 
 
-def test_quantized_experts_in_graph_mode(tiny_model_dir, tmp_path, npu_plugins):
+@pytest.mark.parametrize("method", ["smooth_quant", "awq"])
+def test_quantized_experts_in_graph_mode(tiny_model_dir, tmp_path, npu_plugins, method):
     """Decode steps through the emulated torchair graphs (bf16): each graph holds one quantized grouped
-    matmul per projection of every mixture, and the tokens are the eager path's."""
+    matmul per projection of every mixture (int8 or int4 weights), and the tokens are the eager path's."""
     from tests.ascend import fake_torchair
 
     from kiln.testing.engine import greedy_tokens, make_engine, run_greedy
     from kiln.testing.quantization import rounded_copy
 
-    quantized, _ = rounded_copy(tiny_model_dir("mixtral"), tmp_path, "smooth_quant", 32)
+    quantized, _ = rounded_copy(tiny_model_dir("mixtral"), tmp_path, method, 32)
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8], [40, 41, 42, 100, 7]]
     common = dict(model=quantized, dtype="bfloat16", max_model_len=128, max_num_batched_tokens=64, max_num_seqs=4)
     before = len(fake_torchair.graphs)

@@ -72,6 +72,20 @@ def test_a_missing_part_is_named(split_model, tmp_path):
         convert_gguf(split_model[0], tmp_path / "cache")
 
 
+def test_a_damaged_part_is_named(split_model, tmp_path):
+    with open(split_model[-1], "r+b") as f:
+        f.truncate(os.path.getsize(split_model[-1]) // 2)  # an interrupted download of one part
+    with pytest.raises(SplitModelError, match=f"{split_model[-1]}, part {len(split_model)} of .*is the file complete"):
+        convert_gguf(split_model[0], tmp_path / "cache")
+
+
+def test_a_count_of_no_parts_is_refused(tmp_path):
+    path = tmp_path / "model-00001-of-00000.gguf"
+    path.write_bytes(b"")
+    with pytest.raises(SplitModelError, match="1 <= part <= count"):
+        convert_gguf(str(path), tmp_path / "cache")
+
+
 def test_a_renamed_first_part_says_how_its_parts_are_named(split_model, tmp_path):
     renamed = str(tmp_path / "renamed.gguf")
     shutil.copy(split_model[0], renamed)

@@ -229,3 +229,24 @@ def test_weights_quantized_at_load_need_quantized_layers(tiny_model_dir, caplog)
     with caplog.at_level("WARNING", logger="kiln"):
         LLM(tiny_model_dir("mixtral"), quantization="weight_only_int8", max_model_len=128)
     assert "the routed experts stay in the model's dtype" in caplog.text
+
+
+def test_experts_partly_left_unquantized_are_widened(tiny_model_dir, tmp_path, monkeypatch):
+    """A checkpoint whose experts' down projections were left in floats (a quantizer told to skip
+    them): the quantized projections are widened beside them, not handed to the platform's
+    experts kernel, which takes whole experts only."""
+    from safetensors.torch import save_file
+
+    from kiln.testing.models import assert_generates
+
+    monkeypatch.setenv("KILN_CPU_INT8_ACTIVATIONS", "0")
+    quantized, dequantized = rounded_copy(tiny_model_dir("mixtral"), tmp_path, "awq", 32)
+    file = Path(quantized) / "model.safetensors"
+    tensors, floats = load_file(str(file)), load_file(str(Path(dequantized) / "model.safetensors"))
+    for name in [n for n in tensors if ".experts." in n and ".w2." in n]:
+        del tensors[name]
+    tensors |= {n: t for n, t in floats.items() if ".experts." in n and n.endswith(".w2.weight")}
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    llm = assert_generates(quantized, PROMPTS, hf_greedy(dequantized, PROMPTS, 16))
+    moe = next(m for m in llm.engine.executor.runner.model.modules() if hasattr(m, "load_expert"))
+    assert not moe.quantized

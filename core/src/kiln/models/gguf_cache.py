@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from kiln.models import gguf_deepseek, gguf_split
+from kiln.models.gguf_fields import field as gguf_field
 from kiln.models.gguf_tokenizer import gguf_tokenizer
 
 logger = logging.getLogger("kiln.loader")
@@ -288,8 +289,7 @@ def _experts_config(config, reader, arch: str):
     does without it, from the tensors."""
 
     def field(key: str, default=None):
-        f = reader.fields.get(f"{arch}.{key}")
-        return default if f is None else f.contents()
+        return gguf_field(reader, f"{arch}.{key}", default)
 
     def rows(tensor: str) -> int | None:  # the output features of a layer's tensor ``blk.N.<tensor>``
         t = next((t for t in reader.tensors if t.name.endswith(f".{tensor}.weight")), None)

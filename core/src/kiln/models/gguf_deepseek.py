@@ -22,6 +22,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from kiln.models.gguf_fields import field as gguf_field
+
 logger = logging.getLogger("kiln.loader")
 
 ARCH = "deepseek2"
@@ -36,8 +38,7 @@ def deepseek_config(reader):
     from transformers import DeepseekV2Config, DeepseekV3Config
 
     def field(key: str, default=None, prefix: str = ARCH):
-        f = reader.fields.get(f"{prefix}.{key}")
-        return default if f is None else f.contents()
+        return gguf_field(reader, f"{prefix}.{key}", default)
 
     def required(key: str):
         if (value := field(key)) is None:

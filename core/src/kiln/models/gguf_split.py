@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import re
 
+from kiln.models.gguf_fields import field as gguf_field
+
 SPLIT_NAME = re.compile(r"(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf")
 NAME_FORMAT = "{}-{:05d}-of-{:05d}.gguf"  # llama.cpp's llama_split_path
 
@@ -28,6 +30,10 @@ def model_files(path: str) -> list[str]:
     if match is None:
         return [path]
     count = int(match["count"])
+    if not 1 <= int(match["no"]) <= count:
+        raise SplitModelError(
+            f"model: {path}: a split GGUF file's name gives its part and the count, 1 <= part <= count"
+        )
     if int(match["no"]) != 1:
         first = NAME_FORMAT.format(match["prefix"], 1, count)
         raise SplitModelError(
@@ -63,14 +69,27 @@ def read_model(files: list[str]):
     as its parts, parts out of order, or tensors missing, are errors."""
     from gguf import GGUFReader
 
-    readers = [GGUFReader(f) for f in files]
+    readers = []
+    for i, path in enumerate(files):
+        try:
+            readers.append(GGUFReader(path))
+        except Exception as exc:  # a part cut short or damaged: name the part, not the model
+            if len(files) == 1:
+                raise
+            raise SplitModelError(
+                f"model: {path}, part {i + 1} of {len(files)}, could not be read (is the file complete?): {exc}"
+            ) from exc
 
-    def field(reader, key: str, default=None):
-        f = reader.fields.get(f"split.{key}")
-        return default if f is None else int(f.contents())
+    def field(reader, key: str, default: int | None = None) -> int | None:
+        value = gguf_field(reader, f"split.{key}", default)
+        return None if value is None else int(value)
 
     count = field(readers[0], "count", 1)
     if count != len(files):
+        if len(files) > 1:
+            raise SplitModelError(
+                f"model: {files[0]} is named as part 1 of {len(files)}, but says it is one of {count}"
+            )
         raise SplitModelError(
             f"model: {files[0]} is part 1 of a GGUF model split into {count} files; they must lie beside it, "
             f"named as llama.cpp names them ({NAME_FORMAT.format('<name>', 1, count)} and on)"
@@ -83,7 +102,8 @@ def read_model(files: list[str]):
                 f"model: {path} is not part {i + 1} of {count} of {files[0]}'s model (its split.* fields differ)"
             )
     model = SplitReader(readers)
-    if len(model.tensors) != (expected := field(readers[0], "tensors.count")):
+    expected = field(readers[0], "tensors.count")
+    if expected is not None and len(model.tensors) != expected:
         raise SplitModelError(
             f"model: {files[0]}'s {count} files hold {len(model.tensors)} tensors, not the {expected} it lists"
         )

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import os
 
+from kiln.models.gguf_fields import field as gguf_field
+
 # llama.cpp's pre-tokenizer types (src/llama-vocab.cpp): Llama 3's kin, those read with
 # ignore_merges, and those that add a BOS where the file does not say.
 LLAMA3 = {"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2", "jina-v5-nano"}
@@ -79,11 +81,10 @@ def gguf_tokenizer(gguf_path: str, fast_only: bool = False, reader=None):
 
     folder, name = os.path.split(gguf_path)
     tokenizer = (PreTrainedTokenizerFast if fast_only else AutoTokenizer).from_pretrained(folder, gguf_file=name)
-    fields = (reader or GGUFReader(gguf_path)).fields
+    reader = reader or GGUFReader(gguf_path)
 
     def field(key: str, default=None):
-        f = fields.get(f"tokenizer.ggml.{key}")
-        return default if f is None else f.contents()
+        return gguf_field(reader, f"tokenizer.ggml.{key}", default)
 
     backend = tokenizer.backend_tokenizer
     kind, pre = field("model"), field("pre")

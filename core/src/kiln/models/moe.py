@@ -137,7 +137,8 @@ class FusedMoE(nn.Module):
         if not self.quantized:
             self._materialize()  # none held (random weights): the stacked ones are used
             return
-        if not method.process_experts(self, self.quantized):
+        whole = len(self.quantized) == 3 * self.num_local  # else some projections came unquantized
+        if not (whole and method.process_experts(self, self.quantized)):
             for (local, proj), parts in self.quantized.items():
                 self._store(local, proj, widen_parts(parts))
         self.quantized = {}

@@ -230,10 +230,8 @@ class AscendLinearMethod(LinearMethod):
         a dimension past the op's limit or outputs not a multiple of 8 for int4) are widened."""
         from kiln_ascend.moe import QuantizedExperts
 
-        first, bits = experts[0, "gate_proj"], self.scheme.weight_bits
+        first, bits, group = experts[0, "gate_proj"], self.scheme.weight_bits, self.scheme.group_size or 0
         sizes = (*moe.w13.shape[1:], moe.w2.shape[1])
-        groups = first["weight_scale"].shape[1]
-        group = first["weight"].shape[1] // groups if groups > 1 else 0
         if "g_idx" in first or max(sizes) > MAX_DIM or (bits == 8 and group) or group % 32:
             return False
         if bits == 4 and (group and moe.w2.shape[2] % group or min(moe.w13.shape[1], moe.w2.shape[1]) % 8):
