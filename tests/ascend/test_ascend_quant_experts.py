@@ -8,16 +8,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from tests.ascend import fake_torch_npu, test_ascend
 from tests.ascend.test_ascend_quant import assert_near, greedy_with_gaps
 from torch import nn
 
 from kiln.interfaces import model as REFERENCE
-from kiln.interfaces.quantization import quantize_per_token
 from kiln.quantization.config import QuantScheme
 from kiln.testing import quantization as quant_testing
-from kiln.testing.quantization import random_experts
+from kiln.testing.quantization import random_experts, w8a8_expert
 from kiln_ascend.moe import QuantizedExperts, fused_experts
 from kiln_ascend.quant import linear_method
 
@@ -44,25 +42,6 @@ def mixture(dtype: torch.dtype, hidden: int = HIDDEN, inter: int = INTER) -> nn.
     return moe
 
 
-def swiglu(h: torch.Tensor) -> torch.Tensor:
-    gate, up = h.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-def w8a8_expert(parts: dict, e: int, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Expert ``e`` on ``rows`` with W8A8's reference products (rows quantized per token, exact
-    integer sums, the channel and token scales), each rounded to the kernels' ``dtype`` as the op
-    returns it: the next product's int8 roundings follow from the rounded values."""
-
-    def product(rows: torch.Tensor, projections: tuple[str, ...]) -> torch.Tensor:
-        codes = torch.cat([parts[e, p]["weight"] for p in projections]).double()
-        scale = torch.cat([parts[e, p]["weight_scale"] for p in projections]).view(-1)
-        q, token_scale = quantize_per_token(rows)
-        return ((q.double() @ codes.T).float() * scale * token_scale).to(dtype).float()
-
-    return product(swiglu(product(rows, ("gate_proj", "up_proj"))), ("down_proj",))
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("tokens", [1, 7, 40])
 @pytest.mark.parametrize("name", list(SCHEMES))
@@ -82,7 +61,7 @@ def test_int8_experts_stay_int8_and_match_the_reference(name, tokens, dtype):
     assert got.dtype == dtype
     if scheme.activation_bits == 8:
         want = REFERENCE.route_to_experts(
-            x.float(), weights, ids, lambda e, rows: w8a8_expert(parts, e, rows, moe.w13.dtype)
+            x.float(), weights, ids, lambda e, rows: w8a8_expert(parts, e, rows, moe.w13.dtype, dtype)
         )
     else:
         want = REFERENCE.fused_experts(x.float(), w13, w2, weights, ids)

@@ -14,13 +14,14 @@ from torch import nn
 from kiln.interfaces import model as REFERENCE
 from kiln.quantization.config import QuantScheme
 from kiln.testing import quantization as quant_testing
-from kiln.testing.quantization import random_experts
+from kiln.testing.quantization import random_experts, w8a8_expert
 from kiln_cuda import ops, quant
-from kiln_cuda.moe import QuantizedExperts
+from kiln_cuda.moe import Int8Experts, QuantizedExperts
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=2e-3, atol=2e-3)}
 SCHEMES = {
+    "w8a8": quant_testing.SCHEMES["w8a8"],  # int8 rows per token times int8 weights
     "w8a16": quant_testing.SCHEMES["w8a16"],  # weight-only int8, per channel
     "w4a16-awq": QuantScheme(4, 32, False),  # zero points, groups of 32
     "w4a16-sym": quant_testing.SCHEMES["w4a16-sym"],  # GPTQ without act-order, groups of 64
@@ -51,19 +52,24 @@ def test_packed_experts_match_the_reference_on_the_widened_weights(name, tokens,
     scheme = SCHEMES[name]
     experts, w13, w2 = random_experts(scheme, EXPERTS, HIDDEN, INTER, seed=tokens)
     moe = packed(scheme, experts, dtype)
-    assert isinstance(moe.w13, QuantizedExperts) and moe.w13.shape == tuple(w13.shape)
-    assert moe.w13.qweight.dtype == torch.int32 and moe.w13.bits == scheme.weight_bits
+    w8a8 = scheme.activation_bits == 8
+    assert isinstance(moe.w13, Int8Experts if w8a8 else QuantizedExperts) and moe.w13.shape == tuple(w13.shape)
+    assert (moe.w13.weight if w8a8 else moe.w13.qweight).dtype == (torch.int8 if w8a8 else torch.int32)
     gen = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, HIDDEN, generator=gen).to(DEVICE, dtype)
     ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:2] for _ in range(tokens)]).to(DEVICE)
     ids[0, 1] = -1  # another rank's expert
     weights = torch.rand(tokens, 2, generator=gen).to(DEVICE)
-    want = REFERENCE.fused_experts(x, w13.to(DEVICE, dtype), w2.to(DEVICE, dtype), weights.to(dtype), ids)
+    if w8a8:
+        cpu = (x.float().cpu(), weights.cpu(), ids.cpu())
+        want = REFERENCE.route_to_experts(*cpu, lambda e, rows: w8a8_expert(experts, e, rows, dtype, dtype))
+    else:
+        want = REFERENCE.fused_experts(x, w13.to(DEVICE, dtype), w2.to(DEVICE, dtype), weights.to(dtype), ids)
     got = ops.fused_experts(x, moe.w13, moe.w2, weights, ids)
     assert got.dtype == dtype
     # Random codes make large intermediates: the tolerance is relative to the outputs' scale.
     scale = want.float().abs().max().item()
-    torch.testing.assert_close(got.float() / scale, want.float() / scale, **TOL[dtype])
+    torch.testing.assert_close(got.float().cpu() / scale, want.float().cpu() / scale, **TOL[dtype])
 
 
 def test_act_order_and_fp8_experts_are_left_to_be_widened():
@@ -79,7 +85,7 @@ def test_act_order_and_fp8_experts_are_left_to_be_widened():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the interpreter path on CPU")
-@pytest.mark.parametrize("method", ["awq", "weight_only_int8"])
+@pytest.mark.parametrize("method", ["awq", "weight_only_int8", "smooth_quant"])
 def test_a_quantized_mixtral_through_triton_kernels_matches_the_cpu_plugin(
     tiny_model_dir, kiln_plugins, tmp_path, monkeypatch, method
 ):
@@ -99,6 +105,7 @@ def test_a_quantized_mixtral_through_triton_kernels_matches_the_cpu_plugin(
     common = dict(model=quantized, dtype="float32", block_size=16)
     engine = make_engine(kiln_plugins, device="cpu_triton", **common)
     moe = next(m for m in engine.executor.runner.model.modules() if hasattr(m, "load_expert"))
-    assert isinstance(moe.w13, QuantizedExperts) and isinstance(moe.w2, QuantizedExperts)
+    kind = Int8Experts if method == "smooth_quant" else QuantizedExperts  # W8A8: int8 rows on both
+    assert isinstance(moe.w13, kind) and isinstance(moe.w2, kind)
     assert "w13" not in dict(moe.named_parameters())  # no widened copy beside them
     assert run_greedy(engine, prompts, 8) == greedy_tokens(kiln_plugins, prompts, 8, device="cpu", **common)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from kiln.interfaces.quantization import QuantLinear, QuantScheme, dequantize
+from kiln.interfaces.quantization import QuantLinear, QuantScheme, dequantize, quantize_per_token
 from kiln.models.loader import iter_weights
 from kiln.quantization import rtn
 from kiln.quantization.checkpoint import canonical_weights
@@ -80,6 +80,27 @@ def random_experts(
     w13 = torch.stack([torch.cat([widened[e, "gate_proj"], widened[e, "up_proj"]]) for e in range(experts)])
     w2 = torch.stack([widened[e, "down_proj"] for e in range(experts)])
     return parts, w13, w2
+
+
+def w8a8_expert(
+    parts: dict[tuple[int, str], dict[str, torch.Tensor]], e: int, rows: torch.Tensor, kernel: torch.dtype,
+    dtype: torch.dtype,
+) -> torch.Tensor:  # fmt: skip
+    """Expert ``e`` of ``random_experts``' W8A8 ``parts`` on fp32 ``rows`` with W8A8's reference
+    products (rows quantized per token, exact integer sums, channel and token scales), as a
+    platform computes it: each product rounded to its kernels' output dtype ``kernel``, the SwiGLU
+    between them to the activations' ``dtype`` (the next product's int8 roundings follow from
+    those values)."""
+    from kiln.interfaces.model import silu_and_mul
+
+    def product(rows: torch.Tensor, projections: tuple[str, ...]) -> torch.Tensor:
+        codes = torch.cat([parts[e, p]["weight"] for p in projections]).double()
+        scale = torch.cat([parts[e, p]["weight_scale"] for p in projections]).view(-1)
+        q, token_scale = quantize_per_token(rows)
+        return ((q.double() @ codes.T).float() * scale * token_scale).to(kernel).float()
+
+    hidden = silu_and_mul(product(rows, ("gate_proj", "up_proj"))).to(dtype).float()
+    return product(hidden, ("down_proj",))
 
 
 def gptq_act_order(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, None, torch.Tensor]:

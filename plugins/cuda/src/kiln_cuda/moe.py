@@ -16,7 +16,9 @@ parallelism the slots of other ranks' experts (id -1) are in no run, so no progr
 A quantized checkpoint's experts (AWQ, GPTQ without act-order, weight-only int8) stay quantized
 (``QuantizedExperts``): the GEMM widens a tile of an expert's packed codes in registers, as
 ``kiln_cuda.quant``'s dequantizing GEMM does for a linear layer, ``(code - zero) * scale``
-rounded to the activations' dtype.
+rounded to the activations' dtype. W8A8 experts (``Int8Experts``) multiply int8 rows, quantized
+per token (the first GEMM's per token, the second's per slot), by their int8 weights, summed
+exactly in int32 and then scaled per row and per channel, as the W8A8 linear layers do.
 """
 
 from __future__ import annotations
@@ -44,18 +46,30 @@ class QuantizedExperts:
     shape: tuple[int, int, int]  # of the stacked weight it stands for
 
 
+@dataclass(slots=True, eq=False)
+class Int8Experts:
+    """Stacked W8A8 experts: int8 weights per channel, for int8 activations quantized per row."""
+
+    weight: torch.Tensor  # (experts, N, K) int8
+    scale: torch.Tensor  # (experts, N) fp32
+    shape: tuple[int, int, int]
+
+
 @triton.jit
 def moe_gemm_kernel(
     a_ptr, w_ptr, c_ptr, order_ptr, first_ptr, count_ptr, scale_ptr, a_stride, w_stride_e, w_stride_n, c_stride,
-    N, K, TOP_K, qscale_ptr, qzero_ptr, q_stride_e,
+    N, K, TOP_K, qscale_ptr, qzero_ptr, q_stride_e, row_scale_ptr,
     A_BY_TOKEN: tl.constexpr, SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, ZERO: tl.constexpr, HAS_ZERO: tl.constexpr,
+    INT8: tl.constexpr,
 ):  # fmt: skip
     """Grid (experts, cdiv(slots, BLOCK_M), cdiv(N, BLOCK_N)): c[slot, n] = a[row] . w[e, n] for the
     slots of expert e's run, row = slot // TOP_K if A_BY_TOKEN else slot, times scale[slot] if SCALE.
     With ``BITS`` (4 or 8; 0: ``w`` is (experts, N, K) floats), ``w`` is ``QuantizedExperts.qweight``
     and ``qscale``/``qzero`` its (experts, groups, N) scales and zero points (``ZERO`` where not
-    ``HAS_ZERO``), the group of input k being ``k // GROUP``."""
+    ``HAS_ZERO``), the group of input k being ``k // GROUP``. With ``INT8``, ``a`` holds int8 rows with
+    their scales in ``row_scale`` and ``w`` is ``Int8Experts.weight``, its (experts, N) scales in
+    ``qscale``: the products sum in int32."""
     e = tl.program_id(0)
     m_tile = tl.program_id(1)
     first = tl.load(first_ptr + e)
@@ -69,13 +83,18 @@ def moe_gemm_kernel(
         cmask = cols < N
         w_base = w_ptr + e.to(tl.int64) * w_stride_e
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if INT8:
+            iacc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             kmask = ks < K
             at = tl.load(a_ptr + rows[:, None] * a_stride + ks[None, :], mask=rmask[:, None] & kmask[None, :],
-                         other=0.0)  # fmt: skip
+                         other=0)  # fmt: skip
             tile_mask = kmask[:, None] & cmask[None, :]
-            if BITS:
+            if INT8:
+                wt = tl.load(w_base + cols[None, :] * w_stride_n + ks[:, None], mask=tile_mask, other=0)
+                iacc = tl.dot(at, wt, iacc, out_dtype=tl.int32)
+            elif BITS:
                 PACK: tl.constexpr = 32 // BITS
                 words = tl.load(w_base + (ks // PACK)[:, None] * N + cols[None, :], mask=tile_mask, other=0)
                 codes = ((words >> ((ks % PACK) * BITS)[:, None]) & ((1 << BITS) - 1)).to(tl.float32)
@@ -86,9 +105,14 @@ def moe_gemm_kernel(
                 else:
                     zero = ZERO
                 wt = ((codes - zero) * qscale).to(at.dtype)
+                acc += tl.dot(at, wt, input_precision="ieee")
             else:
                 wt = tl.load(w_base + cols[None, :] * w_stride_n + ks[:, None], mask=tile_mask, other=0.0)
-            acc += tl.dot(at, wt, input_precision="ieee")
+                acc += tl.dot(at, wt, input_precision="ieee")
+        if INT8:
+            row_scale = tl.load(row_scale_ptr + rows, mask=rmask, other=0.0)
+            channel_scale = tl.load(qscale_ptr + e.to(tl.int64) * q_stride_e + cols, mask=cmask, other=0.0)
+            acc = iacc.to(tl.float32) * row_scale[:, None] * channel_scale[None, :]
         if SCALE:
             acc = acc * tl.load(scale_ptr + slots, mask=rmask, other=0.0)[:, None]
         out = c_ptr + slots[:, None] * c_stride + cols[None, :]
@@ -108,7 +132,7 @@ def expert_runs(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torc
 
 def grouped_gemm(
     a: torch.Tensor,
-    w: torch.Tensor | QuantizedExperts,
+    w: torch.Tensor | QuantizedExperts | Int8Experts,
     runs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     slots: int,
     scale: torch.Tensor | None = None,
@@ -116,22 +140,29 @@ def grouped_gemm(
     by_token: bool = False,
 ) -> torch.Tensor:
     """(slots, N): each slot's row of ``a`` (its token's, ``slot // top_k``, if ``by_token``) times
-    its expert's (N, K) weight of ``w`` (stacked floats, or ``QuantizedExperts``), times
-    ``scale[slot]`` if given."""
+    its expert's (N, K) weight of ``w`` (stacked floats, ``QuantizedExperts`` or ``Int8Experts``:
+    then ``a``'s rows are quantized to int8 per row first), times ``scale[slot]`` if given."""
+    from kiln_cuda.quant import quantize_per_token
+
     order, first, count = runs
     experts, n, k = w.shape
     out = torch.zeros((slots, n), dtype=a.dtype, device=a.device)  # slots in no run stay 0
     grid = (experts, triton.cdiv(slots, BLOCK_M), triton.cdiv(n, BLOCK_N))
+    rows, row_scale, bits, int8 = a, out, 0, isinstance(w, Int8Experts)
     if isinstance(w, QuantizedExperts):
         weight, strides, bits = w.qweight, (w.qweight.stride(0), 0), w.bits
         quant = (w.scale, w.scale if w.zero is None else w.zero, w.scale.stride(0))
         shape = dict(GROUP=w.group, ZERO=w.offset, HAS_ZERO=w.zero is not None)
+    elif int8:
+        rows, row_scale = quantize_per_token(a)
+        weight, strides, quant = w.weight, (w.weight.stride(0), w.weight.stride(1)), (w.scale, out, w.scale.stride(0))
+        shape = dict(GROUP=1, ZERO=0.0, HAS_ZERO=False)
     else:
-        weight, strides, bits, quant = w, (w.stride(0), w.stride(1)), 0, (out, out, 0)
+        weight, strides, quant = w, (w.stride(0), w.stride(1)), (out, out, 0)
         shape = dict(GROUP=1, ZERO=0.0, HAS_ZERO=False)
     moe_gemm_kernel[grid](
-        a, weight, out, order, first, count, out if scale is None else scale, a.stride(0), *strides, out.stride(0),
-        n, k, top_k, *quant, A_BY_TOKEN=by_token, SCALE=scale is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        BLOCK_K=BLOCK_K, BITS=bits, **shape,
+        rows, weight, out, order, first, count, out if scale is None else scale, rows.stride(0), *strides,
+        out.stride(0), n, k, top_k, *quant, row_scale, A_BY_TOKEN=by_token, SCALE=scale is not None,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BITS=bits, INT8=int8, **shape,
     )  # fmt: skip
     return out

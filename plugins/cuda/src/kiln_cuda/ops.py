@@ -9,7 +9,7 @@ import triton
 
 from kiln_cuda import kernels
 from kiln_cuda.lora import add_lora
-from kiln_cuda.moe import QuantizedExperts, expert_runs, grouped_gemm
+from kiln_cuda.moe import Int8Experts, QuantizedExperts, expert_runs, grouped_gemm
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -68,13 +68,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 def fused_experts(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
 ) -> torch.Tensor:
-    """Through ``kiln_cuda.moe``'s grouped GEMM, on stacked weights or ``QuantizedExperts``;
-    another rank's experts (id -1) are not computed."""
+    """Through ``kiln_cuda.moe``'s grouped GEMM, on stacked weights, ``QuantizedExperts`` or
+    ``Int8Experts``; another rank's experts (id -1) are not computed."""
     tokens, top_k = ids.shape
     runs = expert_runs(ids, w13.shape[0])
     scale = weights.reshape(-1).float().contiguous()
     x = x.contiguous()
-    w13, w2 = (w if isinstance(w, QuantizedExperts) else w.contiguous() for w in (w13, w2))
+    w13, w2 = (w if isinstance(w, (QuantizedExperts, Int8Experts)) else w.contiguous() for w in (w13, w2))
     h = silu_and_mul(grouped_gemm(x, w13, runs, tokens * top_k, top_k=top_k, by_token=True))
     y = grouped_gemm(h, w2, runs, tokens * top_k, scale=scale)
     return y.view(tokens, top_k, -1).sum(dim=1)

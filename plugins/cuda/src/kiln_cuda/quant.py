@@ -14,7 +14,8 @@
   scaled per output feature and group of inputs (a block's scale repeats down its rows).
 - Experts of a mixture (``process_experts``): AWQ, GPTQ without act-order and weight-only int8
   codes packed per expert as above, stacked, for ``kiln_cuda.moe``'s grouped GEMM, which widens
-  them tile by tile the same way. W8A8, fp8 and act-order experts are widened at load.
+  them tile by tile the same way; W8A8 experts' int8 weights stacked as they are, for its int8
+  path (rows quantized per row by the kernel above). fp8 and act-order experts are widened at load.
 - GPTQ act-order: the inputs are sorted by group (``argsort(g_idx)``) once, and each call gathers
   the activations' columns in the same order. When the sorted groups are contiguous and equal in
   size (GPTQ's) the kernel reads one scale row per K tile, as without act-order; otherwise it
@@ -67,6 +68,27 @@ class TritonInt8Method(LinearMethod):
         layer.qweight = layer.weight.data.contiguous()  # (out, in) int8: K-major, as the int8 MMA reads it
         layer.channel_scale = layer.weight_scale.data.reshape(-1).float().contiguous()
         del layer.weight, layer.weight_scale
+
+    def process_experts(self, moe, experts: dict[tuple[int, str], dict[str, torch.Tensor]]) -> bool:
+        """Each expert's int8 weights and channel scales stacked (gate and up rows as ``w13``
+        stacks them) into one ``Int8Experts`` per stacked weight."""
+        from kiln_cuda.moe import Int8Experts
+
+        device = moe.gate.weight.device
+
+        def stacked(projections: tuple[str, ...], shape: tuple[int, int, int]) -> Int8Experts:
+            def leaf(name: str) -> torch.Tensor:
+                parts = [torch.cat([experts[e, p][name] for p in projections]) for e in range(moe.num_local)]
+                return torch.stack(parts).to(device)
+
+            return Int8Experts(
+                leaf("weight").contiguous(), leaf("weight_scale").squeeze(-1).float().contiguous(), shape
+            )
+
+        w13, w2 = stacked(("gate_proj", "up_proj"), tuple(moe.w13.shape)), stacked(("down_proj",), tuple(moe.w2.shape))
+        del moe._parameters["w13"], moe._parameters["w2"]
+        moe.w13, moe.w2 = w13, w2
+        return True
 
     def apply(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
         rows = _rows(layer, x)
