@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln_cuda.quant_kernels import quantize_per_token
+
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 32, 32
 
 
@@ -142,8 +144,6 @@ def grouped_gemm(
     """(slots, N): each slot's row of ``a`` (its token's, ``slot // top_k``, if ``by_token``) times
     its expert's (N, K) weight of ``w`` (stacked floats, ``QuantizedExperts`` or ``Int8Experts``:
     then ``a``'s rows are quantized to int8 per row first), times ``scale[slot]`` if given."""
-    from kiln_cuda.quant import quantize_per_token
-
     order, first, count = runs
     experts, n, k = w.shape
     out = torch.zeros((slots, n), dtype=a.dtype, device=a.device)  # slots in no run stay 0

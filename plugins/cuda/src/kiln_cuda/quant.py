@@ -29,6 +29,7 @@ import triton
 
 from kiln.interfaces.quantization import LinearMethod, QuantLinear, QuantScheme
 from kiln_cuda import quant_kernels as kernels
+from kiln_cuda.quant_kernels import quantize_per_token
 
 PER_CHANNEL = 1 << 30  # the kernel's group size when one scale covers every input: k0 // it is 0
 
@@ -42,18 +43,6 @@ def gemm_blocks(rows: int) -> tuple[int, int, int]:
     if rows <= 128:
         return 64, 64, 4
     return 128, 128, 8
-
-
-def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``kiln.interfaces.quantization.quantize_per_token`` in one Triton kernel: rows (M, K) of
-    any float dtype (unit stride along K) -> (int8 (M, K), fp32 (M, 1))."""
-    rows, k = x.shape
-    q = torch.empty((rows, k), dtype=torch.int8, device=x.device)
-    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
-    if rows:
-        block = min(4096, triton.next_power_of_2(k))
-        kernels.quantize_per_token_kernel[(rows,)](x, q, scale, x.stride(0), k, BLOCK=block)
-    return q, scale
 
 
 def _rows(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:

@@ -1,12 +1,14 @@
 """Triton kernels for quantized linear layers (``kiln_cuda.quant`` launches them): per-token int8
-activation quantization, the W8A8 int8 GEMM, and the W4A16/W8A16 GEMM that widens packed integer
-(or fp8) weights a tile at a time. Results round where ``kiln.interfaces.quantization.ReferenceLinearMethod``
+activation quantization (with its launcher, ``quantize_per_token``, which the experts' W8A8 GEMM
+uses too), the W8A8 int8 GEMM, and the W4A16/W8A16 GEMM that widens packed integer (or fp8)
+weights a tile at a time. Results round where ``kiln.interfaces.quantization.ReferenceLinearMethod``
 rounds. They run on GPUs, and on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``).
 
 Every ``tl.dot`` tile is at least 16 x 16 x 16 (int8: K tiles of 32 and more)."""
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -41,6 +43,18 @@ def quantize_per_token_kernel(x_ptr, q_ptr, scale_ptr, x_stride, K, BLOCK: tl.co
         q = tl.minimum(tl.maximum(q, -127.0), 127.0)
         tl.store(q_ptr + row * K + c, q.to(tl.int8), mask=c < K)
     tl.store(scale_ptr + row, scale)
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kiln.interfaces.quantization.quantize_per_token`` in one Triton kernel: rows (M, K) of
+    any float dtype (unit stride along K) -> (int8 (M, K), fp32 (M, 1))."""
+    rows, k = x.shape
+    q = torch.empty((rows, k), dtype=torch.int8, device=x.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    if rows:
+        block = min(4096, triton.next_power_of_2(k))
+        quantize_per_token_kernel[(rows,)](x, q, scale, x.stride(0), k, BLOCK=block)
+    return q, scale
 
 
 @triton.jit
