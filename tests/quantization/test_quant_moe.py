@@ -96,8 +96,9 @@ def test_a_bf16_model_keeps_its_quantized_experts_in_tiles(tiny_model_dir, tmp_p
 def test_quantized_experts_split_over_two_ranks(
     tiny_model_dir, cpu_plugins, tmp_path, monkeypatch, expert_parallel, family, group
 ):
-    """Each rank's slice of every expert (widened), or its whole experts (Mixtral's groups of 32:
-    their codes into the tiles); DeepSeek's quantized query rows and scales cut per rank."""
+    """Each rank's slice of every expert's codes, or its whole experts (Mixtral's groups of 32 go
+    into the tiles either way; DeepSeek's groups of 16 fit none and are widened); DeepSeek's
+    quantized query rows and scales cut per rank."""
     from kiln.testing.engine import run_and_shut_down
 
     monkeypatch.setenv("KILN_CPU_INT8_ACTIVATIONS", "0")
@@ -250,3 +251,34 @@ def test_experts_partly_left_unquantized_are_widened(tiny_model_dir, tmp_path, m
     llm = assert_generates(quantized, PROMPTS, hf_greedy(dequantized, PROMPTS, 16))
     moe = next(m for m in llm.engine.executor.runner.model.modules() if hasattr(m, "load_expert"))
     assert not moe.quantized
+
+
+@pytest.mark.parametrize("scheme", ["awq-groups", "int8-per-channel"])
+def test_a_rank_holds_its_slice_of_each_quantized_expert(scheme):
+    """Under tensor parallelism (no expert parallelism) each rank holds its slice of every expert's
+    codes, for the platform: gate and up by output rows, down by inputs with their groups (one
+    scale per row whole). Widened, the slices are the rank's slice of the widened weights, which
+    is what the rank stored before."""
+    from types import SimpleNamespace
+
+    from kiln.distributed import TensorParallel
+    from kiln.models.moe import FusedMoE
+    from kiln.quantization.checkpoint import widen_parts
+    from kiln.quantization.config import QuantConfig, QuantScheme
+    from kiln.testing.quantization import random_experts
+
+    quant_scheme = QuantScheme(4, 32, False) if scheme == "awq-groups" else QuantScheme(8, None, True)
+    parts, w13, w2 = random_experts(quant_scheme, 2, 64, 128, seed=3)
+    quant = QuantConfig("awq" if scheme == "awq-groups" else "compressed-tensors", quant_scheme)
+    for rank in (0, 1):
+        moe = FusedMoE(64, 2, 2, 128, True, SimpleNamespace(), TensorParallel(rank, 2), quant=quant)
+        assert moe.w13.is_meta and moe.w13.shape == (2, 128, 64)  # this rank's gate and up rows, no memory
+        for (e, proj), tensors in parts.items():
+            for leaf, tensor in tensors.items():
+                moe.load_expert(e, proj, leaf, tensor)
+        held = moe.quantized
+        for e in range(2):
+            gate_up = torch.cat([widen_parts(held[e, "gate_proj"]), widen_parts(held[e, "up_proj"])])
+            rows = torch.cat([w13[e, :128].chunk(2)[rank], w13[e, 128:].chunk(2)[rank]])
+            assert torch.equal(gate_up, rows)
+            assert torch.equal(widen_parts(held[e, "down_proj"]), w2[e].chunk(2, dim=1)[rank])

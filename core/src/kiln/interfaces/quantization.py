@@ -48,10 +48,9 @@ class LinearMethod(ABC):
         """``x @ W.T + bias`` for rows ``x`` (..., in_features), in ``x``'s dtype."""
 
     def process_experts(self, moe: nn.Module, experts: dict[tuple[int, str], dict[str, torch.Tensor]]) -> bool:
-        """Optional: take a mixture-of-experts layer's quantized experts as they are. Called only
-        where the rank holds whole experts (one rank, or ``--enable-expert-parallel``): ``experts``
+        """Optional: take a mixture-of-experts layer's quantized experts as they are: ``experts``
         has, for each local expert ``0..moe.num_local - 1`` and projection (``gate_proj``,
-        ``up_proj``, ``down_proj``), the canonical
+        ``up_proj``, ``down_proj``), this rank's part of the canonical
         tensors (``weight``, ``weight_scale``, and ``weight_zero`` / ``g_idx`` where the scheme
         has them). Replace ``moe.w13`` / ``moe.w2`` (the stacked weights' parameters, on the meta
         device: their shape and dtype, no memory) with what the platform's ``fused_experts`` op

@@ -50,9 +50,11 @@ class FusedMoE(nn.Module):
         self.first = tp.rank * self.num_local if tp.expert_parallel else 0
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
-        self._hold = quant is not None and (tp.size == 1 or tp.expert_parallel)
-        # Quantized experts held for the platform take no memory in the model's dtype until a
-        # platform declines them (a GPU's allocator would else reserve the widened experts).
+        # Quantized experts are held for the platform, this rank's slice of each under tensor
+        # parallelism (act-order's groups do not split by input: those are widened as they come),
+        # and take no memory in the model's dtype until a platform declines them (a GPU's
+        # allocator would else reserve the widened experts).
+        self._hold = quant is not None and (tp.size == 1 or tp.expert_parallel or not quant.desc_act)
         device = "meta" if self._hold else None
         self.w13 = nn.Parameter(torch.empty(self.num_local, 2 * inter, hidden_size, device=device))
         self.w2 = nn.Parameter(torch.empty(self.num_local, hidden_size, inter, device=device))
@@ -70,8 +72,8 @@ class FusedMoE(nn.Module):
             if group and inputs % group:
                 raise ValueError(f"{prefix}: the {name}, {inputs}, is not a multiple of the group size {group}")
         # Quantized experts' canonical tensors, per (expert, projection), until each is whole;
-        # whole, they are held for the linear method (``take_quantized``) where this rank has
-        # whole experts, else widened as they arrive.
+        # whole, they are held for the linear method (``take_quantized``), else widened as they
+        # arrive.
         self._parts = None if quant is None else QuantizedParts(quant)
         self.quantized: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
         self.prefix = prefix  # this block's name (Kiln's: mlp, down_proj...), for messages
@@ -112,7 +114,7 @@ class FusedMoE(nn.Module):
             if parts is None:
                 return []
             if self._hold:
-                self.quantized[local, proj] = parts
+                self.quantized[local, proj] = self._slice_parts(proj, parts)
             else:
                 self._store(local, proj, parts)
         else:
@@ -121,10 +123,24 @@ class FusedMoE(nn.Module):
         pending.discard(local if name == "w2" else (local, proj))
         return [name] if not pending else []
 
-    def _store(self, local: int, proj: str, weight: torch.Tensor) -> None:
-        """One expert's projection, as the checkpoint has it, into this rank's stacked weights."""
+    def _slice_parts(self, proj: str, parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's slice of one expert projection's canonical tensors, as ``_store`` slices
+        its widened weight: gate and up by output rows, down by inputs (with their groups; one
+        scale per row stays whole). FusedMoE checked that a rank's inputs are whole groups."""
+        if self.tp.expert_parallel or self.tp.size == 1:
+            return parts
+        if proj != "down_proj":
+            return {leaf: self.tp.slice(t, 0).clone() for leaf, t in parts.items()}
+        return {
+            leaf: t if leaf != "weight" and t.shape[1] == 1 else self.tp.slice(t, 1).clone()
+            for leaf, t in parts.items()
+        }
+
+    def _store(self, local: int, proj: str, weight: torch.Tensor, sliced: bool = False) -> None:
+        """One expert's projection, as the checkpoint has it (or already this rank's slice of it),
+        into this rank's stacked weights."""
         self._materialize()
-        slice_of = (lambda t, dim: t) if self.tp.expert_parallel else self.tp.slice
+        slice_of = (lambda t, dim: t) if self.tp.expert_parallel or sliced else self.tp.slice
         if proj == "down_proj":
             self.w2.data[local].copy_(slice_of(weight, 1))
         else:
@@ -140,7 +156,7 @@ class FusedMoE(nn.Module):
         whole = len(self.quantized) == 3 * self.num_local  # else some projections came unquantized
         if not (whole and method.process_experts(self, self.quantized)):
             for (local, proj), parts in self.quantized.items():
-                self._store(local, proj, widen_parts(parts))
+                self._store(local, proj, widen_parts(parts), sliced=True)
         self.quantized = {}
 
     def _materialize(self) -> None:
