@@ -27,7 +27,8 @@ from torch import nn
 from kiln.quantization.config import QuantScheme
 
 __all__ = [
-    "LinearMethod", "QuantLinear", "QuantScheme", "ReferenceLinearMethod", "dequantize", "quantize_per_token", "widen",
+    "LinearMethod", "QuantLinear", "QuantScheme", "ReferenceLinearMethod", "dequantize", "expert_tensors",
+    "quantize_per_token", "replace_experts", "widen",
 ]  # fmt: skip
 
 
@@ -55,8 +56,24 @@ class LinearMethod(ABC):
         has them). Replace ``moe.w13`` / ``moe.w2`` (the stacked weights' parameters, on the meta
         device: their shape and dtype, no memory) with what the platform's ``fused_experts`` op
         takes and return True; return False (the default) to have them widened into ``moe.w13`` /
-        ``moe.w2`` in the model's dtype, on the device of ``moe.gate``."""
+        ``moe.w2`` in the model's dtype, on the device of ``moe.gate``. ``expert_tensors`` and
+        ``replace_experts`` are the steps most platforms share."""
         return False
+
+
+def expert_tensors(
+    experts: dict[tuple[int, str], dict[str, torch.Tensor]], num_local: int, projections: tuple[str, ...], leaf: str
+) -> list[torch.Tensor]:
+    """For each of the ``num_local`` experts of ``LinearMethod.process_experts``' ``experts``, its
+    ``projections``' ``leaf`` tensors joined along the outputs (``("gate_proj", "up_proj")``: gate
+    rows then up rows, as ``w13`` stacks them)."""
+    return [torch.cat([experts[e, p][leaf] for p in projections]) for e in range(num_local)]
+
+
+def replace_experts(moe: nn.Module, w13: object, w2: object) -> None:
+    """Put a platform's form of the stacked experts in place of ``moe``'s ``w13`` / ``w2`` parameters."""
+    del moe._parameters["w13"], moe._parameters["w2"]
+    moe.w13, moe.w2 = w13, w2
 
 
 class QuantLinear(nn.Module):

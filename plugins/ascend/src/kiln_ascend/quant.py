@@ -53,8 +53,10 @@ from kiln.interfaces.quantization import (
     QuantLinear,
     QuantScheme,
     ReferenceLinearMethod,
+    expert_tensors,
     group_index,
     quantize_per_token,
+    replace_experts,
 )
 
 logger = logging.getLogger("kiln.ascend")
@@ -242,10 +244,8 @@ class AscendLinearMethod(LinearMethod):
         shift = 8 if bits == 4 and "weight_zero" in first else 0
 
         def stacked(projections: tuple[str, ...], shape: tuple[int, int, int]) -> QuantizedExperts:
-            per_expert = [[experts[e, p] for p in projections] for e in range(moe.num_local)]
-
             def leaf(name: str) -> torch.Tensor:  # (experts, N, groups or K)
-                return torch.stack([torch.cat([p[name] for p in parts]) for parts in per_expert]).to(device)
+                return torch.stack(expert_tensors(experts, moe.num_local, projections, name)).to(device)
 
             codes = leaf("weight")
             if bits == 4:
@@ -265,9 +265,9 @@ class AscendLinearMethod(LinearMethod):
                 scale, offset = scale.to(dtype), None if offset is None else offset.to(dtype).contiguous()
             return QuantizedExperts(weight, scale.contiguous(), offset, w8a8, dtype, shape)
 
-        w13, w2 = stacked(("gate_proj", "up_proj"), tuple(moe.w13.shape)), stacked(("down_proj",), tuple(moe.w2.shape))
-        del moe._parameters["w13"], moe._parameters["w2"]
-        moe.w13, moe.w2 = w13, w2
+        replace_experts(
+            moe, stacked(("gate_proj", "up_proj"), tuple(moe.w13.shape)), stacked(("down_proj",), tuple(moe.w2.shape))
+        )
         return True
 
 

@@ -35,8 +35,10 @@ from kiln.interfaces.quantization import (
     QuantLinear,
     QuantScheme,
     ReferenceLinearMethod,
+    expert_tensors,
     group_index,
     quantize_per_token,
+    replace_experts,
 )
 from kiln_cpu import native
 from kiln_cpu.tiled_weights import (
@@ -152,31 +154,30 @@ class CpuLinearMethod(LinearMethod):
         widened at load they had held bf16 values, 4x a 4-bit checkpoint's bytes."""
         from kiln_cpu.experts import PackedExperts
 
-        projections = [[experts[e, p] for p in ("gate_proj", "up_proj", "down_proj")] for e in range(moe.num_local)]
         inter, hidden = moe.w2.shape[2], moe.w2.shape[1]
         group = self.scheme.group_size  # FusedMoE checked that it divides both sizes; None: per row
         if (
             native.load_kernels() is None
             or moe.w13.dtype not in (torch.float32, torch.bfloat16)
-            or "g_idx" in projections[0][0]
+            or "g_idx" in experts[0, "gate_proj"]
             or inter % BLOCK or hidden % BLOCK  # both are a matmul's inputs and outputs (tiles of 16)
             or (group or BLOCK) % BLOCK
         ):  # fmt: skip
             return False
         bits = self.scheme.weight_bits
 
-        def tiles(parts: list[dict[str, torch.Tensor]]) -> TiledWeight:
-            weight, scale = torch.cat([p["weight"] for p in parts]), torch.cat([p["weight_scale"] for p in parts])
-            zero = torch.cat([p["weight_zero"] for p in parts]) if "weight_zero" in parts[0] else None
-            index = torch.arange(weight.shape[1]) // (group or weight.shape[1])
-            return _tiles(bits, weight, index, scale, zero)
+        def packed(projections: tuple[str, ...], shape: torch.Size) -> PackedExperts:
+            def leaf(name: str) -> list[torch.Tensor]:
+                return expert_tensors(experts, moe.num_local, projections, name)
 
-        w13 = [tiles([gate, up]) for gate, up, _ in projections]
-        w2 = [tiles([down]) for _, _, down in projections]
-        shapes = tuple(moe.w13.shape), tuple(moe.w2.shape)
-        del moe._parameters["w13"], moe._parameters["w2"]
-        moe.w13 = PackedExperts(w13, shapes[0], _activations(self.scheme))
-        moe.w2 = PackedExperts(w2, shapes[1], _activations(self.scheme))
+            zeros = leaf("weight_zero") if "weight_zero" in experts[0, "gate_proj"] else [None] * moe.num_local
+            tiles = [
+                _tiles(bits, weight, torch.arange(weight.shape[1]) // (group or weight.shape[1]), scale, zero)
+                for weight, scale, zero in zip(leaf("weight"), leaf("weight_scale"), zeros)
+            ]
+            return PackedExperts(tiles, tuple(shape), _activations(self.scheme))
+
+        replace_experts(moe, packed(("gate_proj", "up_proj"), moe.w13.shape), packed(("down_proj",), moe.w2.shape))
         return True
 
 

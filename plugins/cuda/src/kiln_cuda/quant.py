@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from kiln.interfaces.quantization import LinearMethod, QuantLinear, QuantScheme
+from kiln.interfaces.quantization import LinearMethod, QuantLinear, QuantScheme, expert_tensors, replace_experts
 from kiln_cuda import quant_kernels as kernels
 from kiln_cuda.quant_kernels import quantize_per_token
 
@@ -67,16 +67,15 @@ class TritonInt8Method(LinearMethod):
 
         def stacked(projections: tuple[str, ...], shape: tuple[int, int, int]) -> Int8Experts:
             def leaf(name: str) -> torch.Tensor:
-                parts = [torch.cat([experts[e, p][name] for p in projections]) for e in range(moe.num_local)]
-                return torch.stack(parts).to(device)
+                return torch.stack(expert_tensors(experts, moe.num_local, projections, name)).to(device)
 
             return Int8Experts(
                 leaf("weight").contiguous(), leaf("weight_scale").squeeze(-1).float().contiguous(), shape
             )
 
-        w13, w2 = stacked(("gate_proj", "up_proj"), tuple(moe.w13.shape)), stacked(("down_proj",), tuple(moe.w2.shape))
-        del moe._parameters["w13"], moe._parameters["w2"]
-        moe.w13, moe.w2 = w13, w2
+        replace_experts(
+            moe, stacked(("gate_proj", "up_proj"), tuple(moe.w13.shape)), stacked(("down_proj",), tuple(moe.w2.shape))
+        )
         return True
 
     def apply(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
@@ -165,21 +164,19 @@ class TritonDequantMethod(LinearMethod):
         offset = 0 if bits == 4 and "weight_zero" in experts[0, "gate_proj"] else 1 << (bits - 1)
 
         def stacked(projections: tuple[str, ...], shape: tuple[int, int, int]) -> QuantizedExperts:
-            per_expert = [[experts[e, p] for p in projections] for e in range(moe.num_local)]
-
             def cat(leaf: str) -> list[torch.Tensor]:
-                return [torch.cat([p[leaf] for p in parts]).to(device) for parts in per_expert]
+                return [t.to(device) for t in expert_tensors(experts, moe.num_local, projections, leaf)]
 
             scale = torch.stack([s.float().T for s in cat("weight_scale")]).contiguous()  # (experts, groups, N)
             zero = None
-            if "weight_zero" in per_expert[0][0]:
+            if "weight_zero" in experts[0, "gate_proj"]:
                 zero = torch.stack([z.float().T + offset for z in cat("weight_zero")]).contiguous()
             qweight = torch.stack([pack_codes(w.to(torch.int32) + offset, bits) for w in cat("weight")])
             return QuantizedExperts(qweight, scale, zero, bits, shape[2] // scale.shape[1], float(offset), shape)
 
-        w13, w2 = stacked(("gate_proj", "up_proj"), tuple(moe.w13.shape)), stacked(("down_proj",), tuple(moe.w2.shape))
-        del moe._parameters["w13"], moe._parameters["w2"]
-        moe.w13, moe.w2 = w13, w2
+        replace_experts(
+            moe, stacked(("gate_proj", "up_proj"), tuple(moe.w13.shape)), stacked(("down_proj",), tuple(moe.w2.shape))
+        )
         return True
 
     def apply(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
