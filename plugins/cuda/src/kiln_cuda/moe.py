@@ -23,6 +23,7 @@ exactly in int32 and then scaled per row and per channel, as the W8A8 linear lay
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -30,8 +31,6 @@ import triton
 import triton.language as tl
 
 from kiln_cuda.quant_kernels import quantize_per_token
-
-BLOCK_M, BLOCK_N, BLOCK_K = 16, 32, 32
 
 
 @dataclass(slots=True, eq=False)
@@ -43,7 +42,7 @@ class QuantizedExperts:
     scale: torch.Tensor  # (experts, groups, N) fp32
     zero: torch.Tensor | None  # (experts, groups, N) fp32; None: every zero point is ``offset``
     bits: int
-    group: int  # inputs per group (K for one scale per output)
+    group: int  # inputs per group, a multiple of 16 (K for one scale per output)
     offset: float
     shape: tuple[int, int, int]  # of the stacked weight it stands for
 
@@ -69,7 +68,8 @@ def moe_gemm_kernel(
     slots of expert e's run, row = slot // TOP_K if A_BY_TOKEN else slot, times scale[slot] if SCALE.
     With ``BITS`` (4 or 8; 0: ``w`` is (experts, N, K) floats), ``w`` is ``QuantizedExperts.qweight``
     and ``qscale``/``qzero`` its (experts, groups, N) scales and zero points (``ZERO`` where not
-    ``HAS_ZERO``), the group of input k being ``k // GROUP``. With ``INT8``, ``a`` holds int8 rows with
+    ``HAS_ZERO``), the group of input k being ``k // GROUP`` (``BLOCK_K`` divides ``GROUP``, or
+    ``GROUP`` is K). With ``INT8``, ``a`` holds int8 rows with
     their scales in ``row_scale`` and ``w`` is ``Int8Experts.weight``, its (experts, N) scales in
     ``qscale``: the products sum in int32."""
     e = tl.program_id(0)
@@ -97,13 +97,19 @@ def moe_gemm_kernel(
                 wt = tl.load(w_base + cols[None, :] * w_stride_n + ks[:, None], mask=tile_mask, other=0)
                 iacc = tl.dot(at, wt, iacc, out_dtype=tl.int32)
             elif BITS:
+                # Each word is read once and widened to its PACK inputs; the tile lies in one group
+                # (BLOCK_K divides GROUP), so a scale and a zero point per column serve all of it.
                 PACK: tl.constexpr = 32 // BITS
-                words = tl.load(w_base + (ks // PACK)[:, None] * N + cols[None, :], mask=tile_mask, other=0)
+                wk = k0 // PACK + tl.arange(0, BLOCK_K // PACK)
+                wmask = (wk < tl.cdiv(K, PACK))[:, None] & cmask[None, :]
+                words = tl.load(w_base + wk[:, None] * N + cols[None, :], mask=wmask, other=0)
+                words = tl.broadcast_to(words[:, None, :], (BLOCK_K // PACK, PACK, BLOCK_N))
+                words = tl.reshape(words, (BLOCK_K, BLOCK_N))
                 codes = ((words >> ((ks % PACK) * BITS)[:, None]) & ((1 << BITS) - 1)).to(tl.float32)
-                at_group = e.to(tl.int64) * q_stride_e + (ks // GROUP)[:, None] * N + cols[None, :]
-                qscale = tl.load(qscale_ptr + at_group, mask=tile_mask, other=0.0)
+                at_group = e.to(tl.int64) * q_stride_e + (k0 // GROUP) * N + cols
+                qscale = tl.load(qscale_ptr + at_group, mask=cmask, other=0.0)[None, :]
                 if HAS_ZERO:
-                    zero = tl.load(qzero_ptr + at_group, mask=tile_mask, other=0.0)
+                    zero = tl.load(qzero_ptr + at_group, mask=cmask, other=0.0)[None, :]
                 else:
                     zero = ZERO
                 wt = ((codes - zero) * qscale).to(at.dtype)
@@ -132,6 +138,26 @@ def expert_runs(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torc
     return order, first, torch.searchsorted(ranked, experts, right=True) - first
 
 
+# (rows per expert at most, (BLOCK_M, BLOCK_N, BLOCK_K)): the tiles ``bench/moe_kernels.py`` timed
+# best on an H200 at Mixtral-8x7B's sizes. Taller tiles as each expert gets more rows; packed
+# codes take wider ones while the rows are few, int8 rows longer K tiles.
+TILES = {
+    "float": ((32, (32, 64, 128)), (math.inf, (64, 128, 64))),
+    "packed": ((1, (16, 64, 64)), (8, (16, 128, 128)), (32, (32, 128, 64)), (math.inf, (64, 128, 64))),
+    "int8": ((1, (16, 64, 64)), (8, (16, 64, 128)), (32, (32, 64, 128)), (math.inf, (64, 128, 64))),
+}
+
+
+def gemm_tile(w: torch.Tensor | QuantizedExperts | Int8Experts, slots: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K) of the grouped GEMM for ``slots`` rows over ``w``'s experts."""
+    kind = "packed" if isinstance(w, QuantizedExperts) else "int8" if isinstance(w, Int8Experts) else "float"
+    rows = slots / w.shape[0]  # per expert, were they spread evenly
+    bm, bn, bk = next(tile for most, tile in TILES[kind] if rows <= most)
+    while kind == "packed" and w.group < w.shape[2] and w.group % bk:
+        bk //= 2  # a K tile lies in one group
+    return bm, bn, bk
+
+
 def grouped_gemm(
     a: torch.Tensor,
     w: torch.Tensor | QuantizedExperts | Int8Experts,
@@ -147,7 +173,8 @@ def grouped_gemm(
     order, first, count = runs
     experts, n, k = w.shape
     out = torch.zeros((slots, n), dtype=a.dtype, device=a.device)  # slots in no run stay 0
-    grid = (experts, triton.cdiv(slots, BLOCK_M), triton.cdiv(n, BLOCK_N))
+    block_m, block_n, block_k = gemm_tile(w, slots)
+    grid = (experts, triton.cdiv(slots, block_m), triton.cdiv(n, block_n))
     rows, row_scale, bits, int8 = a, out, 0, isinstance(w, Int8Experts)
     if isinstance(w, QuantizedExperts):
         weight, strides, bits = w.qweight, (w.qweight.stride(0), 0), w.bits
@@ -163,6 +190,6 @@ def grouped_gemm(
     moe_gemm_kernel[grid](
         rows, weight, out, order, first, count, out if scale is None else scale, rows.stride(0), *strides,
         out.stride(0), n, k, top_k, *quant, row_scale, A_BY_TOKEN=by_token, SCALE=scale is not None,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BITS=bits, INT8=int8, **shape,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BITS=bits, INT8=int8, **shape,
     )  # fmt: skip
     return out

@@ -155,11 +155,15 @@ class TritonDequantMethod(LinearMethod):
     def process_experts(self, moe, experts: dict[tuple[int, str], dict[str, torch.Tensor]]) -> bool:
         """Each expert's codes packed as ``process`` packs a layer's (gate and up rows stacked, as
         ``w13`` stacks them) into one ``QuantizedExperts`` per stacked weight; fp8 and act-order
-        experts are left to be widened."""
+        experts, and groups not a multiple of 16 inputs, are left to be widened."""
         from kiln_cuda.moe import QuantizedExperts
 
-        if self.scheme.float_weights or "g_idx" in experts[0, "gate_proj"]:
+        first = experts[0, "gate_proj"]
+        if self.scheme.float_weights or "g_idx" in first:
             return False
+        groups, k = first["weight_scale"].shape[1], first["weight"].shape[1]
+        if groups > 1 and (k // groups) % 16:
+            return False  # the grouped GEMM's K tiles (16 inputs at least) each lie in one group
         bits, device = self.scheme.weight_bits, moe.gate.weight.device
         offset = 0 if bits == 4 and "weight_zero" in experts[0, "gate_proj"] else 1 << (bits - 1)
 
