@@ -3,7 +3,8 @@
 One mixture layer (8 experts, 2 per token, hidden 4096, intermediate 14336), random weights, as
 ``kiln_cuda.ops.fused_experts`` runs it: the grouped GEMM over stacked bf16 experts, over AWQ
 experts kept packed (4-bit codes, zero points, groups of 128), over weight-only int8 experts (per
-channel) and over W8A8 experts (int8 rows per token), for batches of 1 to 512 tokens; and, as the
+channel), over fp8 experts (float8 values, a scale per row and 128 inputs, as DeepSeek-V3's blocks
+give) and over W8A8 experts (int8 rows per token), for batches of 1 to 512 tokens; and, as the
 baseline, the core's reference ``fused_experts`` (a torch matmul per expert, cuBLAS). Each is timed
 by ``triton.testing.do_bench`` (median of its repeats, after warm-up) with the tile shape the
 plugin picks ("auto") and each tile shape given.
@@ -47,6 +48,12 @@ def packed_experts(n: int, k: int, bits: int, group: int, zero: bool) -> moe.Qua
     return moe.QuantizedExperts(qweight, scale, zeros, bits, group, offset, (EXPERTS, n, k))
 
 
+def fp8_experts(n: int, k: int) -> moe.QuantizedExperts:
+    values = (torch.randn(EXPERTS, k, n, device="cuda") * 64).to(torch.float8_e4m3fn)
+    scale = torch.rand(EXPERTS, k // GROUP, n, device="cuda") * 1e-3
+    return moe.QuantizedExperts(values, scale, None, 8, GROUP, 0.0, (EXPERTS, n, k), float8=True)
+
+
 def int8_experts(n: int, k: int) -> moe.Int8Experts:
     weight = torch.randint(-127, 128, (EXPERTS, n, k), device="cuda", dtype=torch.int8)
     return moe.Int8Experts(weight, torch.rand(EXPERTS, n, device="cuda") * 1e-3, (EXPERTS, n, k))
@@ -62,6 +69,7 @@ FORMATS = {
     "bf16": lambda n, k: bf16_experts(n, k),
     "awq-4bit-g128": lambda n, k: packed_experts(n, k, 4, GROUP, zero=True),
     "int8-weight-only": lambda n, k: packed_experts(n, k, 8, k, zero=False),
+    "fp8-block128": lambda n, k: fp8_experts(n, k),
     "w8a8": lambda n, k: int8_experts(n, k),
 }
 

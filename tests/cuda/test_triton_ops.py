@@ -173,6 +173,34 @@ def test_fp8_checkpoints_through_triton_kernels_match_the_cpu_plugin(tiny_model_
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the interpreter path on CPU")
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe", "deepseek_v2"])
+@pytest.mark.parametrize(
+    "config", [{"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [16, 32]}, FP8_CHANNELS],
+    ids=["blocks", "channels"],
+)  # fmt: skip
+def test_fp8_mixtures_keep_fp8_experts_and_match_the_cpu_plugin(tiny_model_dir, kiln_plugins, tmp_path, model_type,
+                                                                config):  # fmt: skip
+    """An fp8 mixture of experts on the Triton platform: its experts stay float8 in the grouped
+    GEMM (``QuantizedExperts``), its other projections in the dequantizing GEMM, and it serves
+    the tokens the CPU plugin serves from the checkpoint widened at load."""
+    import kiln_cpu.plugin
+    import kiln_cuda.plugin
+    from kiln.testing.engine import make_engine, run_greedy
+    from kiln.testing.quantization import fp8_copy
+    from kiln_cuda.moe import QuantizedExperts
+
+    for module, name in ((kiln_cpu.plugin, "cpu"), (kiln_cuda.plugin, "cuda"), (sys.modules[__name__], "test")):
+        kiln_plugins.register(module, name=name)
+    folder, _ = fp8_copy(tiny_model_dir(model_type), tmp_path / "fp8", config)
+    prompts, common = [[1000, 7, 9], list(range(100, 119))], dict(model=str(folder), dtype="float32", block_size=16)
+    engine = make_engine(kiln_plugins, device="cpu_triton", **common)
+    mixtures = [m for m in engine.executor.runner.model.modules() if hasattr(m, "load_expert")]
+    assert mixtures and all(isinstance(m.w13, QuantizedExperts) and m.w13.float8 for m in mixtures)
+    assert all(m.w2.qweight.dtype == torch.float8_e4m3fn for m in mixtures)
+    assert run_greedy(engine, prompts) == run_greedy(make_engine(kiln_plugins, device="cpu", **common), prompts)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the interpreter path on CPU")
 def test_a_16_bit_part_of_a_fused_fp8_layer_is_rounded_to_fp8(tiny_model_dir, kiln_plugins, tmp_path, caplog):
     """An fp8 checkpoint that left k_proj in 16 bits without listing it: on the Triton platform the
     merged q/k/v still loads in fp8, k's rows rounded per row (with a warning), q's and v's as stored."""

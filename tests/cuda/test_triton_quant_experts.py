@@ -1,5 +1,5 @@
-"""Quantized experts on the CUDA plugin (``TritonDequantMethod.process_experts``): AWQ, GPTQ and
-weight-only int8 experts stay packed and the grouped GEMM widens them tile by tile, giving the
+"""Quantized experts on the CUDA plugin (``TritonDequantMethod.process_experts``): AWQ, GPTQ,
+weight-only int8 and fp8 experts stay packed and the grouped GEMM widens them tile by tile, giving the
 core's reference ``fused_experts`` on the widened weights; a quantized Mixtral through the Triton
 kernels serves what the CPU plugin serves from it (tests/quantization/test_quant_moe.py matches
 that to transformers on the dequantized weights). On GPU where one is
@@ -26,6 +26,8 @@ SCHEMES = {
     "w4a16-awq": QuantScheme(4, 32, False),  # zero points, groups of 32
     "w4a16-sym": quant_testing.SCHEMES["w4a16-sym"],  # GPTQ without act-order, groups of 64
     "w8a16-zero": QuantScheme(8, 64, False),  # 8-bit codes with zero points
+    "fp8-block": QuantScheme(8, 32, True, float_weights=True),  # float8 values, a scale per (row, 32 inputs)
+    "fp8-channel": QuantScheme(8, None, True, float_weights=True),  # float8 values, a scale per row
 }
 EXPERTS, HIDDEN, INTER = 4, 128, 64
 
@@ -54,7 +56,8 @@ def test_packed_experts_match_the_reference_on_the_widened_weights(name, tokens,
     moe = packed(scheme, experts, dtype)
     w8a8 = scheme.activation_bits == 8
     assert isinstance(moe.w13, Int8Experts if w8a8 else QuantizedExperts) and moe.w13.shape == tuple(w13.shape)
-    assert (moe.w13.weight if w8a8 else moe.w13.qweight).dtype == (torch.int8 if w8a8 else torch.int32)
+    stored = torch.int8 if w8a8 else torch.float8_e4m3fn if scheme.float_weights else torch.int32
+    assert (moe.w13.weight if w8a8 else moe.w13.qweight).dtype == stored
     gen = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, HIDDEN, generator=gen).to(DEVICE, dtype)
     ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:2] for _ in range(tokens)]).to(DEVICE)
@@ -72,16 +75,12 @@ def test_packed_experts_match_the_reference_on_the_widened_weights(name, tokens,
     torch.testing.assert_close(got.float().cpu() / scale, want.float().cpu() / scale, **TOL[dtype])
 
 
-def test_act_order_and_fp8_experts_are_left_to_be_widened():
+def test_act_order_experts_are_left_to_be_widened():
     act_order = QuantScheme(4, 32, False)
     experts, _, _ = random_experts(act_order, EXPERTS, HIDDEN, INTER, seed=0)
     for parts in experts.values():
         parts["g_idx"] = torch.arange(parts["weight"].shape[1], dtype=torch.int32) // 32
-    moe = mixture()
-    assert not quant.linear_method(act_order).process_experts(moe, experts)
-    fp8 = QuantScheme(8, None, True, float_weights=True)
-    experts, _, _ = random_experts(quant_testing.SCHEMES["w8a16"], EXPERTS, HIDDEN, INTER, seed=1)
-    assert not quant.TritonDequantMethod(fp8).process_experts(moe, experts)
+    assert not quant.linear_method(act_order).process_experts(mixture(), experts)
 
 
 def test_groups_the_k_tiles_cannot_lie_in_are_left_to_be_widened():

@@ -115,7 +115,8 @@ def test_fp8_flag_resolution():
 
 def test_fp8_weights_only_where_a_method_takes_them():
     """fp8 weights stay fp8 only with a platform method that says it computes them, in a model with
-    quantized layers, and with blocks that tile every layer's inputs on a rank; else widened."""
+    quantized layers, and with blocks that tile every layer's inputs on a rank (experts' included);
+    else widened."""
     from types import SimpleNamespace
 
     from kiln.interfaces.quantization import ReferenceLinearMethod
@@ -132,7 +133,10 @@ def test_fp8_weights_only_where_a_method_takes_them():
     assert _fp8_widened(scheme, ReferenceLinearMethod(), LlamaForCausalLM, cfg, one) is None
     assert _fp8_widened(scheme, IntegersOnly(), LlamaForCausalLM, cfg, one) == "the platform has no fp8 kernel"
     assert _fp8_widened(scheme, None, LlamaForCausalLM, cfg, one) == "the platform has no fp8 kernel"
-    assert "experts have no fp8 kernel" in _fp8_widened(scheme, ReferenceLinearMethod(), MixtralForCausalLM, cfg, one)
+    # a mixture keeps fp8 too (its experts where the platform takes them), if blocks tile its experts
+    assert _fp8_widened(scheme, ReferenceLinearMethod(), MixtralForCausalLM, cfg, one) is None
+    experts = SimpleNamespace(**vars(cfg), moe_intermediate_size=48)
+    assert "blocks of 32 inputs" in _fp8_widened(scheme, ReferenceLinearMethod(), MixtralForCausalLM, experts, one)
     # two ranks: the down projection's 96 inputs per rank are 3 blocks, o_proj's 32 one
     assert _fp8_widened(scheme, ReferenceLinearMethod(), LlamaForCausalLM, cfg, two) is None
     wide = fp8_scheme(Fp8Layout("weight_scale_inv", (64, 64)))

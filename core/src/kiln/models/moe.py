@@ -213,8 +213,8 @@ class Qwen2MoeForCausalLM(LlamaForCausalLM):
     # layers are refused (not mapped yet).
     lora_modules = {k: v for k, v in LlamaForCausalLM.lora_modules.items() if k.startswith("self_attn.")}
     decoder_layer = MoEDecoderLayer
-    # Experts have no fp8 kernel, and are not quantized at load (--quantization on a float
-    # checkpoint); a quantized checkpoint's are widened where the platform does not take them.
+    # Experts are not quantized at load (--quantization on a float checkpoint); a quantized
+    # checkpoint's (fp8 included) are widened where the platform does not take them.
     widens_quantized_experts = True
 
 

@@ -227,7 +227,7 @@ def fp8_quantize(
 
 
 def fp8_copy(source: str, folder: Path, config: dict) -> tuple[Path, Path]:
-    """``source`` with its decoder projections in fp8 as ``config`` (a ``quantization_config``)
+    """``source`` with its decoder projections (experts' included) in fp8 as ``config`` (a ``quantization_config``)
     lays them out (``folder``), and the same model with those weights widened back to fp32
     (``folder``-widened: transformers' reference). A static activation scheme gets (unused)
     input scales, as such checkpoints carry."""
@@ -246,7 +246,7 @@ def fp8_copy(source: str, folder: Path, config: dict) -> tuple[Path, Path]:
     tensors = load_file(str(Path(source) / "model.safetensors"))
     quantized, plain = {}, {}
     for name, tensor in tensors.items():
-        if name.endswith("_proj.weight"):
+        if name.endswith(".weight") and PROJECTION.search(name.removesuffix(".weight")):
             q, scale = fp8_quantize(tensor.float(), layout.block, per_row=per_row)
             layer = name.removesuffix(".weight")
             quantized[name], quantized[f"{layer}.{layout.scale_name}"] = q, scale

@@ -241,8 +241,8 @@ def resolve_quantization(
     """The model's ``QuantConfig`` and the platform's method for it (None, None: unquantized; a
     config and no method: a model without quantized layers, whose checkpoint is widened at load);
     a method the device cannot run, or a split it cannot take, is refused here, before any weight is
-    read. fp8 weights without a kernel on the platform, or in a model without quantized layers
-    or whose experts would be widened anyway (the mixtures of experts), are widened at load instead."""
+    read. fp8 weights without a kernel on the platform, in a model without quantized layers, or in
+    blocks that do not tile its layers on a rank, are widened at load instead."""
     quant = quant_config.resolve(config.quantization, getattr(hf_config, "quantization_config", None))
     if quant is None:
         return None, None
@@ -275,11 +275,14 @@ def _fp8_widened(scheme: QuantScheme, method: LinearMethod | None, model_cls: ty
         return "the platform has no fp8 kernel"
     if not getattr(model_cls, "supports_quantization", False):
         return f"{model_cls.__name__} has no quantized layers"
-    if getattr(model_cls, "widens_quantized_experts", False):
-        return f"{model_cls.__name__}'s experts have no fp8 kernel"
     hidden, heads = getattr(hf_config, "hidden_size", 0), getattr(hf_config, "num_attention_heads", 1)
     attention = heads * (getattr(hf_config, "head_dim", None) or hidden // heads)
-    inputs = [hidden, attention // tp.size, getattr(hf_config, "intermediate_size", 0) // tp.size]  # q/k/v, o, down
+    # Inputs of q/k/v (and the experts' gate/up), o, and the dense, routed and shared MLPs' down
+    # projections on a rank. A mixture's experts stay fp8 where the platform takes them
+    # (``process_experts``), else its FusedMoE widens them as they load.
+    inter = [getattr(hf_config, k, 0) or 0 for k in ("intermediate_size", "moe_intermediate_size",
+                                                     "shared_expert_intermediate_size")]  # fmt: skip
+    inputs = [hidden, attention // tp.size, *(n // tp.size for n in inter)]
     if scheme.group_size and any(n % scheme.group_size for n in inputs if n):
         return f"blocks of {scheme.group_size} inputs do not tile layers of {inputs} inputs on a rank"
     return None

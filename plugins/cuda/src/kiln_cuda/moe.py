@@ -13,10 +13,10 @@ Everything is computed on the device with shapes fixed by the step (no host sync
 CUDA graph holds it. ``kiln_cuda.ops.fused_experts`` puts the pieces together; under expert
 parallelism the slots of other ranks' experts (id -1) are in no run, so no program computes them.
 
-A quantized checkpoint's experts (AWQ, GPTQ without act-order, weight-only int8) stay quantized
-(``QuantizedExperts``): the GEMM widens a tile of an expert's packed codes in registers, as
-``kiln_cuda.quant``'s dequantizing GEMM does for a linear layer, ``(code - zero) * scale``
-rounded to the activations' dtype. W8A8 experts (``Int8Experts``) multiply int8 rows, quantized
+A quantized checkpoint's experts (AWQ, GPTQ without act-order, weight-only int8, fp8) stay
+quantized (``QuantizedExperts``): the GEMM widens a tile of an expert's packed codes (or float8
+values) in registers, as ``kiln_cuda.quant``'s dequantizing GEMM does for a linear layer,
+``(code - zero) * scale`` rounded to the activations' dtype. W8A8 experts (``Int8Experts``) multiply int8 rows, quantized
 per token (the first GEMM's per token, the second's per slot), by their int8 weights, summed
 exactly in int32 and then scaled per row and per channel, as the W8A8 linear layers do.
 """
@@ -35,16 +35,17 @@ from kiln_cuda.quant_kernels import quantize_per_token
 
 @dataclass(slots=True, eq=False)
 class QuantizedExperts:
-    """Stacked experts' weights (experts, N, K) kept as integer codes: each expert's (N, K) codes
-    packed as ``kiln_cuda.quant.pack_codes`` packs a linear layer's."""
+    """Stacked experts' weights (experts, N, K) kept as integer codes, each expert's (N, K) codes
+    packed as ``kiln_cuda.quant.pack_codes`` packs a linear layer's, or as float8 values."""
 
-    qweight: torch.Tensor  # (experts, ceil(K / (32 / bits)), N) int32, unsigned codes
+    qweight: torch.Tensor  # (experts, ceil(K / (32 / bits)), N) int32, unsigned codes; float8: (experts, K, N)
     scale: torch.Tensor  # (experts, groups, N) fp32
     zero: torch.Tensor | None  # (experts, groups, N) fp32; None: every zero point is ``offset``
     bits: int
     group: int  # inputs per group, a multiple of 16 (K for one scale per output)
     offset: float
     shape: tuple[int, int, int]  # of the stacked weight it stands for
+    float8: bool = False  # qweight holds float8 values (fp8 checkpoints), one per input
 
 
 @dataclass(slots=True, eq=False)
@@ -62,12 +63,13 @@ def moe_gemm_kernel(
     N, K, TOP_K, qscale_ptr, qzero_ptr, q_stride_e, row_scale_ptr,
     A_BY_TOKEN: tl.constexpr, SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, ZERO: tl.constexpr, HAS_ZERO: tl.constexpr,
-    INT8: tl.constexpr,
+    INT8: tl.constexpr, FLOAT8: tl.constexpr,
 ):  # fmt: skip
     """Grid (experts, cdiv(slots, BLOCK_M), cdiv(N, BLOCK_N)): c[slot, n] = a[row] . w[e, n] for the
     slots of expert e's run, row = slot // TOP_K if A_BY_TOKEN else slot, times scale[slot] if SCALE.
     With ``BITS`` (4 or 8; 0: ``w`` is (experts, N, K) floats), ``w`` is ``QuantizedExperts.qweight``
-    and ``qscale``/``qzero`` its (experts, groups, N) scales and zero points (``ZERO`` where not
+    (``FLOAT8``: its float8 values, (experts, K, N)) and ``qscale``/``qzero`` its (experts, groups, N)
+    scales and zero points (``ZERO`` where not
     ``HAS_ZERO``), the group of input k being ``k // GROUP`` (``BLOCK_K`` divides ``GROUP``, or
     ``GROUP`` is K). With ``INT8``, ``a`` holds int8 rows with
     their scales in ``row_scale`` and ``w`` is ``Int8Experts.weight``, its (experts, N) scales in
@@ -97,15 +99,19 @@ def moe_gemm_kernel(
                 wt = tl.load(w_base + cols[None, :] * w_stride_n + ks[:, None], mask=tile_mask, other=0)
                 iacc = tl.dot(at, wt, iacc, out_dtype=tl.int32)
             elif BITS:
-                # Each word is read once and widened to its PACK inputs; the tile lies in one group
-                # (BLOCK_K divides GROUP), so a scale and a zero point per column serve all of it.
-                PACK: tl.constexpr = 32 // BITS
-                wk = k0 // PACK + tl.arange(0, BLOCK_K // PACK)
-                wmask = (wk < tl.cdiv(K, PACK))[:, None] & cmask[None, :]
-                words = tl.load(w_base + wk[:, None] * N + cols[None, :], mask=wmask, other=0)
-                words = tl.broadcast_to(words[:, None, :], (BLOCK_K // PACK, PACK, BLOCK_N))
-                words = tl.reshape(words, (BLOCK_K, BLOCK_N))
-                codes = ((words >> ((ks % PACK) * BITS)[:, None]) & ((1 << BITS) - 1)).to(tl.float32)
+                if FLOAT8:
+                    codes = tl.load(w_base + ks[:, None] * N + cols[None, :], mask=tile_mask, other=0.0)
+                    codes = codes.to(tl.float32)
+                else:
+                    # Each word is read once and widened to its PACK inputs; the tile lies in one
+                    # group (BLOCK_K divides GROUP), so a scale and a zero point per column serve it.
+                    PACK: tl.constexpr = 32 // BITS
+                    wk = k0 // PACK + tl.arange(0, BLOCK_K // PACK)
+                    wmask = (wk < tl.cdiv(K, PACK))[:, None] & cmask[None, :]
+                    words = tl.load(w_base + wk[:, None] * N + cols[None, :], mask=wmask, other=0)
+                    words = tl.broadcast_to(words[:, None, :], (BLOCK_K // PACK, PACK, BLOCK_N))
+                    words = tl.reshape(words, (BLOCK_K, BLOCK_N))
+                    codes = ((words >> ((ks % PACK) * BITS)[:, None]) & ((1 << BITS) - 1)).to(tl.float32)
                 at_group = e.to(tl.int64) * q_stride_e + (k0 // GROUP) * N + cols
                 qscale = tl.load(qscale_ptr + at_group, mask=cmask, other=0.0)[None, :]
                 if HAS_ZERO:
@@ -175,9 +181,9 @@ def grouped_gemm(
     out = torch.zeros((slots, n), dtype=a.dtype, device=a.device)  # slots in no run stay 0
     block_m, block_n, block_k = gemm_tile(w, slots)
     grid = (experts, triton.cdiv(slots, block_m), triton.cdiv(n, block_n))
-    rows, row_scale, bits, int8 = a, out, 0, isinstance(w, Int8Experts)
+    rows, row_scale, bits, int8, float8 = a, out, 0, isinstance(w, Int8Experts), False
     if isinstance(w, QuantizedExperts):
-        weight, strides, bits = w.qweight, (w.qweight.stride(0), 0), w.bits
+        weight, strides, bits, float8 = w.qweight, (w.qweight.stride(0), 0), w.bits, w.float8
         quant = (w.scale, w.scale if w.zero is None else w.zero, w.scale.stride(0))
         shape = dict(GROUP=w.group, ZERO=w.offset, HAS_ZERO=w.zero is not None)
     elif int8:
@@ -190,6 +196,6 @@ def grouped_gemm(
     moe_gemm_kernel[grid](
         rows, weight, out, order, first, count, out if scale is None else scale, rows.stride(0), *strides,
         out.stride(0), n, k, top_k, *quant, row_scale, A_BY_TOKEN=by_token, SCALE=scale is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BITS=bits, INT8=int8, **shape,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BITS=bits, INT8=int8, FLOAT8=float8, **shape,
     )  # fmt: skip
     return out

@@ -154,18 +154,19 @@ class TritonDequantMethod(LinearMethod):
 
     def process_experts(self, moe, experts: dict[tuple[int, str], dict[str, torch.Tensor]]) -> bool:
         """Each expert's codes packed as ``process`` packs a layer's (gate and up rows stacked, as
-        ``w13`` stacks them) into one ``QuantizedExperts`` per stacked weight; fp8 and act-order
-        experts, and groups not a multiple of 16 inputs, are left to be widened."""
+        ``w13`` stacks them), or its float8 values as they are, into one ``QuantizedExperts`` per
+        stacked weight; act-order experts, and groups not a multiple of 16 inputs, are left to be
+        widened."""
         from kiln_cuda.moe import QuantizedExperts
 
         first = experts[0, "gate_proj"]
-        if self.scheme.float_weights or "g_idx" in first:
+        if "g_idx" in first:
             return False
         groups, k = first["weight_scale"].shape[1], first["weight"].shape[1]
         if groups > 1 and (k // groups) % 16:
             return False  # the grouped GEMM's K tiles (16 inputs at least) each lie in one group
-        bits, device = self.scheme.weight_bits, moe.gate.weight.device
-        offset = 0 if bits == 4 and "weight_zero" in experts[0, "gate_proj"] else 1 << (bits - 1)
+        bits, device, floats = self.scheme.weight_bits, moe.gate.weight.device, self.scheme.float_weights
+        offset = 0 if floats or (bits == 4 and "weight_zero" in first) else 1 << (bits - 1)
 
         def stacked(projections: tuple[str, ...], shape: tuple[int, int, int]) -> QuantizedExperts:
             def cat(leaf: str) -> list[torch.Tensor]:
@@ -173,10 +174,14 @@ class TritonDequantMethod(LinearMethod):
 
             scale = torch.stack([s.float().T for s in cat("weight_scale")]).contiguous()  # (experts, groups, N)
             zero = None
-            if "weight_zero" in experts[0, "gate_proj"]:
+            if "weight_zero" in first:
                 zero = torch.stack([z.float().T + offset for z in cat("weight_zero")]).contiguous()
-            qweight = torch.stack([pack_codes(w.to(torch.int32) + offset, bits) for w in cat("weight")])
-            return QuantizedExperts(qweight, scale, zero, bits, shape[2] // scale.shape[1], float(offset), shape)
+            if floats:  # float8 values (K, N), as the linear layers keep them
+                qweight = torch.stack([w.T for w in cat("weight")]).contiguous()
+            else:
+                qweight = torch.stack([pack_codes(w.to(torch.int32) + offset, bits) for w in cat("weight")])
+            group = shape[2] // scale.shape[1]
+            return QuantizedExperts(qweight, scale, zero, bits, group, float(offset), shape, float8=floats)
 
         replace_experts(
             moe, stacked(("gate_proj", "up_proj"), tuple(moe.w13.shape)), stacked(("down_proj",), tuple(moe.w2.shape))
