@@ -41,6 +41,17 @@ def test_fp8_checkpoints_generate_as_their_widened_weights(tiny_model_dir, tmp_p
     assert_generates(str(folder), PROMPTS, expected, quantization="fp8")
 
 
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+def test_fp8_mixtures_generate_as_their_widened_weights(tiny_model_dir, tmp_path, model_type):
+    """Experts in fp8 too (Mixtral's w1/w2/w3, the Qwen MoEs' projections), in blocks."""
+    folder, widened = fp8_copy(
+        tiny_model_dir(model_type), tmp_path / "fp8", BLOCK_CONFIG | {"weight_block_size": [16, 32]}
+    )
+    stored = load_file(str(folder / "model.safetensors"))
+    assert any(".experts." in name and t.dtype == torch.float8_e4m3fn for name, t in stored.items())
+    assert_generates(str(folder), PROMPTS, hf_greedy(str(widened), PROMPTS, FAMILY_TOKENS))
+
+
 def test_block_scales_cover_partial_blocks():
     """Blocks of 32 rows by 48 columns (not square: rows and columns cannot be swapped unseen)."""
     weight = torch.randn(100, 70)
