@@ -79,7 +79,7 @@ def main() -> None:
     parser.add_argument("--tokens", default="1,16,64,512")
     parser.add_argument("--tiles", default="16x64x64,32x64x128,64x128x64",
                         help="BLOCK_MxBLOCK_NxBLOCK_K shapes of the grouped GEMM to time beside "
-                             "kiln_cuda.moe.gemm_tile's choice ('auto')")  # fmt: skip
+                             "kiln_cuda.moe.gemm_tile's choice ('auto'); BLOCK_K within a group")  # fmt: skip
     parser.add_argument("--results", type=Path, default=Path(__file__).parent / "results" / "moe_kernels_cuda.json")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -97,7 +97,8 @@ def main() -> None:
             weights = torch.rand(tokens, TOP_K, device="cuda", dtype=torch.bfloat16)
             touched = per_expert * ids.unique().numel()
             layer = (x, w13, w2, weights, ids)
-            runs = [("auto", chosen)] + [("x".join(map(str, t)), lambda w, slots, t=t: t) for t in tiles]
+            forced = [("x".join(map(str, t)), lambda w, slots, t=t: (*t[:2], moe.group_k(w, t[2]))) for t in tiles]
+            runs = [("auto", chosen), *forced]
             for label, tile in runs + ([("torch-loop", None)] if name == "bf16" else []):
                 moe.gemm_tile = tile
                 fn = partial(REFERENCE.fused_experts if tile is None else ops.fused_experts, *layer)

@@ -148,6 +148,16 @@ def test_fp8_weights_only_where_a_method_takes_them():
     assert _fp8_widened(scheme, ReferenceLinearMethod(), MixtralForCausalLM, cfg, one) is None
     experts = SimpleNamespace(**vars(cfg), moe_intermediate_size=48)
     assert "blocks of 32 inputs" in _fp8_widened(scheme, ReferenceLinearMethod(), MixtralForCausalLM, experts, one)
+    # 96 inputs per expert: sliced over two ranks 48 (no whole block); whole experts per rank, 96
+    experts.moe_intermediate_size = 96
+    assert "blocks of 32 inputs" in _fp8_widened(scheme, ReferenceLinearMethod(), MixtralForCausalLM, experts, two)
+    ep = SimpleNamespace(size=2, expert_parallel=True)
+    assert _fp8_widened(scheme, ReferenceLinearMethod(), MixtralForCausalLM, experts, ep) is None
+    # DeepSeek: q_b_proj reads the q latent, o_proj heads * v_head_dim
+    deepseek = SimpleNamespace(**vars(cfg), q_lora_rank=48, kv_lora_rank=32, v_head_dim=16)
+    assert "blocks of 32 inputs" in _fp8_widened(scheme, ReferenceLinearMethod(), LlamaForCausalLM, deepseek, one)
+    deepseek.q_lora_rank, deepseek.v_head_dim = 64, 12  # o_proj: 4 heads * 12 = 48 inputs
+    assert "blocks of 32 inputs" in _fp8_widened(scheme, ReferenceLinearMethod(), LlamaForCausalLM, deepseek, one)
     # two ranks: the down projection's 96 inputs per rank are 3 blocks, o_proj's 32 one
     assert _fp8_widened(scheme, ReferenceLinearMethod(), LlamaForCausalLM, cfg, two) is None
     wide = fp8_scheme(Fp8Layout("weight_scale_inv", (64, 64)))

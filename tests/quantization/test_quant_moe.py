@@ -253,23 +253,29 @@ def test_experts_partly_left_unquantized_are_widened(tiny_model_dir, tmp_path, m
     assert not moe.quantized
 
 
-@pytest.mark.parametrize("scheme", ["awq-groups", "int8-per-channel"])
+@pytest.mark.parametrize("scheme", ["awq-groups", "int8-per-channel", "fp8-blocks"])
 def test_a_rank_holds_its_slice_of_each_quantized_expert(scheme):
     """Under tensor parallelism (no expert parallelism) each rank holds its slice of every expert's
-    codes, for the platform: gate and up by output rows, down by inputs with their groups (one
-    scale per row whole). Widened, the slices are the rank's slice of the widened weights, which
-    is what the rank stored before."""
+    codes (or float8 values), for the platform: gate and up by output rows, down by inputs with
+    their groups (one scale per row whole). Widened, the slices are the rank's slice of the widened
+    weights, which is what the rank stored before; a platform that declines them (the reference
+    method) gets exactly those in its stacked weights."""
     from types import SimpleNamespace
 
     from kiln.distributed import TensorParallel
+    from kiln.interfaces.quantization import ReferenceLinearMethod
     from kiln.models.moe import FusedMoE
     from kiln.quantization.checkpoint import widen_parts
     from kiln.quantization.config import QuantConfig, QuantScheme
     from kiln.testing.quantization import random_experts
 
-    quant_scheme = QuantScheme(4, 32, False) if scheme == "awq-groups" else QuantScheme(8, None, True)
+    quant_scheme, method = {
+        "awq-groups": (QuantScheme(4, 32, False), "awq"),
+        "int8-per-channel": (QuantScheme(8, None, True), "compressed-tensors"),
+        "fp8-blocks": (QuantScheme(8, 32, True, float_weights=True), "fp8"),
+    }[scheme]
     parts, w13, w2 = random_experts(quant_scheme, 2, 64, 128, seed=3)
-    quant = QuantConfig("awq" if scheme == "awq-groups" else "compressed-tensors", quant_scheme)
+    quant = QuantConfig(method, quant_scheme)
     for rank in (0, 1):
         moe = FusedMoE(64, 2, 2, 128, True, SimpleNamespace(), TensorParallel(rank, 2), quant=quant)
         assert moe.w13.is_meta and moe.w13.shape == (2, 128, 64)  # this rank's gate and up rows, no memory
@@ -282,3 +288,6 @@ def test_a_rank_holds_its_slice_of_each_quantized_expert(scheme):
             rows = torch.cat([w13[e, :128].chunk(2)[rank], w13[e, 128:].chunk(2)[rank]])
             assert torch.equal(gate_up, rows)
             assert torch.equal(widen_parts(held[e, "down_proj"]), w2[e].chunk(2, dim=1)[rank])
+        moe.take_quantized(ReferenceLinearMethod())
+        assert torch.equal(moe.w13.data, torch.cat([w13[:, :128].chunk(2, 1)[rank], w13[:, 128:].chunk(2, 1)[rank]], 1))
+        assert torch.equal(moe.w2.data, w2.chunk(2, dim=2)[rank])

@@ -276,13 +276,16 @@ def _fp8_widened(scheme: QuantScheme, method: LinearMethod | None, model_cls: ty
     if not getattr(model_cls, "supports_quantization", False):
         return f"{model_cls.__name__} has no quantized layers"
     hidden, heads = getattr(hf_config, "hidden_size", 0), getattr(hf_config, "num_attention_heads", 1)
-    attention = heads * (getattr(hf_config, "head_dim", None) or hidden // heads)
-    # Inputs of q/k/v (and the experts' gate/up), o, and the dense, routed and shared MLPs' down
-    # projections on a rank. A mixture's experts stay fp8 where the platform takes them
-    # (``process_experts``), else its FusedMoE widens them as they load.
-    inter = [getattr(hf_config, k, 0) or 0 for k in ("intermediate_size", "moe_intermediate_size",
-                                                     "shared_expert_intermediate_size")]  # fmt: skip
-    inputs = [hidden, attention // tp.size, *(n // tp.size for n in inter)]
+    head = getattr(hf_config, "v_head_dim", None) or getattr(hf_config, "head_dim", None) or hidden // heads
+    # Inputs on a rank of q/k/v (and the experts' gate/up), of DeepSeek's q_b/kv_b projections,
+    # of o, and of the dense, shared and routed MLPs' down projections (a rank holds whole
+    # experts under expert parallelism). A mixture's experts stay fp8 where the platform takes
+    # them (``process_experts``), else its FusedMoE widens them as they load.
+    latent = [getattr(hf_config, k, None) or 0 for k in ("q_lora_rank", "kv_lora_rank")]
+    dense = [getattr(hf_config, k, None) or 0 for k in ("intermediate_size", "shared_expert_intermediate_size")]
+    experts = getattr(hf_config, "moe_intermediate_size", None) or 0
+    experts //= 1 if getattr(tp, "expert_parallel", False) else tp.size
+    inputs = [hidden, *latent, heads * head // tp.size, *(n // tp.size for n in dense), experts]
     if scheme.group_size and any(n % scheme.group_size for n in inputs if n):
         return f"blocks of {scheme.group_size} inputs do not tile layers of {inputs} inputs on a rank"
     return None

@@ -159,9 +159,15 @@ def gemm_tile(w: torch.Tensor | QuantizedExperts | Int8Experts, slots: int) -> t
     kind = "packed" if isinstance(w, QuantizedExperts) else "int8" if isinstance(w, Int8Experts) else "float"
     rows = slots / w.shape[0]  # per expert, were they spread evenly
     bm, bn, bk = next(tile for most, tile in TILES[kind] if rows <= most)
-    while kind == "packed" and w.group < w.shape[2] and w.group % bk:
-        bk //= 2  # a K tile lies in one group
-    return bm, bn, bk
+    return bm, bn, group_k(w, bk)
+
+
+def group_k(w: torch.Tensor | QuantizedExperts | Int8Experts, bk: int) -> int:
+    """``bk`` (a power of two), halved until a K tile lies in one of ``w``'s groups (16 at least:
+    ``process_experts`` takes groups of a multiple of 16 inputs only)."""
+    while isinstance(w, QuantizedExperts) and w.group < w.shape[2] and w.group % bk:
+        bk //= 2
+    return bk
 
 
 def grouped_gemm(

@@ -13,9 +13,10 @@
 - fp8 weights (fp8 checkpoints): the same GEMM reads them (in, out) as float8, one per input,
   scaled per output feature and group of inputs (a block's scale repeats down its rows).
 - Experts of a mixture (``process_experts``): AWQ, GPTQ without act-order and weight-only int8
-  codes packed per expert as above, stacked, for ``kiln_cuda.moe``'s grouped GEMM, which widens
-  them tile by tile the same way; W8A8 experts' int8 weights stacked as they are, for its int8
-  path (rows quantized per row by the kernel above). fp8 and act-order experts are widened at load.
+  codes packed per expert as above, and fp8 values (in, out) as they are, stacked, for
+  ``kiln_cuda.moe``'s grouped GEMM, which widens them tile by tile the same way; W8A8 experts'
+  int8 weights stacked as they are, for its int8 path (rows quantized per row by the kernel
+  above). Act-order experts, and groups not a multiple of 16 inputs, are widened at load.
 - GPTQ act-order: the inputs are sorted by group (``argsort(g_idx)``) once, and each call gathers
   the activations' columns in the same order. When the sorted groups are contiguous and equal in
   size (GPTQ's) the kernel reads one scale row per K tile, as without act-order; otherwise it
@@ -159,11 +160,8 @@ class TritonDequantMethod(LinearMethod):
         widened."""
         from kiln_cuda.moe import QuantizedExperts
 
-        first = experts[0, "gate_proj"]
-        if "g_idx" in first:
-            return False
-        groups, k = first["weight_scale"].shape[1], first["weight"].shape[1]
-        if groups > 1 and (k // groups) % 16:
+        first, group = experts[0, "gate_proj"], self.scheme.group_size
+        if "g_idx" in first or (group and group % 16):
             return False  # the grouped GEMM's K tiles (16 inputs at least) each lie in one group
         bits, device, floats = self.scheme.weight_bits, moe.gate.weight.device, self.scheme.float_weights
         offset = 0 if floats or (bits == 4 and "weight_zero" in first) else 1 << (bits - 1)
