@@ -188,6 +188,7 @@ def grouped_gemm(
     block_m, block_n, block_k = gemm_tile(w, slots)
     grid = (experts, triton.cdiv(slots, block_m), triton.cdiv(n, block_n))
     rows, row_scale, bits, int8, float8 = a, out, 0, isinstance(w, Int8Experts), False
+    shape = dict(GROUP=1, ZERO=0.0, HAS_ZERO=False)
     if isinstance(w, QuantizedExperts):
         weight, strides, bits, float8 = w.qweight, (w.qweight.stride(0), 0), w.bits, w.float8
         quant = (w.scale, w.scale if w.zero is None else w.zero, w.scale.stride(0))
@@ -195,10 +196,8 @@ def grouped_gemm(
     elif int8:
         rows, row_scale = quantize_per_token(a)
         weight, strides, quant = w.weight, (w.weight.stride(0), w.weight.stride(1)), (w.scale, out, w.scale.stride(0))
-        shape = dict(GROUP=1, ZERO=0.0, HAS_ZERO=False)
     else:
         weight, strides, quant = w, (w.stride(0), w.stride(1)), (out, out, 0)
-        shape = dict(GROUP=1, ZERO=0.0, HAS_ZERO=False)
     moe_gemm_kernel[grid](
         rows, weight, out, order, first, count, out if scale is None else scale, rows.stride(0), *strides,
         out.stride(0), n, k, top_k, *quant, row_scale, A_BY_TOKEN=by_token, SCALE=scale is not None,

@@ -116,6 +116,20 @@ def k_block(group: int) -> int | None:
     return None
 
 
+def _gemm_codes(
+    scheme: QuantScheme, weight: torch.Tensor, zero: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """A layer's canonical (out, in) codes and zero points as the dequantizing GEMMs read them:
+    (qweight, qzero (groups, out) fp32 or None, offset). Unsigned codes packed along the inputs:
+    4-bit schemes with zero points hold them already; signed weights (symmetric, or 8-bit with zero
+    points in int8) move up by ``offset`` = 2**(bits-1), and so does the zero. fp8: the float8
+    values (in, out) as they are."""
+    bits, floats = scheme.weight_bits, scheme.float_weights
+    offset = 0 if floats or (bits == 4 and zero is not None) else 1 << (bits - 1)
+    qweight = weight.T.contiguous() if floats else pack_codes(weight.to(torch.int32) + offset, bits)
+    return qweight, None if zero is None else (zero.float() + offset).T.contiguous(), offset
+
+
 class TritonDequantMethod(LinearMethod):
     """W4A16 / W8A16 / fp8 weights: packed integer (or fp8) weights widened tile by tile inside the GEMM."""
 
@@ -125,7 +139,7 @@ class TritonDequantMethod(LinearMethod):
         self.scheme = scheme
 
     def process(self, layer: QuantLinear) -> None:
-        bits, k = layer.scheme.weight_bits, layer.in_features
+        k = layer.in_features
         weight, device = layer.weight.data, layer.weight.device
         groups = layer.weight_scale.shape[1]
         if layer.g_idx is not None:
@@ -140,15 +154,9 @@ class TritonDequantMethod(LinearMethod):
         uniform = groups * size == k and torch.equal(index, torch.arange(k, device=device) // size)
         group = PER_CHANNEL if groups == 1 else size
         bk = 64 if groups == 1 else (k_block(size) if uniform else None)
-        # Unsigned codes: 4-bit schemes with zero points hold them already; signed weights
-        # (symmetric, or 8-bit with zero points in int8) move up by 2**(bits-1), and so does the zero.
-        floats = layer.scheme.float_weights
-        offset = 0 if floats or (bits == 4 and layer.weight_zero is not None) else 1 << (bits - 1)
-        layer.qweight = weight.T.contiguous() if floats else pack_codes(weight.to(torch.int32) + offset, bits)
+        zero = None if layer.weight_zero is None else layer.weight_zero.data
+        layer.qweight, layer.qzero, offset = _gemm_codes(layer.scheme, weight, zero)
         layer.qscale = layer.weight_scale.data.float().T.contiguous()  # (groups, out)
-        layer.qzero = None
-        if layer.weight_zero is not None:
-            layer.qzero = (layer.weight_zero.data.float() + offset).T.contiguous()
         layer.qgidx = None if bk is not None else index.to(torch.int32).contiguous()
         layer.qperm, layer.qblock = perm, (bk or 32, group, float(offset))
         del layer.weight, layer.weight_scale, layer.weight_zero, layer.g_idx
@@ -163,23 +171,20 @@ class TritonDequantMethod(LinearMethod):
         first, group = experts[0, "gate_proj"], self.scheme.group_size
         if "g_idx" in first or (group and group % 16):
             return False  # the grouped GEMM's K tiles (16 inputs at least) each lie in one group
-        bits, device, floats = self.scheme.weight_bits, moe.gate.weight.device, self.scheme.float_weights
-        offset = 0 if floats or (bits == 4 and "weight_zero" in first) else 1 << (bits - 1)
+        device, has_zero = moe.gate.weight.device, "weight_zero" in first
 
         def stacked(projections: tuple[str, ...], shape: tuple[int, int, int]) -> QuantizedExperts:
             def cat(leaf: str) -> list[torch.Tensor]:
                 return [t.to(device) for t in expert_tensors(experts, moe.num_local, projections, leaf)]
 
+            zeros = cat("weight_zero") if has_zero else [None] * moe.num_local
+            qweights, qzeros, offsets = zip(*(_gemm_codes(self.scheme, w, z) for w, z in zip(cat("weight"), zeros)))
             scale = torch.stack([s.float().T for s in cat("weight_scale")]).contiguous()  # (experts, groups, N)
-            zero = None
-            if "weight_zero" in first:
-                zero = torch.stack([z.float().T + offset for z in cat("weight_zero")]).contiguous()
-            if floats:  # float8 values (K, N), as the linear layers keep them
-                qweight = torch.stack([w.T for w in cat("weight")]).contiguous()
-            else:
-                qweight = torch.stack([pack_codes(w.to(torch.int32) + offset, bits) for w in cat("weight")])
-            group = shape[2] // scale.shape[1]
-            return QuantizedExperts(qweight, scale, zero, bits, group, float(offset), shape, float8=floats)
+            zero = torch.stack(qzeros) if has_zero else None
+            return QuantizedExperts(
+                torch.stack(qweights), scale, zero, self.scheme.weight_bits, shape[2] // scale.shape[1],
+                float(offsets[0]), shape, float8=self.scheme.float_weights,
+            )  # fmt: skip
 
         replace_experts(
             moe, stacked(("gate_proj", "up_proj"), tuple(moe.w13.shape)), stacked(("down_proj",), tuple(moe.w2.shape))
