@@ -32,12 +32,12 @@ SCHEMES = {
 EXPERTS, HIDDEN, INTER = 4, 128, 64
 
 
-def mixture(dtype: torch.dtype = torch.float32) -> nn.Module:
+def mixture(dtype: torch.dtype = torch.float32, hidden: int = HIDDEN, inter: int = INTER) -> nn.Module:
     """A mixture layer as the core hands it over: its router, stacked weights without memory."""
     moe = nn.Module()
-    moe.num_local, moe.gate = EXPERTS, nn.Linear(HIDDEN, EXPERTS, bias=False, device=DEVICE)
-    moe.w13 = nn.Parameter(torch.empty(EXPERTS, 2 * INTER, HIDDEN, dtype=dtype, device="meta"))
-    moe.w2 = nn.Parameter(torch.empty(EXPERTS, HIDDEN, INTER, dtype=dtype, device="meta"))
+    moe.num_local, moe.gate = EXPERTS, nn.Linear(hidden, EXPERTS, bias=False, device=DEVICE)
+    moe.w13 = nn.Parameter(torch.empty(EXPERTS, 2 * inter, hidden, dtype=dtype, device="meta"))
+    moe.w2 = nn.Parameter(torch.empty(EXPERTS, hidden, inter, dtype=dtype, device="meta"))
     return moe
 
 
@@ -86,9 +86,7 @@ def test_act_order_experts_are_left_to_be_widened():
 def test_groups_the_k_tiles_cannot_lie_in_are_left_to_be_widened():
     odd = QuantScheme(4, 24, False)  # 24 inputs per group: no K tile of 16 or more lies in one
     experts, _, _ = random_experts(odd, EXPERTS, 96, 48, seed=0)
-    moe = nn.Module()
-    moe.num_local, moe.gate = EXPERTS, nn.Linear(96, EXPERTS, bias=False, device=DEVICE)
-    assert not quant.linear_method(odd).process_experts(moe, experts)
+    assert not quant.linear_method(odd).process_experts(mixture(hidden=96, inter=48), experts)
 
 
 @pytest.mark.parametrize("group", [16, 32, 48, 64, 128, 4096])
