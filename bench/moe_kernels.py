@@ -7,7 +7,8 @@ channel), over fp8 experts (float8 values, a scale per row and 128 inputs, as De
 give) and over W8A8 experts (int8 rows per token), for batches of 1 to 512 tokens; and, as the
 baseline, the core's reference ``fused_experts`` (a torch matmul per expert, cuBLAS). Each is timed
 by ``triton.testing.do_bench`` (median of its repeats, after warm-up) with the tile shape the
-plugin picks ("auto") and each tile shape given.
+plugin picks ("auto"), that tile without splitting K ("no-split": ``kiln_cuda.moe.gemm_split``
+splits it where a GEMM has few tiles) and each tile shape given.
 
 Reported: microseconds per layer, and the weights' bytes of the experts the batch routes to over
 that time (GB/s; an H100/H200 reads 3-4.8 TB/s at best), so a format that reads fewer bytes should
@@ -84,7 +85,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     tiles = [tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",") if t != "auto"]
-    chosen = moe.gemm_tile
+    chosen, max_split = moe.gemm_tile, moe.MAX_SPLIT
     rows = []
     print(f"{torch.cuda.get_device_name()}, experts {EXPERTS} top-{TOP_K}, hidden {HIDDEN}, inter {INTER}")
     print(f"{'format':<18}{'tile':>12}{'tokens':>8}{'us':>10}{'GB/s':>8}")
@@ -98,9 +99,10 @@ def main() -> None:
             touched = per_expert * ids.unique().numel()
             layer = (x, w13, w2, weights, ids)
             forced = [("x".join(map(str, t)), lambda w, slots, t=t: (*t[:2], moe.group_k(w, t[2]))) for t in tiles]
-            runs = [("auto", chosen), *forced]
+            runs = [("auto", chosen), ("no-split", chosen), *forced]
             for label, tile in runs + ([("torch-loop", None)] if name == "bf16" else []):
                 moe.gemm_tile = tile
+                moe.MAX_SPLIT = 1 if label == "no-split" else max_split
                 fn = partial(REFERENCE.fused_experts if tile is None else ops.fused_experts, *layer)
                 try:
                     ms = triton.testing.do_bench(fn, warmup=25, rep=100)
@@ -112,7 +114,7 @@ def main() -> None:
                 print(f"{name:<18}{label:>12}{tokens:>8}{ms * 1e3:>10.1f}{gbs:>8.0f}")
         del w13, w2
         torch.cuda.empty_cache()
-    moe.gemm_tile = chosen
+    moe.gemm_tile, moe.MAX_SPLIT = chosen, max_split
     args.results.parent.mkdir(parents=True, exist_ok=True)
     args.results.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), rows=rows), indent=1))
 

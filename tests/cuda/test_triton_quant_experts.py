@@ -15,8 +15,9 @@ from kiln.interfaces import model as REFERENCE
 from kiln.quantization.config import QuantScheme
 from kiln.testing import quantization as quant_testing
 from kiln.testing.quantization import random_experts, w8a8_expert
+from kiln_cuda import moe as triton_moe
 from kiln_cuda import ops, quant
-from kiln_cuda.moe import Int8Experts, QuantizedExperts, gemm_tile
+from kiln_cuda.moe import Int8Experts, QuantizedExperts, gemm_split, gemm_tile
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=2e-3, atol=2e-3)}
@@ -47,10 +48,13 @@ def packed(scheme: QuantScheme, experts: dict, dtype: torch.dtype) -> nn.Module:
     return moe
 
 
+@pytest.mark.parametrize("split", [True, False])  # these layers are small: their K splits unless told not to
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("tokens", [1, 5, 40, 80])  # each size of tile
 @pytest.mark.parametrize("name", list(SCHEMES))
-def test_packed_experts_match_the_reference_on_the_widened_weights(name, tokens, dtype):
+def test_packed_experts_match_the_reference_on_the_widened_weights(name, tokens, dtype, split, monkeypatch):
+    if not split:
+        monkeypatch.setattr(triton_moe, "MAX_SPLIT", 1)
     scheme = SCHEMES[name]
     experts, w13, w2 = random_experts(scheme, EXPERTS, HIDDEN, INTER, seed=tokens)
     moe = packed(scheme, experts, dtype)
@@ -100,6 +104,17 @@ def test_each_k_tile_of_packed_experts_lies_in_one_group(group, slots):
     bm, bn, bk = gemm_tile(packed, slots)
     assert group % bk == 0 and bk >= 16
     assert gemm_tile(packed, 1024)[0] >= bm  # taller tiles for more rows per expert
+
+
+def test_k_splits_only_where_the_tiles_are_too_few():
+    """Mixtral-8x7B's sizes: a token's down projection has 128 tiles with rows (2 experts x 64
+    column tiles) and splits its 14,336 inputs in 4; its gate/up projection (896 tiles) and larger
+    batches do not split; a part keeps one K tile at least."""
+    assert gemm_split(8, 2, 4096, 14336, (16, 64, 64)) == 4
+    assert gemm_split(8, 2, 2 * 14336, 4096, (16, 64, 64)) == 1
+    assert gemm_split(8, 1024, 4096, 14336, (64, 128, 64)) == 1
+    assert gemm_split(8, 2, 4096, 128, (16, 64, 64)) == 2
+    assert gemm_split(8, 2, 4096, 64, (16, 64, 64)) == 1
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the interpreter path on CPU")

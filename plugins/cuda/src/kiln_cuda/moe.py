@@ -9,8 +9,11 @@ of one expert's rows by that expert's weights::
     out[t] = y[t * k] + ... + y[t * k + k - 1]
 
 Everything is computed on the device with shapes fixed by the step (no host sync: the grid is
-``experts x cdiv(tokens * k, BLOCK_M)`` and programs past their expert's run return at once), so a
-CUDA graph holds it. ``kiln_cuda.ops.fused_experts`` puts the pieces together; under expert
+``experts x cdiv(tokens * k, BLOCK_M) x (N tiles x K splits)`` and programs past their expert's run
+return at once), so a CUDA graph holds it. With few rows a GEMM has few tiles, fewer than the GPU
+has multiprocessors for the down projection of a token or two: then each tile's inputs are split
+into ``gemm_split`` parts, each program sums one part into an fp32 buffer, and the parts are
+added in order (deterministic, unlike atomic adds). ``kiln_cuda.ops.fused_experts`` puts the pieces together; under expert
 parallelism the slots of other ranks' experts (id -1) are in no run, so no program computes them.
 
 A quantized checkpoint's experts (AWQ, GPTQ without act-order, weight-only int8, fp8) stay
@@ -60,13 +63,15 @@ class Int8Experts:
 @triton.jit
 def moe_gemm_kernel(
     a_ptr, w_ptr, c_ptr, order_ptr, first_ptr, count_ptr, scale_ptr, a_stride, w_stride_e, w_stride_n, c_stride,
-    N, K, TOP_K, qscale_ptr, qzero_ptr, q_stride_e, row_scale_ptr,
-    A_BY_TOKEN: tl.constexpr, SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    N, K, TOP_K, qscale_ptr, qzero_ptr, q_stride_e, row_scale_ptr, k_chunk, c_split_stride,
+    SPLIT: tl.constexpr, A_BY_TOKEN: tl.constexpr, SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, ZERO: tl.constexpr, HAS_ZERO: tl.constexpr,
     INT8: tl.constexpr, FLOAT8: tl.constexpr,
 ):  # fmt: skip
-    """Grid (experts, cdiv(slots, BLOCK_M), cdiv(N, BLOCK_N)): c[slot, n] = a[row] . w[e, n] for the
+    """Grid (experts, cdiv(slots, BLOCK_M), cdiv(N, BLOCK_N) * SPLIT): c[slot, n] = a[row] . w[e, n] for the
     slots of expert e's run, row = slot // TOP_K if A_BY_TOKEN else slot, times scale[slot] if SCALE.
+    Program (e, m, n * SPLIT + part) sums inputs [part * k_chunk, (part + 1) * k_chunk) (k_chunk: a
+    multiple of BLOCK_K; K when SPLIT is 1) into c + part * c_split_stride.
     With ``BITS`` (4 or 8; 0: ``w`` is (experts, N, K) floats), ``w`` is ``QuantizedExperts.qweight``
     (``FLOAT8``: its float8 values, (experts, K, N)) and ``qscale``/``qzero`` its (experts, groups, N)
     scales and zero points (``ZERO`` where not
@@ -83,13 +88,14 @@ def moe_gemm_kernel(
         rmask = idx < count
         slots = tl.load(order_ptr + first + idx, mask=rmask, other=0)
         rows = slots // TOP_K if A_BY_TOKEN else slots
-        cols = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+        part = tl.program_id(2) % SPLIT
+        cols = tl.program_id(2) // SPLIT * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < N
         w_base = w_ptr + e.to(tl.int64) * w_stride_e
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if INT8:
             iacc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(part * k_chunk, tl.minimum(K, (part + 1) * k_chunk), BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             kmask = ks < K
             at = tl.load(a_ptr + rows[:, None] * a_stride + ks[None, :], mask=rmask[:, None] & kmask[None, :],
@@ -129,7 +135,7 @@ def moe_gemm_kernel(
             acc = iacc.to(tl.float32) * row_scale[:, None] * channel_scale[None, :]
         if SCALE:
             acc = acc * tl.load(scale_ptr + slots, mask=rmask, other=0.0)[:, None]
-        out = c_ptr + slots[:, None] * c_stride + cols[None, :]
+        out = c_ptr + part * c_split_stride + slots[:, None] * c_stride + cols[None, :]
         tl.store(out, acc.to(c_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
 
 
@@ -162,6 +168,24 @@ def gemm_tile(w: torch.Tensor | QuantizedExperts | Int8Experts, slots: int) -> t
     return bm, bn, group_k(w, bk)
 
 
+# A GEMM with fewer programs than this (about four per multiprocessor of an H100 or H200) splits
+# its inputs, down to one K tile per part.
+PROGRAMS = 512
+MAX_SPLIT = 16
+
+
+def gemm_split(experts: int, slots: int, n: int, k: int, tile: tuple[int, int, int]) -> int:
+    """Parts each output tile's K inputs are split into (a power of two; 1: none), so that the
+    grouped GEMM of ``slots`` rows over ``experts`` has about ``PROGRAMS`` programs with rows."""
+    block_m, block_n, block_k = tile
+    busy = min(experts, slots)  # experts with rows, at most
+    programs = busy * triton.cdiv(triton.cdiv(slots, busy), block_m) * triton.cdiv(n, block_n)
+    split = 1
+    while split < MAX_SPLIT and programs * split * 2 <= PROGRAMS and k >= split * 2 * block_k:
+        split *= 2
+    return split
+
+
 def group_k(w: torch.Tensor | QuantizedExperts | Int8Experts, bk: int) -> int:
     """``bk`` (a power of two), halved until a K tile lies in one of ``w``'s groups (16 at least:
     ``process_experts`` takes groups of a multiple of 16 inputs only)."""
@@ -184,9 +208,13 @@ def grouped_gemm(
     then ``a``'s rows are quantized to int8 per row first), times ``scale[slot]`` if given."""
     order, first, count = runs
     experts, n, k = w.shape
-    out = torch.zeros((slots, n), dtype=a.dtype, device=a.device)  # slots in no run stay 0
     block_m, block_n, block_k = gemm_tile(w, slots)
-    grid = (experts, triton.cdiv(slots, block_m), triton.cdiv(n, block_n))
+    split = gemm_split(experts, slots, n, k, (block_m, block_n, block_k))
+    chunk = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    split = triton.cdiv(k, chunk)
+    # Slots in no run stay 0. The parts of a split sum in fp32 and are rounded once, added up.
+    out = torch.zeros((split, slots, n), dtype=a.dtype if split == 1 else torch.float32, device=a.device)
+    grid = (experts, triton.cdiv(slots, block_m), triton.cdiv(n, block_n) * split)
     rows, row_scale, bits, int8, float8 = a, out, 0, isinstance(w, Int8Experts), False
     shape = dict(GROUP=1, ZERO=0.0, HAS_ZERO=False)
     if isinstance(w, QuantizedExperts):
@@ -200,7 +228,8 @@ def grouped_gemm(
         weight, strides, quant = w, (w.stride(0), w.stride(1)), (out, out, 0)
     moe_gemm_kernel[grid](
         rows, weight, out, order, first, count, out if scale is None else scale, rows.stride(0), *strides,
-        out.stride(0), n, k, top_k, *quant, row_scale, A_BY_TOKEN=by_token, SCALE=scale is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BITS=bits, INT8=int8, FLOAT8=float8, **shape,
+        out.stride(1), n, k, top_k, *quant, row_scale, chunk, out.stride(0), SPLIT=split, A_BY_TOKEN=by_token,
+        SCALE=scale is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BITS=bits, INT8=int8,
+        FLOAT8=float8, **shape,
     )  # fmt: skip
-    return out
+    return out[0] if split == 1 else out.sum(dim=0).to(a.dtype)
