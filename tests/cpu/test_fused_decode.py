@@ -30,6 +30,8 @@ CASES = {
     "llama": ("llama", {}, {}),
     "llama, bf16 K/V, chunked prefills": ("llama", {}, {"kv_cache_dtype": "bfloat16", "max_num_batched_tokens": 16}),
     "mistral, sliding window": ("mistral", {"sliding_window": 8}, {}),
+    "qwen3, q/k norms": ("qwen3", {}, {}),
+    "qwen3, q/k norms, bf16 K/V": ("qwen3", {}, {"kv_cache_dtype": "bfloat16"}),
 }
 
 
@@ -90,26 +92,31 @@ def test_default_model_int8_path(varied_prompts, monkeypatch):
 
 @pytest.mark.skipif(not packed_linear.kernel_works(), reason="the bf16 linear kernel needs AVX512-BF16 and no AMX")
 @pytest.mark.parametrize(
-    ("overrides", "engine_args"),
-    [({}, {}), ({}, {"max_num_batched_tokens": 16}), ({"sliding_window": 8}, {})],
-    ids=["", "chunked prefills", "sliding window"],
+    ("model_type", "overrides", "engine_args"),
+    [
+        ("mixtral", {}, {}),
+        ("mixtral", {}, {"max_num_batched_tokens": 16}),
+        ("mixtral", {"sliding_window": 8}, {}),
+        ("qwen3_moe", {"head_dim": 64}, {}),
+    ],
+    ids=["", "chunked prefills", "sliding window", "qwen3_moe, q/k norms"],
 )
-def test_bf16_moe_steps_match_the_python_forward(overrides, engine_args, tiny_model_dir, varied_prompts, monkeypatch):
-    """bf16 Mixtral layers (Bf16Linear projections and router, the C route and experts, a bf16
-    cache) run decode steps in one C call each, bit for bit."""
+def test_bf16_moe_steps_match_the_python_forward(
+    model_type, overrides, engine_args, tiny_model_dir, varied_prompts, monkeypatch
+):
+    """bf16 Mixtral and Qwen3-MoE layers (Bf16Linear projections and router, the C route and
+    experts, a bf16 cache) run decode steps in one C call each, bit for bit."""
     # head size 64: the C attention's
-    model = tiny_model_dir("mixtral", hidden_size=256, intermediate_size=96, **overrides)
+    model = tiny_model_dir(model_type, hidden_size=256, intermediate_size=96, **overrides)
     check_fused_equals_python(
         model, varied_prompts, monkeypatch, FusedMoEDecodeLayer, MoEDecoderLayer, dtype="bfloat16", **engine_args
     )
 
 
 def test_layers_it_cannot_run_keep_their_python_forward(tiny_model_dir):
-    assert layer_types(tiny_model_dir("qwen3")) == {LlamaDecoderLayer}  # q/k norms
     assert layer_types(tiny_model_dir("llama"), dtype="bfloat16") == {LlamaDecoderLayer}  # bf16 dense layers
+    assert layer_types(tiny_model_dir("gemma3_text")).isdisjoint({FusedDecodeLayer})  # its own forward
     wide = dict(hidden_size=256, intermediate_size=96)  # else the C attention's head sizes: as in the test above
-    qwen3_moe = tiny_model_dir("qwen3_moe", head_dim=64, **wide)
-    assert layer_types(qwen3_moe, dtype="bfloat16") == {MoEDecoderLayer}  # q/k norms
     # a shared expert (the first layer is dense)
     assert FusedMoEDecodeLayer not in layer_types(tiny_model_dir("qwen2_moe", **wide), dtype="bfloat16")
     assert torch.get_default_dtype() == torch.float32

@@ -25,7 +25,10 @@ run it another way (e.g. a fused kernel for decode steps) exactly this forward
 linear layers' own::
 
     x, residual = (rms_norm(x), x) if residual is None else fused_add_rms_norm(x, residual)
-    q, k, v = split(self_attn.qkv_proj(x)); rotary_embedding(positions, q, k, rope_cache)
+    q, k, v = split(self_attn.qkv_proj(x))
+    if self_attn.qk_norm:                                  # Qwen3's: each head normed over head_dim
+        q, k = rms_norm(q, self_attn.q_norm), rms_norm(k, self_attn.k_norm)
+    rotary_embedding(positions, q, k, rope_cache)
     o = self_attn.backend.forward(q, k, v, ctx.kv_caches[self_attn.layer_idx], ...,
                                   scale=self_attn.scale, sliding_window=self_attn.sliding_window)
     x, residual = fused_add_rms_norm(self_attn.o_proj(o), residual)   # post_attention_layernorm

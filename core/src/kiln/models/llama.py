@@ -132,10 +132,10 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = self.make_attention(cfg, layer_idx, ops, backend, tp, quant, sliding_window)
         self.mlp = self.make_mlp(cfg, layer_idx, ops, tp, quant)
-        # q/k norms, all-reduces and subclasses' own forwards are not part of the layout's promise
+        # all-reduces and subclasses' own forwards are not part of the layout's promise
         own = type(self).forward is LlamaDecoderLayer.forward and type(self.self_attn).forward is LlamaAttention.forward
         own = own and type(self.mlp).forward is LlamaMLP.forward and self.mlp.act == "silu"
-        self.decoder_layout = PRE_NORM_LAYER if own and not self.self_attn.qk_norm and tp.size == 1 else None
+        self.decoder_layout = PRE_NORM_LAYER if own and tp.size == 1 else None
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.ops = ops

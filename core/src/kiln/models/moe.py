@@ -184,7 +184,7 @@ class MoEDecoderLayer(LlamaDecoderLayer):
     def __init__(self, cfg, layer_idx, ops, backend, tp, quant=None, sliding_window=None) -> None:
         super().__init__(cfg, layer_idx, ops, backend, tp, quant, sliding_window)
         mlp, own = self.mlp, type(self).forward is LlamaDecoderLayer.forward
-        own = own and type(self.self_attn).forward is LlamaAttention.forward and not self.self_attn.qk_norm
+        own = own and type(self.self_attn).forward is LlamaAttention.forward
         routed = type(mlp) is FusedMoE and mlp.num_local == mlp.num_experts and not hasattr(mlp, "shared_expert")
         if own and routed and tp.size == 1:
             self.decoder_layout = PRE_NORM_MOE_LAYER

@@ -10,7 +10,7 @@ kernels in the same order, so the outputs are bit for bit those of the Python fo
 other step runs the Python forward. Under LoRA (``ctx.lora``) the C layer adds each
 projection's adapter update with the kernel the Python forward's ``add_lora`` calls
 (``csrc/lora.c``). ``FusedMoEDecodeLayer`` does the same for bf16 layers of the pre-norm
-experts layout (Mixtral's: Qwen3-MoE has q/k norms, Qwen2-MoE a shared expert) made of
+experts layout (Mixtral's and Qwen3-MoE's: Qwen2-MoE has a shared expert) made of
 ``Bf16Linear`` projections and router, the C route and experts and a bf16 cache, at up to
 ``KERNEL_MAX_ROWS`` rows: small models only, since ``Bf16Linear`` takes weights of up to
 1M values (a released Mixtral's are larger, and oneDNN runs them). ``KILN_CPU_FUSED_DECODE=0``
@@ -47,7 +47,7 @@ class _Layer(ctypes.Structure):
     _fields_ = [("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
                 ("input_norm", _ptr), ("post_norm", _ptr), ("eps", ctypes.c_double), ("scale", ctypes.c_double),
                 ("k_cache", _ptr), ("v_cache", _ptr), ("cache_bf16", _i64), ("heads", _i64), ("kv_heads", _i64),
-                ("head_dim", _i64), ("window", _i64)]  # fmt: skip
+                ("head_dim", _i64), ("window", _i64), ("q_norm", _ptr), ("k_norm", _ptr)]  # fmt: skip
 
 
 class _Bf16Linear(ctypes.Structure):
@@ -59,7 +59,7 @@ class _MoELayer(ctypes.Structure):
                 ("post_norm", _ptr), ("w13", _ptr), ("w2", _ptr), ("eps", ctypes.c_double),
                 ("scale", ctypes.c_double), ("k_cache", _ptr), ("v_cache", _ptr), ("heads", _i64),
                 ("kv_heads", _i64), ("head_dim", _i64), ("window", _i64), ("experts", _i64), ("top_k", _i64),
-                ("renormalize", _i64), ("inter", _i64)]  # fmt: skip
+                ("renormalize", _i64), ("inter", _i64), ("q_norm", _ptr), ("k_norm", _ptr)]  # fmt: skip
 
 
 class _Step(ctypes.Structure):
@@ -85,17 +85,35 @@ def _linear(m: nn.Module) -> _Linear:
     return _Linear(fmt, int(t.int8_activations), scale, low, q, bias, t.in_features, t.out_features, perm=perm)
 
 
+def _norms(layer: nn.Module) -> list[nn.Module]:
+    """The layer's RMS norms: input and post-attention, then the query and key heads' where the
+    layer has them (``self_attn.qk_norm``, Qwen3's)."""
+    attn = layer.self_attn
+    heads = [attn.q_norm, attn.k_norm] if getattr(attn, "qk_norm", False) else []
+    return [layer.input_layernorm, layer.post_attention_layernorm, *heads]
+
+
+def _norms_fit(layer: nn.Module, dtype: torch.dtype) -> bool:
+    """The norms' weights are contiguous ``dtype`` and their eps one (the C layers take one)."""
+    norms = _norms(layer)
+    return all(n.weight.dtype == dtype and n.weight.is_contiguous() and n.eps == norms[0].eps for n in norms)
+
+
+def _head_norms(layer: nn.Module) -> tuple[int | None, int | None]:
+    """The C layer's q_norm and k_norm: the per-head norms' weights, or NULL."""
+    heads = _norms(layer)[2:]
+    return (heads[0].weight.data_ptr(), heads[1].weight.data_ptr()) if heads else (None, None)
+
+
 def _fusable(layer: nn.Module) -> bool:
     """A layer of ``kiln.interfaces.model``'s pre-norm layout, made only of this plugin's parts."""
     if getattr(layer, "decoder_layout", None) != PRE_NORM_LAYER:
         return False
     attn, mlp = layer.self_attn, layer.mlp
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
     return (
         all(_tiled(m) is not None for m in linears)
-        and all(n.dtype == torch.float32 and n.is_contiguous() for n in norms)
-        and layer.input_layernorm.eps == layer.post_attention_layernorm.eps  # the C layer takes one
+        and _norms_fit(layer, torch.float32)
         and isinstance(attn.backend, CpuAttentionBackend)
         and attn.backend.native is not None
     )
@@ -107,14 +125,12 @@ def _fusable_moe(layer: nn.Module) -> bool:
     if getattr(layer, "decoder_layout", None) != PRE_NORM_MOE_LAYER:
         return False
     attn, mlp = layer.self_attn, layer.mlp
-    norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
     ops = mlp.ops
     return (
         all(type(m) is Bf16Linear for m in (attn.qkv_proj, attn.o_proj, mlp.gate))
         and 0 < mlp.top_k <= mlp.num_experts == mlp.gate.out_features == mlp.w13.shape[0]
-        and all(n.dtype == torch.bfloat16 and n.is_contiguous() for n in norms)
+        and _norms_fit(layer, torch.bfloat16)
         and fused_ops.bf16_experts_fit(mlp.w13, mlp.w2)
-        and layer.input_layernorm.eps == layer.post_attention_layernorm.eps
         and (ops.moe_route, ops.fused_experts) == (fused_ops.moe_route, fused_ops.fused_experts)
         and isinstance(attn.backend, CpuAttentionBackend) and attn.backend.native is not None
         and attn.backend.cache_dtype == torch.bfloat16
@@ -161,7 +177,7 @@ class FusedDecodeLayer(_LayerWrapper):
             layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
             layer.input_layernorm.eps, attn.scale, None, None,
             int(attn.backend.cache_dtype == torch.bfloat16), attn.num_heads, attn.num_kv_heads, attn.head_dim,
-            attn.sliding_window or 0,
+            attn.sliding_window or 0, *_head_norms(layer),
         )  # fmt: skip
 
     def _lora_ready(self) -> bool:
@@ -211,7 +227,7 @@ class FusedMoEDecodeLayer(_LayerWrapper):
             layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
             mlp.w13.data_ptr(), mlp.w2.data_ptr(), layer.input_layernorm.eps, attn.scale, None, None,
             attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.sliding_window or 0, mlp.num_experts, mlp.top_k,
-            int(mlp.renormalize), mlp.w2.shape[2],
+            int(mlp.renormalize), mlp.w2.shape[2], *_head_norms(layer),
         )  # fmt: skip
 
     def forward(self, positions, x, residual, rope_cache, ctx):

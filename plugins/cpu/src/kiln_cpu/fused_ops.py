@@ -28,8 +28,9 @@ def _kernel(op: str, dtype: torch.dtype):
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dim = x.shape[-1]
-    if x.dtype not in _SUFFIX or weight.dtype != x.dtype or x.stride(-1) != 1 or not x.is_contiguous():
+    if x.dtype not in _SUFFIX or weight.dtype != x.dtype or not weight.is_contiguous() or weight.shape != (dim,):
         return reference.rms_norm(x, weight, eps)
+    x = x.contiguous()  # e.g. the query heads, a view of the fused qkv projection: normed per head
     out = torch.empty_like(x)
     rows = x.numel() // dim
     _kernel("rms_norm", x.dtype)(out.data_ptr(), x.data_ptr(), weight.data_ptr(), rows, dim, dim, eps)

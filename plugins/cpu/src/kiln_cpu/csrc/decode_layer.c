@@ -6,9 +6,11 @@
  *
  *   x = rms_norm(hidden), residual = hidden        (first layer)
  *   x, residual = add_rms_norm(hidden, residual)    (others)
- *   q, k, v = qkv(x); rotary(q, k); cache <- k, v; o = attention(q, cache)
+ *   q, k, v = qkv(x); [q, k = rms_norm per head (q_norm, k_norm)]; rotary(q, k);
+ *   cache <- k, v; o = attention(q, cache)
  *   x, residual = add_rms_norm(o_proj(o), residual)
  *   hidden = down(silu_and_mul(gate_up(x)))
+ * (the norms in brackets where the layer has them: Qwen3's).
  * decode_moe_layer_bf16 (below) is its bf16 twin for layers whose MLP is routed experts.
  */
 #include <stdint.h>
@@ -65,6 +67,7 @@ struct layer {
     double eps, scale;
     void *k_cache, *v_cache; /* planes (blocks, kv_heads, block_size, head_dim) */
     int64_t cache_bf16, heads, kv_heads, head_dim, window;
+    const float *q_norm, *k_norm; /* (head_dim) weights of the RMS norm over each query and key head, or NULL */
 };
 
 /* What every layer of one step shares. */
@@ -123,6 +126,11 @@ int decode_layer(const struct layer *L, const struct step *S, float *hidden, flo
     }
     if ((failed = linear(&L->qkv, S, qkv, x))) goto done;
     float *k = qkv + q_size, *v = qkv + q_size + kv_size;
+    if (L->q_norm)
+        for (int64_t r = 0; r < rows; r++) { /* in place: a head's values are read before written */
+            rms_norm_f32(qkv + r * qkv_size, qkv + r * qkv_size, L->q_norm, L->heads, D, D, eps);
+            rms_norm_f32(k + r * qkv_size, k + r * qkv_size, L->k_norm, L->kv_heads, D, D, eps);
+        }
     rotary_f32(S->positions, qkv, k, S->cos_sin, rows, L->heads, L->kv_heads, D, qkv_size, qkv_size);
     if (L->cache_bf16) { /* rounded once, as the Python path's .to(bfloat16) */
         for (int64_t r = 0; r < rows; r++)
@@ -179,13 +187,14 @@ struct moe_layer {
     double eps, scale;
     void *k_cache, *v_cache; /* bf16 planes (blocks, kv_heads, block_size, head_dim) */
     int64_t heads, kv_heads, head_dim, window, experts, top_k, renormalize, inter;
+    const uint16_t *q_norm, *k_norm; /* as struct layer's */
 };
 
 /* decode_layer for a bf16 mixture-of-experts layer: the same kernels, in the same order, as
  * the Python forward with the CPU plugin's bf16 parts (Bf16Linear, the bf16 fused ops,
  * attention and experts), so again bit for bit the same:
  *   x, residual = rms_norm(hidden), hidden | add_rms_norm(hidden, residual)
- *   q, k, v = qkv(x); rotary(q, k); cache <- k, v; o = attention(q, cache)
+ *   q, k, v = qkv(x); [q, k = rms_norm per head]; rotary(q, k); cache <- k, v; o = attention(q, cache)
  *   x, residual = add_rms_norm(o_proj(o), residual)
  *   hidden = fused_experts(x, moe_route(gate(x)))
  * Returns nonzero when out of memory, for an id outside the experts, or when the attention
@@ -211,6 +220,11 @@ int decode_moe_layer_bf16(const struct moe_layer *L, const struct step *S, uint1
     }
     if ((failed = linear_bf16(qkv, x, rows, H, L->qkv.w, L->qkv.bias, qkv_size))) goto done;
     uint16_t *k = qkv + q_size, *v = k + kv_size;
+    if (L->q_norm)
+        for (int64_t r = 0; r < rows; r++) {
+            rms_norm_bf16(qkv + r * qkv_size, qkv + r * qkv_size, L->q_norm, L->heads, D, D, eps);
+            rms_norm_bf16(k + r * qkv_size, k + r * qkv_size, L->k_norm, L->kv_heads, D, D, eps);
+        }
     rotary_bf16(S->positions, qkv, k, S->cos_sin, rows, L->heads, L->kv_heads, D, qkv_size, qkv_size);
     write_kv_bf16(L->k_cache, L->v_cache, k, v, S->slots, rows, L->kv_heads, D, S->block_size, qkv_size, qkv_size);
     failed = paged_decode_attention_bf16(attn, qkv, qkv_size, L->k_cache, L->v_cache, S->block_table,
