@@ -98,6 +98,12 @@ class Platform(ABC):
             return model_dtype
         return torch.float16 if torch.float16 in self.supported_dtypes else torch.float32
 
+    def quantized_dtype_for(self, model_dtype: torch.dtype | None) -> torch.dtype:
+        """What ``--dtype auto`` resolves to for a quantized model (a checkpoint's
+        ``quantization_config``, ``--quantization``, a GGUF file) whose other tensors are stored in
+        ``model_dtype``: the activations' dtype. By default ``dtype_for``'s."""
+        return self.dtype_for(model_dtype)
+
     def update_config(self, config: EngineConfig) -> None:
         """Fill platform defaults and reject what the device cannot do (raise ``ValueError``).
         Called once per engine, before the model is read, with ``quantization`` resolved

@@ -365,8 +365,11 @@ class PlatformContract:
     def test_dtype_for(self):
         p = self.make_platform()
         for model_dtype in (None, *(self.dtypes or p.supported_dtypes)):
-            got = p.dtype_for(model_dtype)
-            assert got in p.supported_dtypes, f"dtype_for({model_dtype}) = {got}, not in {p.supported_dtypes}"
+            for resolve in (p.dtype_for, p.quantized_dtype_for):
+                got = resolve(model_dtype)
+                assert got in p.supported_dtypes, (
+                    f"{resolve.__name__}({model_dtype}) = {got}, not in {p.supported_dtypes}"
+                )
 
     def test_update_config_fills_the_default_block_size(self):
         p = self.make_platform()

@@ -45,11 +45,14 @@ DTYPES = {
 
 
 def resolve_dtype(config: EngineConfig, platform: Platform, hf_config) -> torch.dtype:
-    """``--dtype``, with ``auto`` resolved by the platform from the checkpoint's dtype."""
+    """``--dtype``, with ``auto`` resolved by the platform from the checkpoint's dtype (and
+    whether the model is quantized)."""
     stored = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     if isinstance(stored, str):
         stored = getattr(torch, stored, None)
-    dtype = platform.dtype_for(stored) if config.dtype == "auto" else DTYPES[config.dtype]
+    quantized = config.quantization not in (None, "none") or getattr(hf_config, "quantization_config", None)
+    auto = platform.quantized_dtype_for if quantized else platform.dtype_for
+    dtype = auto(stored) if config.dtype == "auto" else DTYPES[config.dtype]
     if dtype not in platform.supported_dtypes:
         raise ValueError(f"--dtype: {dtype} is not supported on {platform.name}")
     return dtype

@@ -15,6 +15,7 @@ import torch
 from kiln.interfaces.platform import Platform
 from kiln_cpu.module_swap import replace_linears
 from kiln_cpu.native import has_amx_bf16
+from kiln_cpu.packed_linear import kernel_works
 
 logger = logging.getLogger("kiln.cpu")
 
@@ -118,9 +119,20 @@ class CpuPlatform(Platform):
         super().update_config(config)
 
     def dtype_for(self, model_dtype: torch.dtype | None) -> torch.dtype:
+        # NOTE: with AVX512-BF16 but no AMX (AMD Zen 4 and 5), vdpbf16ps multiplies as many
+        # values a cycle as fp32 FMAs and a decode step reads half the bytes: a checkpoint
+        # stored in bf16 runs in bf16 (a random 16-layer Llama of hidden 1024 on a 2-core Zen 5:
+        # 91 against 52 output tok/s at one sequence, 380 against 143 at 16).
+        if model_dtype is torch.bfloat16 and kernel_works():
+            return torch.bfloat16
+        return self.quantized_dtype_for(model_dtype)
+
+    def quantized_dtype_for(self, model_dtype: torch.dtype | None) -> torch.dtype:
         # NOTE: with AMX (Xeon Sapphire Rapids and later) bf16 matmuls ran 8x faster
         # than fp32 here (2.7 vs 0.34 TFLOPS at 2048x576x3072); without it bf16 is no
-        # faster, and fp32 keeps outputs identical to an fp32 reference.
+        # faster, and fp32 keeps outputs identical to an fp32 reference. Quantized layers
+        # multiply fp32 activations, and decode steps run in one C call per layer only in fp32:
+        # an AWQ Llama (the one above) in bf16 gave 151 output tok/s at one sequence against 185.
         return torch.bfloat16 if has_amx_bf16() else torch.float32
 
     def attention_backend(self) -> str:
