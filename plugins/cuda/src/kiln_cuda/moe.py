@@ -9,12 +9,13 @@ of one expert's rows by that expert's weights::
     out[t] = y[t * k] + ... + y[t * k + k - 1]
 
 Everything is computed on the device with shapes fixed by the step (no host sync: the grid is
-``experts x cdiv(tokens * k, BLOCK_M) x (N tiles x K splits)`` and programs past their expert's run
-return at once), so a CUDA graph holds it. With few rows a GEMM has few tiles, fewer than the GPU
-has multiprocessors for the down projection of a token or two: then each tile's inputs are split
-into ``gemm_split`` parts, each program sums one part into an fp32 buffer, and the parts are
-added in order (deterministic, unlike atomic adds). ``kiln_cuda.ops.fused_experts`` puts the pieces together; under expert
-parallelism the slots of other ranks' experts (id -1) are in no run, so no program computes them.
+``experts x cdiv(tokens * k, BLOCK_M) x (N tiles x K splits)`` and programs past their expert's
+run return at once), so a CUDA graph holds it. With few rows a GEMM has few tiles (for the down
+projection of a token or two, fewer than the GPU has multiprocessors): then each tile's inputs
+are split into ``gemm_split`` parts, each program sums one part into an fp32 buffer, and the
+parts are added in order (deterministic, unlike atomic adds). ``kiln_cuda.ops.fused_experts``
+puts the pieces together; under expert parallelism the slots of other ranks' experts (id -1)
+are in no run, so no program computes them.
 
 A quantized checkpoint's experts (AWQ, GPTQ without act-order, weight-only int8, fp8) stay
 quantized (``QuantizedExperts``): the GEMM widens a tile of an expert's packed codes (or float8
