@@ -115,3 +115,21 @@ def test_a_folder_an_older_kiln_converted_is_converted_again(tiny_model_dir, tmp
     assert json.loads((older / "config.json").read_text())["model_type"] == "llama"
     assert json.loads((older / "tokenizer.json").read_text())["model"]["type"] == "BPE"
     assert sorted(p.name for p in cache.iterdir()) == [".lock", older.name, INDEX]  # the temporary folders are gone
+
+
+def test_a_qwen3_gguf_of_another_head_size_serves_the_values_it_holds(tiny_model_dir, tmp_path, monkeypatch):
+    """transformers maps ``qwen3``'s GGUF metadata without its head size, keeping Qwen3's default
+    of 128: the conversion takes it from ``attention.key_length`` (64 here)."""
+    from kiln import LLM, SamplingParams
+    from kiln.testing.models import hf_as_gguf, hf_greedy
+
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
+    reference = str(tmp_path / "reference")
+    gguf = hf_as_gguf(tiny_model_dir("qwen3"), str(tmp_path / "model.gguf"), "qwen3", "Q8_0", reference=reference)
+    llm = LLM(gguf, max_model_len=128, quantization="none")  # the exact products of the file's values
+    assert llm.engine.executor.runner.model.layers[0].self_attn.head_dim == 64
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8], [40, 41, 42, 100, 7]]
+    outputs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=12, min_tokens=12, temperature=0)
+    )
+    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(reference, prompts, 12)

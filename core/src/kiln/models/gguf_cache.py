@@ -205,7 +205,9 @@ def _write_by_tensor(gguf_path: str, out: str, reader) -> bool:
     if arch == gguf_deepseek.ARCH:  # transformers reads neither its config nor two of its tensors
         config = gguf_deepseek.deepseek_config(reader)
     else:
-        config = _experts_config(AutoConfig.from_pretrained(folder, gguf_file=fname), reader, arch)
+        config = _head_dim(
+            _experts_config(AutoConfig.from_pretrained(folder, gguf_file=fname), reader, arch), reader, arch
+        )
     per_tensor = TENSOR_PROCESSORS.get(arch, TensorProcessor)
     if per_tensor not in (TensorProcessor, LlamaTensorProcessor, Gemma2TensorProcessor, Qwen2MoeTensorProcessor):
         return False
@@ -279,6 +281,16 @@ FUSED_EXPERTS = re.compile(r"layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_pro
 
 def _expert_name(layer: int | str, expert: int | str, proj: str) -> str:
     return f"model.layers.{layer}.mlp.experts.{expert}.{proj}_proj.weight"
+
+
+def _head_dim(config, reader, arch: str):
+    """``config`` with the head size the GGUF's metadata gives (``attention.key_length``), which
+    transformers maps for some architectures only: for ``qwen3`` it kept Qwen3's default of 128,
+    for any other size the k/q norms' tensors did not fit."""
+    key, value = (gguf_field(reader, f"{arch}.attention.{k}_length") for k in ("key", "value"))
+    if key and value in (None, key) and getattr(config, "head_dim", key) != key:
+        config.head_dim = key
+    return config
 
 
 def _experts_config(config, reader, arch: str):
