@@ -17,7 +17,7 @@ from kiln.testing import quantization as quant_testing
 from kiln.testing.quantization import random_experts, w8a8_expert
 from kiln_cuda import moe as triton_moe
 from kiln_cuda import ops, quant
-from kiln_cuda.moe import Int8Experts, QuantizedExperts, gemm_split, gemm_tile
+from kiln_cuda.moe import TILES, Int8Experts, QuantizedExperts, gemm_split, gemm_tile
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=2e-3, atol=2e-3)}
@@ -97,13 +97,15 @@ def test_groups_the_k_tiles_cannot_lie_in_are_left_to_be_widened():
 @pytest.mark.parametrize("slots", [1, 16, 64, 1024])
 def test_each_k_tile_of_packed_experts_lies_in_one_group(group, slots):
     """The kernel reads one scale row per K tile: the tile must divide the group (or the group be
-    every input); a tile grows with the rows."""
+    every input); a tile grows with the rows, and floats get tiles of their own."""
     codes = torch.zeros(EXPERTS, 4096 // 8, 256, dtype=torch.int32)
     scale = torch.ones(EXPERTS, 4096 // group, 256)
     packed = QuantizedExperts(codes, scale, None, 4, group, 8.0, (EXPERTS, 256, 4096))
     bm, bn, bk = gemm_tile(packed, slots)
     assert group % bk == 0 and bk >= 16
     assert gemm_tile(packed, 1024)[0] >= bm  # taller tiles for more rows per expert
+    floats = torch.empty(EXPERTS, 256, 4096, device="meta")
+    assert gemm_tile(floats, slots) in {tile for _, tile in TILES["float"]}
 
 
 def test_k_splits_only_where_the_tiles_are_too_few():
