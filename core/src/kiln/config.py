@@ -26,7 +26,10 @@ class EngineConfig(SpeculativeFlags):
     model: str | None = Field(None, description="HF folder, .gguf file, or None for the embedded default")
     tokenizer: str | None = Field(None, description="tokenizer folder; defaults to the model's")
     tokenizer_mode: Literal["auto", "slow", "mistral"] = Field(
-        "auto", description="auto: the fast (Rust) tokenizer; slow and mistral are refused with the reason"
+        "auto",
+        description="auto: Hugging Face's tokenizer (mistral_common's for a folder whose only tokenizer file is "
+        "tekken.json); mistral: mistral_common's tekken.json (pip install mistral-common); slow is refused with the "
+        "reason",
     )
     dtype: Literal["auto", "half", "float16", "bfloat16", "float", "float32"] = "auto"
     max_model_len: int | None = Field(None, ge=1)
@@ -174,14 +177,12 @@ class EngineConfig(SpeculativeFlags):
 
     @field_validator("tokenizer_mode")
     @classmethod
-    def _fast_tokenizer(cls, value: str) -> str:
-        reasons = {
-            "slow": "Kiln detokenizes incrementally through the fast (Rust) tokenizer's decode stream",
-            "mistral": "mistral_common tokenizers are not supported yet; the model's Hugging Face tokenizer is used "
-            "with --tokenizer-mode auto",
-        }
-        if value in reasons:
-            raise ValueError(f"{value} is not supported: {reasons[value]}")
+    def _no_slow_tokenizers(cls, value: str) -> str:
+        if value == "slow":
+            raise ValueError(
+                "slow is not supported: transformers 5 has no slow (Python) tokenizers, its AutoTokenizer ignores "
+                "use_fast; --tokenizer-mode auto loads the same tokenizer"
+            )
         return value
 
     @model_validator(mode="after")

@@ -2,30 +2,56 @@
 
 Text grows by ``tokenizers``' ``DecodeStream`` (which holds back incomplete UTF-8
 byte sequences), seeded with the tail of the prompt so the first output token
-keeps its leading space. With ``skip_special_tokens=False``, special tokens are
-spliced in whole, separated by spaces when ``spaces_between_special_tokens``.
+keeps its leading space; a tokenizer without a ``tokenizers`` backend (mistral_common's)
+decodes a short window of ids instead (``DecodeWindow``). With ``skip_special_tokens=False``,
+special tokens are spliced in whole, separated by spaces when ``spaces_between_special_tokens``.
 """
 
 from __future__ import annotations
 
 from tokenizers.decoders import DecodeStream
 
+from kiln.engine.tokenizer import special_ids
 from kiln.sampling_params import SamplingParams
 
 PROMPT_CONTEXT_TOKENS = 6
 
 
+class DecodeWindow:
+    """``DecodeStream``'s steps through ``tokenizer.decode`` alone, as vLLM detokenizes with
+    slow tokenizers: the window is the ids emitted by the last emission (at first, the
+    prompt's tail) and those since; a step returns what its id added to the window's text, or
+    "" while that text ends in an incomplete UTF-8 sequence (U+FFFD) and the id waits."""
+
+    def __init__(self, tokenizer, context: list[int]) -> None:
+        self.decode = tokenizer.decode
+        self.ids = list(context)  # the window
+        self.read = len(self.ids)  # the window's ids before this are emitted
+
+    def step(self, _backend, token_id: int) -> str:
+        self.ids.append(token_id)
+        before = self.decode(self.ids[: self.read], skip_special_tokens=True)
+        after = self.decode(self.ids, skip_special_tokens=True)
+        if after.endswith("\ufffd") or len(after) <= len(before):
+            return ""
+        del self.ids[: self.read]
+        self.read = len(self.ids)
+        return after[len(before) :]
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self.backend = tokenizer.backend_tokenizer
-        self.special_ids = set(tokenizer.all_special_ids) | {
-            i for i, t in tokenizer.added_tokens_decoder.items() if t.special
-        }
+        self.backend = getattr(tokenizer, "backend_tokenizer", None)
+        self.special_ids = special_ids(tokenizer)
         self.skip_special = params.skip_special_tokens
         self.spaces = params.spaces_between_special_tokens and not params.skip_special_tokens
         self.convert = tokenizer.convert_ids_to_tokens
         context = [t for t in prompt_token_ids[-PROMPT_CONTEXT_TOKENS:] if t not in self.special_ids]
-        self.stream = DecodeStream(ids=context, skip_special_tokens=self.skip_special)
+        self.stream = (
+            DecodeWindow(tokenizer, context)
+            if self.backend is None
+            else DecodeStream(ids=context, skip_special_tokens=self.skip_special)
+        )
         self.stop = params.stop
         self.include_stop = params.include_stop_str_in_output
         self.max_stop_len = max((len(s) for s in self.stop), default=0)

@@ -23,6 +23,7 @@ from kiln.engine.output_processor import OutputProcessor
 from kiln.engine.pooling import PoolingInputProcessor, PoolingOutputProcessor
 from kiln.engine.request import RequestStatus
 from kiln.engine.scheduler import Scheduler
+from kiln.engine.tokenizer import load_tokenizer
 from kiln.lora.request import LoRARequest
 from kiln.models.bert import position_offset
 from kiln.models.eagle import read_eagle_config
@@ -53,8 +54,6 @@ logger = logging.getLogger("kiln.engine")
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, plugins: PluginManager | None = None) -> None:
-        from transformers import AutoTokenizer
-
         self.config = config
         self.plugins = plugins or get_plugin_manager()
         registry = self.plugins.registry
@@ -82,7 +81,7 @@ class LLMEngine:
         tokenizer_path = resolve_tokenizer(
             config.tokenizer, model_id, files.path, config.tokenizer_revision, config.download_dir
         )
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=config.trust_remote_code)
+        tokenizer = load_tokenizer(tokenizer_path, config.tokenizer_mode, config.trust_remote_code)
         defaults = load_generation_defaults(files.path, config.generation_config)
         eos = defaults.pop("eos_token_ids", []) + (
             [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []

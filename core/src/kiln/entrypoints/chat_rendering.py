@@ -7,7 +7,9 @@ text is the same; but the template always renders in Kiln's bounded sandbox
 (:mod:`kiln.entrypoints.chat_template_sandbox`). That covers every template's origin: a
 tokenizer config, a GGUF file's ``tokenizer.chat_template`` metadata (transformers reads it
 into the tokenizer when Kiln converts the file, see ``kiln.models.gguf_cache``), the
-``--chat-template`` flag, or a trusted request.
+``--chat-template`` flag, or a trusted request. A mistral_common tokenizer
+(``--tokenizer-mode mistral``) has no template: it encodes the conversation itself, straight
+to token ids (``mistral_chat_ids``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from kiln.engine.tokenizer import is_mistral
 from kiln.entrypoints.chat_template_sandbox import DEFAULT_LIMITS, ChatTemplateError, RenderLimits, render_template
 
 # The names messages' reasoning goes by; templates read the first.
@@ -88,6 +91,68 @@ def render_chat_template(
         limits,
     )
     return rendered if final_text is None else _cut_after_final_message(rendered, final_text)
+
+
+def chat_prompt(
+    tokenizer: Any,
+    messages: list[Mapping[str, Any]],
+    template: str | None = None,
+    *,
+    add_special_tokens: bool = False,
+    **options: Any,
+) -> tuple[str, list[int]]:
+    """The conversation's prompt as (text, token ids): rendered by ``render_chat_template`` (its
+    ``options``) and tokenized, or encoded by a mistral_common tokenizer (``mistral_chat_ids``),
+    its text then the ids decoded. Raises :class:`ChatTemplateError`."""
+    if is_mistral(tokenizer):
+        ids = mistral_chat_ids(tokenizer, messages, template, **options)
+        return tokenizer.decode(ids), ids
+    text = render_chat_template(tokenizer, messages, template, **options)
+    return text, tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def mistral_chat_ids(
+    tokenizer: Any,
+    messages: list[Mapping[str, Any]],
+    template: str | None = None,
+    *,
+    tools: list[Any] | None = None,
+    documents: list[Mapping[str, Any]] | None = None,
+    add_generation_prompt: bool = False,
+    continue_final_message: bool = False,
+    variables: Mapping[str, Any] | None = None,
+    limits: RenderLimits = DEFAULT_LIMITS,
+) -> list[int]:
+    """The conversation's token ids as mistral_common's instruct request encodes it (through
+    transformers' ``MistralCommonBackend``): a last user or tool message always ends in the
+    turn's closing ``[/INST]``, so ``add_generation_prompt`` changes nothing; a template, extra
+    template variables and documents have nowhere to go and are refused. Raises
+    :class:`ChatTemplateError` with mistral_common's reason for a conversation it refuses."""
+    del add_generation_prompt, limits  # see above; no template renders
+    for given, param in ((template, "chat_template"), (variables, "chat_template_kwargs"), (documents, "documents")):
+        if given:
+            raise ChatTemplateError(
+                "the model's mistral_common tokenizer (--tokenizer-mode mistral) encodes conversations itself; "
+                f"{param} does not apply",
+                param,
+            )
+    if not messages:
+        raise ChatTemplateError("the conversation is empty", param="messages")
+    from mistral_common.exceptions import MistralCommonException
+
+    conversation = [_plain({k: v for k, v in m.items() if v is not None}) for m in messages]
+    try:
+        return list(
+            tokenizer.apply_chat_template(
+                conversation,
+                tools=_plain(_tool_schemas(tools)),
+                continue_final_message=continue_final_message,
+                tokenize=True,
+                return_dict=False,
+            )  # fmt: skip
+        )
+    except (MistralCommonException, ValueError, TypeError, KeyError) as exc:  # its validation (pydantic's too)
+        raise ChatTemplateError(f"mistral_common refused the conversation: {exc}", param="messages") from None
 
 
 def _plain(value: Any) -> Any:

@@ -7,7 +7,7 @@ from typing import Any
 
 from kiln.config import EngineConfig
 from kiln.engine.llm_engine import LLMEngine, PromptInput
-from kiln.entrypoints.chat_rendering import render_chat_template
+from kiln.entrypoints.chat_rendering import chat_prompt
 from kiln.entrypoints.llm_pooling import PoolingMixin
 from kiln.lora.request import LoRARequest
 from kiln.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
@@ -133,7 +133,7 @@ class LLM(PoolingMixin):
         Raises ``ChatTemplateError`` (a ``ValueError``) when the template fails or exceeds a bound.
         """
         tok = self.engine.model_info.tokenizer
-        text = render_chat_template(
+        return chat_prompt(
             tok,
             messages,
             chat_template,
@@ -141,8 +141,7 @@ class LLM(PoolingMixin):
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             variables=chat_template_kwargs,
-        )
-        return tok.encode(text, add_special_tokens=False)
+        )[1]
 
     def _run(self, request_ids: list[str]) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}

@@ -9,6 +9,7 @@ import re
 import torch
 import xgrammar as xgr
 
+from kiln.engine.tokenizer import is_mistral
 from kiln.interfaces.guided import (
     CompiledGuide,
     GuidedBackend,
@@ -22,6 +23,15 @@ _LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 # Whitespace between JSON tokens is free (as in vLLM) but bounded: a small model sampling at
 # temperature 1 must not wander into an endless run of newlines.
 MAX_WHITESPACE = 4
+
+
+def tekken_info(tokenizer, vocab_size: int) -> xgr.TokenizerInfo:
+    """xgrammar's view of a mistral_common tekken tokenizer, which its ``from_huggingface`` does not
+    read: every token's bytes as they are (a raw vocabulary), control tokens empty (xgrammar takes
+    empty tokens for special ones and never lets a grammar choose them)."""
+    tekken = tokenizer.tokenizer.instruct_tokenizer.tokenizer
+    vocab = [b"" if tekken.is_special(i) else tekken.id_to_byte_piece(i, "keep") for i in range(tekken.n_words)]
+    return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=[tokenizer.eos_token_id])
 
 
 def choice_grammar(choices: tuple[str, ...]) -> str:
@@ -62,7 +72,11 @@ class XGrammarBackend(GuidedBackend):
 
     def __init__(self, tokenizer, vocab_size: int) -> None:
         super().__init__(tokenizer, vocab_size)
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        info = (
+            tekken_info(tokenizer, vocab_size)
+            if is_mistral(tokenizer)
+            else xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        )
         # Kiln's compile cache (bounded) sits above this one, which would only grow without bound.
         self.compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
 

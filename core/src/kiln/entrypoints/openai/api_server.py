@@ -143,8 +143,7 @@ def build_app(
         if (body.prompt is None) == (body.messages is None):
             raise APIError("give exactly one of prompt and messages", param="prompt")
         if body.messages is not None:
-            text = chat.render(body)
-            ids = chat.tokenize(text, bool(body.add_special_tokens))
+            ids = chat.render(body, bool(body.add_special_tokens)).token_ids
         else:
             add = True if body.add_special_tokens is None else body.add_special_tokens
             ids = completions.tokenize(body.prompt, add)

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 import jinja2.nodes
 
-from kiln.entrypoints.chat_rendering import render_chat_template
+from kiln.entrypoints.chat_rendering import chat_prompt
 from kiln.entrypoints.chat_template_sandbox import ChatTemplateError, parse_template
 from kiln.entrypoints.openai.protocol import APIError
 from kiln.registry import Registry, load_ref
@@ -129,18 +129,21 @@ def render_chat(
     messages: list[dict[str, Any]],
     template: str | None,
     *,
+    add_special_tokens: bool,
     add_generation_prompt: bool,
     continue_final_message: bool,
     tools: list[dict] | None = None,
     documents: list[dict] | None = None,
     kwargs: dict[str, Any] | None = None,
-) -> str:
-    """Render the conversation in the bounded sandbox; any template failure is a 400."""
+) -> tuple[str, list[int]]:
+    """The conversation's prompt (text, token ids), rendered in the bounded sandbox (or encoded by
+    a mistral_common tokenizer); any template failure is a 400."""
     try:
-        return render_chat_template(
+        return chat_prompt(
             tokenizer,
             messages,
             template,
+            add_special_tokens=add_special_tokens,
             tools=tools,
             documents=documents,
             add_generation_prompt=bool(add_generation_prompt),

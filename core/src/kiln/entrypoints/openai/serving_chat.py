@@ -24,15 +24,16 @@ from kiln.sampling_params import SamplingParams
 
 
 class ChatServing(OpenAIServing):
-    def render(self, req: ChatCompletionRequest | TokenizeRequest) -> str:
-        """The conversation as the chat template renders it (shared with ``/tokenize``)."""
+    def render(self, req: ChatCompletionRequest | TokenizeRequest, add_special_tokens: bool) -> Prompt:
+        """The conversation's prompt as the chat template renders it, tokenized (shared with
+        ``/tokenize`` and the pooling endpoints)."""
         args = request_render_args(req, self.options.trust_request_chat_template)
         template = args.pop("chat_template") or self.options.chat_template
         content_format = self.options.chat_template_content_format
         if content_format == "auto":
             content_format = detect_content_format(template or self.tokenizer.chat_template)
         messages = messages_for_template(normalize_messages(req.messages, content_format))
-        return render_chat(self.tokenizer, messages, template, **args)
+        return Prompt(*render_chat(self.tokenizer, messages, template, add_special_tokens=add_special_tokens, **args))
 
     async def create(self, req: ChatCompletionRequest, raw: HTTPRequest):
         prompt, params, setup, lora = await self.prepare(req)
@@ -93,8 +94,8 @@ class ChatServing(OpenAIServing):
         )
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError("top_logprobs: needs logprobs=true", param="top_logprobs")
-        text = await asyncio.to_thread(self.render, req)  # bounded (2 s), but off the event loop all the same
-        prompt = self.truncate(Prompt(text, self.tokenize(text, req.add_special_tokens)), req)
+        # bounded (2 s), but off the event loop all the same
+        prompt = self.truncate(await asyncio.to_thread(self.render, req, req.add_special_tokens), req)
         top = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self.sampling_params(req, len(prompt.token_ids), max_tokens, top, req.prompt_logprobs)

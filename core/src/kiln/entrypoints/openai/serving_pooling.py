@@ -15,7 +15,8 @@ import numpy as np
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 
-from kiln.engine.pooling import encode_text
+from kiln.engine.pooling import encode_text, truncation_limit
+from kiln.engine.tokenizer import is_mistral
 from kiln.entrypoints.openai.protocol import APIError
 from kiln.entrypoints.openai.protocol_pooling import (
     ClassificationRequest,
@@ -152,8 +153,19 @@ class PoolingServing(OpenAIServing):
         if (req.input is None) == (messages is None):
             raise APIError("give exactly one of input and messages", param="input")
         if messages is not None:
-            text = self.chat.render(req)
-            return [Prompt(text, encode_text(self.tokenizer, text, truncate, limit, bool(req.add_special_tokens)))]
+            prompt = self.chat.render(req, bool(req.add_special_tokens))
+            if truncation_limit(truncate, limit) is None:
+                return [prompt]
+            if is_mistral(self.tokenizer):  # its ids come from the conversation, not from a text to cut
+                raise APIError(
+                    "truncate_prompt_tokens: not supported for messages with a mistral_common tokenizer",
+                    param="truncate_prompt_tokens",
+                )
+            return [
+                Prompt(
+                    prompt.text, encode_text(self.tokenizer, prompt.text, truncate, limit, bool(req.add_special_tokens))
+                )
+            ]
         given = req.input
         items = [given] if isinstance(given, str) or (given and isinstance(given[0], int)) else list(given)
         if not items or any(len(item) == 0 for item in items):

@@ -1,0 +1,142 @@
+"""``--tokenizer-mode mistral``: a model whose tokenizer is mistral_common's ``tekken.json`` serves
+with it — prompts encoded and outputs decoded by mistral_common, chat conversations encoded by
+its instruct requests (no template), guided decoding over its byte vocabulary — and generates
+transformers' tokens for the same ids. mistral_common's own tekken file (shipped in its wheel)
+is the tokenizer of a tiny random Mistral."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+from tests.core.test_server_app import serve_args
+
+from kiln import LLM, SamplingParams
+from kiln.config import EngineConfig
+from kiln.engine.async_engine import AsyncEngine
+from kiln.engine.detokenizer import DecodeWindow
+from kiln.engine.llm_engine import LLMEngine
+from kiln.engine.tokenizer import is_mistral, load_tokenizer
+from kiln.entrypoints.openai.api_server import build_app
+from kiln.entrypoints.openai.serving import ServerOptions
+from kiln.testing.models import hf_greedy
+
+mistral_common = pytest.importorskip("mistral_common")
+TEKKEN = Path(mistral_common.__file__).parent / "data" / "tekken_240911.json"
+TEXT = "Kiln serves naïve café menus: 你好, 世界 🙂 — ¿qué tal? ∑x²"
+HELLO = [{"role": "user", "content": "Hello there"}]
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = tmp_path_factory.mktemp("tekken-mistral")
+    shutil.copy(TEKKEN, path / "tekken.json")
+    config = AutoConfig.for_model(
+        "mistral", vocab_size=131072, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        initializer_range=0.2, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, sliding_window=None,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir) -> LLM:
+    return LLM(model_dir, tokenizer_mode="mistral", dtype="float32", max_model_len=256)
+
+
+def test_generates_transformers_tokens_and_decodes_them(llm, model_dir):
+    tok = llm.get_tokenizer()
+    assert is_mistral(tok)
+    prompt = tok.encode(TEXT)  # with mistral_common's BOS, as Kiln encodes a text prompt
+    assert prompt[0] == tok.bos_token_id
+    params = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0)
+    by_text, by_ids = llm.generate([TEXT, {"prompt_token_ids": prompt}], params)
+    expected = hf_greedy(model_dir, [prompt], NEW_TOKENS)[0]
+    assert list(by_text.prompt_token_ids) == prompt
+    assert by_text.outputs[0].token_ids == by_ids.outputs[0].token_ids == expected
+    assert by_text.outputs[0].text == tok.decode(expected, skip_special_tokens=True)
+
+
+def test_streamed_text_is_the_whole_decode_and_waits_on_split_characters(llm):
+    tok = llm.get_tokenizer()
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    window = DecodeWindow(tok, [])
+    pieces = [window.step(None, i) for i in ids]
+    assert "".join(pieces) == tok.decode(ids) == TEXT
+    assert "" in pieces  # a character split over byte tokens waits for its last byte
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_chat_prompt_is_mistral_commons_encoding(llm):
+    tok = llm.get_tokenizer()
+    expected = tok.apply_chat_template(HELLO, tokenize=True, return_dict=False)
+    assert llm.apply_chat_template(HELLO) == expected
+    assert expected[:2] == [tok.bos_token_id, tok.convert_tokens_to_ids("[INST]")]
+    out = llm.chat(HELLO, SamplingParams(max_tokens=4, temperature=0))[0]
+    assert list(out.prompt_token_ids) == expected
+
+
+def test_folder_with_only_tekken_loads_it_by_default(model_dir, tmp_path):
+    assert is_mistral(load_tokenizer(model_dir, "auto"))
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    with pytest.raises(ValueError, match="--tokenizer-mode mistral: .*hf has no tekken.json"):
+        load_tokenizer(str(hf), "mistral")
+
+
+@pytest.fixture(scope="module")
+def client(model_dir):
+    engine = LLMEngine(
+        EngineConfig.create(model=model_dir, tokenizer_mode="mistral", max_model_len=256, dtype="float32")
+    )
+    options = ServerOptions(served_model_names=["tekken"], disable_log_requests=True)
+    with TestClient(build_app(AsyncEngine(engine, log_stats_interval=None), options, serve_args([]))) as c:
+        yield c
+
+
+def test_server_chat_tokenize_and_guided_json(client, llm):
+    tok = llm.get_tokenizer()
+    expected = tok.apply_chat_template(HELLO, tokenize=True, return_dict=False)
+    tokenized = client.post("/tokenize", json={"messages": HELLO}).json()
+    assert tokenized["tokens"] == expected
+    reply = client.post("/v1/chat/completions", json={"messages": HELLO, "max_tokens": 4, "temperature": 0})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["prompt_tokens"] == len(expected)
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 8}, "days": {"type": "integer"}},
+        "required": ["city", "days"],
+        "additionalProperties": False,
+    }
+    body = {"messages": HELLO, "max_tokens": 60, "temperature": 0, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "trip", "schema": schema}}}  # fmt: skip
+    reply = client.post("/v1/chat/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    choice = reply.json()["choices"][0]
+    assert choice["finish_reason"] == "stop", choice
+    value = json.loads(choice["message"]["content"])
+    assert set(value) == {"city", "days"} and isinstance(value["days"], int)
+
+
+@pytest.mark.parametrize(
+    "extra, param, fragment",
+    [
+        ({"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs", "encodes conversations itself"),
+        ({"messages": [{"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"}]}, "messages",
+         "mistral_common refused the conversation"),
+    ],
+)  # fmt: skip
+def test_what_mistral_common_cannot_encode_is_a_400(client, extra, param, fragment):
+    reply = client.post("/v1/chat/completions", json={"messages": HELLO, "max_tokens": 2, **extra})
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == param and fragment in error["message"], error
