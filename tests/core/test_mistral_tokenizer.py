@@ -2,7 +2,8 @@
 with it — prompts encoded and outputs decoded by mistral_common, chat conversations encoded by
 its instruct requests (no template), guided decoding over its byte vocabulary — and generates
 transformers' tokens for the same ids. mistral_common's own tekken file (shipped in its wheel)
-is the tokenizer of a tiny random Mistral."""
+is the tokenizer of a tiny random Mistral. And a tool parser's markup that a tokenizer holds
+as a special token (Mistral's ``[TOOL_CALLS]``) stays in the text the parser reads."""
 
 from __future__ import annotations
 
@@ -17,11 +18,13 @@ from tests.core.test_server_app import serve_args
 from kiln import LLM, SamplingParams
 from kiln.config import EngineConfig
 from kiln.engine.async_engine import AsyncEngine
-from kiln.engine.detokenizer import DecodeWindow
+from kiln.engine.detokenizer import DecodeWindow, IncrementalDetokenizer
 from kiln.engine.llm_engine import LLMEngine
-from kiln.engine.tokenizer import is_mistral, load_tokenizer
+from kiln.engine.tokenizer import is_mistral, load_tokenizer, markup_token_ids
 from kiln.entrypoints.openai.api_server import build_app
 from kiln.entrypoints.openai.serving import ServerOptions
+from kiln.plugins import get_plugin_manager
+from kiln.registry import load_ref
 from kiln.testing.models import hf_greedy
 
 mistral_common = pytest.importorskip("mistral_common")
@@ -93,12 +96,48 @@ def test_folder_with_only_tekken_loads_it_by_default(model_dir, tmp_path):
         load_tokenizer(str(hf), "mistral")
 
 
+def mistral_tool_parser():
+    return load_ref(get_plugin_manager().registry.table("tool_parsers")["mistral"])
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}]  # fmt: skip
+CALL = '[{"name": "get_weather", "arguments": {"city": "Paris"}}]'
+
+
+@pytest.mark.parametrize("kind", ["tekken", "hf"])
+def test_a_special_tool_marker_reaches_the_parser(llm, tiny_model_dir, kind):
+    if kind == "tekken":
+        tok = llm.get_tokenizer()
+        marker = [tok.convert_tokens_to_ids("[TOOL_CALLS]")]
+    else:  # a Hugging Face tokenizer holding the marker as a special token, as Mistral's HF files do
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(tiny_model_dir("llama"))
+        tok.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
+        marker = tok.encode("[TOOL_CALLS]", add_special_tokens=False)
+    parser = mistral_tool_parser()
+    kept = markup_token_ids(tok, parser.markup())
+    assert kept == set(marker)
+    ids = marker + tok.encode(CALL, add_special_tokens=False)
+    for keep, expected in ((kept, [("get_weather", '{"city": "Paris"}')]), (frozenset(), [])):
+        params = SamplingParams()
+        params._kept_special_ids = keep
+        detok = IncrementalDetokenizer(tok, [], params)
+        detok.update(ids)
+        calls = parser(tok, TOOLS).extract_tool_calls(detok.text).tool_calls
+        assert [(c.name, c.arguments) for c in calls] == expected, detok.text
+
+
 @pytest.fixture(scope="module")
 def client(model_dir):
     engine = LLMEngine(
         EngineConfig.create(model=model_dir, tokenizer_mode="mistral", max_model_len=256, dtype="float32")
     )
-    options = ServerOptions(served_model_names=["tekken"], disable_log_requests=True)
+    options = ServerOptions(
+        served_model_names=["tekken"], disable_log_requests=True, tool_parser=mistral_tool_parser(),
+        enable_auto_tool_choice=True,
+    )  # fmt: skip
     with TestClient(build_app(AsyncEngine(engine, log_stats_interval=None), options, serve_args([]))) as c:
         yield c
 
@@ -140,3 +179,12 @@ def test_what_mistral_common_cannot_encode_is_a_400(client, extra, param, fragme
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
     assert error["param"] == param and fragment in error["message"], error
+
+
+def test_the_server_keeps_the_marker_only_for_the_tool_parser(client, llm):
+    marker = llm.get_tokenizer().convert_tokens_to_ids("[TOOL_CALLS]")
+    body = {"messages": HELLO, "max_tokens": 1, "temperature": 0, "logit_bias": {str(marker): 100}}
+    for extra, content in (({"tools": TOOLS}, "[TOOL_CALLS]"), ({}, "")):
+        reply = client.post("/v1/chat/completions", json={**body, **extra})
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["message"]["content"] == content  # an unfinished call is content

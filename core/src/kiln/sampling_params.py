@@ -78,6 +78,9 @@ class SamplingParams:
     # Filled by the engine from the tokenizer (bad_words) and guided decoding.
     guided_decoding: GuidedDecodingParams | None = None
     _bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
+    # Special tokens kept in the text under skip_special_tokens: a tool or reasoning parser's
+    # markup (set by the server, see kiln.engine.tokenizer.markup_token_ids).
+    _kept_special_ids: frozenset[int] = field(default_factory=frozenset, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

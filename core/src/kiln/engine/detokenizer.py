@@ -4,7 +4,9 @@ Text grows by ``tokenizers``' ``DecodeStream`` (which holds back incomplete UTF-
 byte sequences), seeded with the tail of the prompt so the first output token
 keeps its leading space; a tokenizer without a ``tokenizers`` backend (mistral_common's)
 decodes a short window of ids instead (``DecodeWindow``). With ``skip_special_tokens=False``,
-special tokens are spliced in whole, separated by spaces when ``spaces_between_special_tokens``.
+special tokens are spliced in whole, separated by spaces when ``spaces_between_special_tokens``;
+those a tool or reasoning parser reads as markup (``SamplingParams._kept_special_ids``) are
+spliced in whole always.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class IncrementalDetokenizer:
         self.backend = getattr(tokenizer, "backend_tokenizer", None)
         self.special_ids = special_ids(tokenizer)
         self.skip_special = params.skip_special_tokens
+        self.kept = params._kept_special_ids
         self.spaces = params.spaces_between_special_tokens and not params.skip_special_tokens
         self.convert = tokenizer.convert_ids_to_tokens
         context = [t for t in prompt_token_ids[-PROMPT_CONTEXT_TOKENS:] if t not in self.special_ids]
@@ -65,7 +68,7 @@ class IncrementalDetokenizer:
         start = len(self.text)
         for tid in token_ids:
             if tid in self.special_ids:
-                if not self.skip_special:
+                if not self.skip_special or tid in self.kept:
                     sep = " " if self.spaces and self.text else ""
                     self.text += sep + self.convert(tid)
                     self._after_special = True

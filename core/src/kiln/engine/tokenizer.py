@@ -13,6 +13,7 @@ detokenization — is asked through ``is_mistral`` by the code that handles it.
 from __future__ import annotations
 
 import os
+from functools import lru_cache
 
 MISTRAL_FILE = "tekken.json"
 # Any of these makes a folder's tokenizer a Hugging Face one.
@@ -55,3 +56,13 @@ def special_ids(tokenizer) -> set[int]:
     if is_mistral(tokenizer):
         return set(tokenizer.all_special_ids)
     return set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+
+
+@lru_cache(maxsize=32)  # a server asks for the same few (its parsers') on every request
+def markup_token_ids(tokenizer, markup: tuple[str, ...]) -> frozenset[int]:
+    """The special tokens of ``tokenizer`` that spell part of a parser's ``markup`` strings
+    (``ToolParser.markup``): the ones detokenization keeps in the text the parser reads."""
+    if not markup:
+        return frozenset()
+    ids = sorted(special_ids(tokenizer))
+    return frozenset(i for i, t in zip(ids, tokenizer.convert_ids_to_tokens(ids)) if t and any(t in m for m in markup))

@@ -94,6 +94,14 @@ class ToolParser(ABC):
     ``register("name", "pkg.module:Class")``.
     """
 
+    @classmethod
+    def markup(cls) -> tuple[str, ...]:
+        """The format's markup strings (tags, markers). A tokenizer may hold them as special
+        tokens (Mistral's ``[TOOL_CALLS]``, Llama 3's ``<|python_tag|>``), which
+        ``skip_special_tokens`` (on by default) drops from the text: Kiln keeps those in the
+        text this parser reads, and only those."""
+        return ()
+
     def __init__(self, tokenizer=None, tools: list[dict] | None = None) -> None:
         self.tokenizer = tokenizer
         self.tools = tools or []
@@ -140,6 +148,12 @@ class ReasoningParser(ABC):
 
     Register a subclass with ``register_reasoning_parsers``.
     """
+
+    @classmethod
+    def markup(cls) -> tuple[str, ...]:
+        """The format's tags, as ``ToolParser.markup``: those a tokenizer holds as special tokens
+        stay in the text this parser reads."""
+        return ()
 
     def __init__(self, tokenizer=None) -> None:
         self.tokenizer = tokenizer

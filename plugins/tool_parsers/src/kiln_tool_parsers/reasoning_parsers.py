@@ -17,6 +17,10 @@ class ThinkReasoningParser(ReasoningParser):
     start, end = "<think>", "</think>"
     implicit_start = False
 
+    @classmethod
+    def markup(cls) -> tuple[str, ...]:
+        return cls.start, cls.end
+
     def parse(self, text: str, final: bool) -> tuple[str, str]:
         body = text.lstrip()
         if not final and self.start.startswith(body):

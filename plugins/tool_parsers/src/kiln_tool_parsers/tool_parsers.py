@@ -61,6 +61,10 @@ class TaggedToolParser(ToolParser):
     start = "<tool_call>"
     end = "</tool_call>"
 
+    @classmethod
+    def markup(cls) -> tuple[str, ...]:
+        return cls.start, cls.end
+
     def parse_body(self, body: str) -> list[tuple[str, str]] | None:
         return calls_from_json_text(body)
 
@@ -148,6 +152,10 @@ class MarkerToolParser(ToolParser):
 
     marker = "[TOOL_CALLS]"
 
+    @classmethod
+    def markup(cls) -> tuple[str, ...]:
+        return (cls.marker,)
+
     def parse(self, text: str, final: bool) -> ToolParse:
         i = text.find(self.marker)
         if i < 0:
@@ -196,6 +204,10 @@ class Llama3JsonToolParser(WholeOutputToolParser):
     """Llama 3.x JSON calls: ``<|python_tag|>{"name": ..., "parameters": {...}}; {...}``."""
 
     tag = "<|python_tag|>"
+
+    @classmethod
+    def markup(cls) -> tuple[str, ...]:
+        return (cls.tag,)
 
     def could_be_calls(self, stripped: str) -> bool:
         return stripped.startswith(("{", self.tag)) or self.tag.startswith(stripped)

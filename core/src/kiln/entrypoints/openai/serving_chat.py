@@ -9,6 +9,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from kiln.engine.async_engine import EngineDeadError, RequestStream
+from kiln.engine.tokenizer import markup_token_ids
 from kiln.entrypoints.openai.chat_utils import (
     detect_content_format,
     normalize_messages,
@@ -99,6 +100,7 @@ class ChatServing(OpenAIServing):
         top = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self.sampling_params(req, len(prompt.token_ids), max_tokens, top, req.prompt_logprobs)
+        params._kept_special_ids = markup_token_ids(self.tokenizer, setup.markup)
         if setup.guided is not None:
             if params.guided_decoding is not None:
                 raise APIError("tool_choice: cannot be combined with another constraint", param="tool_choice")

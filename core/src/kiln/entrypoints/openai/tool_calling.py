@@ -55,6 +55,7 @@ class ToolSetup:
     make_reasoning_parser: Callable[[], ReasoningParser] | None = None
     guided: GuidedDecodingParams | None = None
     parallel: bool = True
+    markup: tuple[str, ...] = ()  # the parsers' markup (their ``markup()``), kept in the text if special
 
 
 def _functions(tools: list[dict]) -> dict[str, dict]:
@@ -77,6 +78,7 @@ def tool_setup(
     setup = ToolSetup(parallel=req.parallel_tool_calls is not False)
     if reasoning_parser is not None:
         setup.make_reasoning_parser = lambda: reasoning_parser(tokenizer)
+        setup.markup = reasoning_parser.markup()
     tools = req.tools or []
     functions = _functions(tools) if tools else {}
     choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools and auto_enabled else "none")
@@ -90,6 +92,7 @@ def tool_setup(
                 '"auto" tool choice needs --enable-auto-tool-choice and --tool-call-parser', param="tool_choice"
             )
         setup.make_tool_parser = lambda: tool_parser(tokenizer, tools)
+        setup.markup += tool_parser.markup()
         return setup
     if choice == "required":
         call_schemas = [
