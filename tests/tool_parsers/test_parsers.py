@@ -58,6 +58,13 @@ CASES = {
         ("Sure. [TOOL_CALLS]" + as_list([PARIS, NESTED]), "Sure. ", [PARIS, NESTED]),
         ("Plain answer [TOOL", "Plain answer [TOOL", []),
         ("[TOOL_CALLS][{\"name\": 1}]", "[TOOL_CALLS][{\"name\": 1}]", []),
+        # tokenizers v11+: a marker per call, the name, maybe a call id, [ARGS] and the arguments
+        ("[TOOL_CALLS]get_weather[ARGS]" + j(PARIS[1]), "", [PARIS]),
+        ("Sure. [TOOL_CALLS]get_weather[ARGS]" + j(PARIS[1]) + "[TOOL_CALLS]get_weather[CALL_ID]a1B2c3D4e[ARGS]"
+         + j(NESTED[1]), "Sure. ", [PARIS, NESTED]),
+        ("[TOOL_CALLS]get_time[ARGS]{}[TOOL_CALLS]get_weather[ARGS]{\"city\": ", "[TOOL_CALLS]get_weather[ARGS]{\"city\": ",
+         [TIME]),
+        ("[TOOL_CALLS]get_weather{\"city\": \"Paris\"}", "[TOOL_CALLS]get_weather{\"city\": \"Paris\"}", []),
     ],
     "pythonic": [
         ('[get_weather(city="Paris", days=3)]', "", [PARIS]),

@@ -173,7 +173,33 @@ class MarkerToolParser(ToolParser):
 
 
 class MistralToolParser(MarkerToolParser):
-    """Mistral: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}]``."""
+    """Mistral: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}]`` (tokenizers v2-v7), or from v11
+    (Mistral Small 3.2, Magistral, Devstral) each call as ``[TOOL_CALLS]name[ARGS]{...}``, with
+    ``[CALL_ID]id`` before ``[ARGS]`` in some. Calls of the later form come out one by one, each
+    once its arguments are whole; a malformed one ends them, and it and the rest are content."""
+
+    _HEAD = re.compile(r"\s*([^\s\[\]{}]+)\s*(?:\[CALL_ID\]\s*[A-Za-z0-9_-]*\s*)?\[ARGS\]")
+
+    @classmethod
+    def markup(cls) -> tuple[str, ...]:
+        return cls.marker, "[ARGS]", "[CALL_ID]"
+
+    def parse(self, text: str, final: bool) -> ToolParse:
+        i = text.find(self.marker)
+        after = text[i + len(self.marker) :].lstrip() if i >= 0 else ""
+        if i < 0 or not after or after.startswith("["):  # none yet, or the JSON list of v2-v7
+            return super().parse(text, final)
+        calls, at = [], i
+        while text.startswith(self.marker, at):
+            head = self._HEAD.match(text, at + len(self.marker))
+            found = None if head is None else _leading_json(text[head.end() :])
+            if found is None or not isinstance(found[0], dict):
+                break
+            calls.append((head.group(1), _dump(found[0])))
+            at = head.end() + found[1]
+            at += len(text[at:]) - len(text[at:].lstrip())
+        # Before the end, what follows the calls may still become one.
+        return ToolParse(text[:i] + text[at:] if final else text[:i], calls)
 
 
 class GraniteToolParser(MarkerToolParser):
