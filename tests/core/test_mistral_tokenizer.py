@@ -188,3 +188,19 @@ def test_the_server_keeps_the_marker_only_for_the_tool_parser(client, llm):
         reply = client.post("/v1/chat/completions", json={**body, **extra})
         assert reply.status_code == 200, reply.text
         assert reply.json()["choices"][0]["message"]["content"] == content  # an unfinished call is content
+
+
+def test_a_tool_round_trip_with_the_parsers_ids_encodes(client, llm):
+    call_id = mistral_tool_parser()(None, TOOLS).new_call_id()
+    call = {"id": call_id, "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call_id, "content": '{"sky": "clear"}'},
+    ]
+    ids = client.post("/tokenize", json={"messages": messages, "tools": TOOLS}).json()["tokens"]
+    tok = llm.get_tokenizer()
+    assert ids == tok.apply_chat_template(messages, tools=TOOLS, tokenize=True, return_dict=False)
+    assert {tok.convert_tokens_to_ids(t) for t in ("[TOOL_CALLS]", "[TOOL_RESULTS]")} <= set(ids)
+    reply = client.post("/v1/chat/completions", json={"messages": messages, "tools": TOOLS, "max_tokens": 2})
+    assert reply.status_code == 200, reply.text

@@ -174,3 +174,10 @@ def test_reasoning_parser(name, case, token_pieces):
                 got[0] += delta.reasoning_content or ""
                 got[1] += delta.content or ""
         assert got == [reasoning, content]
+
+
+def test_mistral_call_ids_are_what_mistral_conversations_accept():
+    cls = load("tool_parsers", "mistral")
+    calls = cls(None, TOOLS).extract_tool_calls("[TOOL_CALLS]" + as_list([PARIS, TIME])).tool_calls
+    assert len(calls) == 2 and calls[0].id != calls[1].id
+    assert all(len(c.id) == 9 and c.id.isalnum() and c.id.isascii() for c in calls)

@@ -116,10 +116,15 @@ class ToolParser(ABC):
         ``final=True`` unparseable markup is content. The content of a non-final parse
         must be a prefix of the content of any later parse."""
 
+    def new_call_id(self) -> str:
+        """The id of a call found (``tool_calls[].id``): override where the model's chat format
+        constrains the ids that clients send back (Mistral's: 9 letters and digits)."""
+        return new_call_id()
+
     def extract_tool_calls(self, text: str) -> ExtractedToolCalls:
         """The whole output at once."""
         parsed = self.parse(text, final=True)
-        calls = [ToolCall(name, args) for name, args in parsed.calls]
+        calls = [ToolCall(name, args, self.new_call_id()) for name, args in parsed.calls]
         return ExtractedToolCalls(parsed.content or None, calls)
 
     def extract_streaming(self, delta_text: str, delta_token_ids: list[int] | None = None) -> DeltaMessage | None:
@@ -137,7 +142,7 @@ class ToolParser(ABC):
             delta.content = parsed.content[self._sent_content :]
             self._sent_content = len(parsed.content)
         for name, args in parsed.calls[len(self._sent_calls) :]:
-            call = ToolCall(name, args)
+            call = ToolCall(name, args, self.new_call_id())
             delta.tool_calls.append(ToolCallDelta(len(self._sent_calls), call.id, name, args))
             self._sent_calls.append(call)
         return delta or None

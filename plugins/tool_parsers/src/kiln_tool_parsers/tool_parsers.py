@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import ast
 import json
+import random
 import re
+import string
 from typing import Any
 
 from kiln.interfaces.parsers import ToolParse, ToolParser, partial_marker_suffix
@@ -183,6 +185,10 @@ class MistralToolParser(MarkerToolParser):
     @classmethod
     def markup(cls) -> tuple[str, ...]:
         return cls.marker, "[ARGS]", "[CALL_ID]"
+
+    def new_call_id(self) -> str:
+        # Mistral's templates and mistral_common refuse a conversation whose ids are not 9 of these.
+        return "".join(random.choices(string.ascii_letters + string.digits, k=9))
 
     def parse(self, text: str, final: bool) -> ToolParse:
         i = text.find(self.marker)
