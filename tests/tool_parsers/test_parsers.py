@@ -106,6 +106,11 @@ REASONING = {
         ("no thinking at all", "", "no thinking at all"),
         ("opened by the template</think>done", "opened by the template", "done"),
     ],
+    "mistral": [
+        ("[THINK]Compare 9.11 and 9.9.[/THINK]9.9 is larger.", "Compare 9.11 and 9.9.", "9.9 is larger."),
+        ("Straight to the answer.", "", "Straight to the answer."),
+        ("[THINK]cut short", "cut short", ""),
+    ],
     "granite": [
         ("Here is my thought process: think hard. Here is my response: 42", "think hard. ", "42"),
         ("Just an answer.", "", "Just an answer."),

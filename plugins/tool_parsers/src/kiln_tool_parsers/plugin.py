@@ -19,6 +19,7 @@ _TOOL_PARSERS = {
 _REASONING_PARSERS = {
     "deepseek_r1": "DeepSeekR1ReasoningParser",
     "qwen3": "Qwen3ReasoningParser",
+    "mistral": "MistralReasoningParser",
     "granite": "GraniteReasoningParser",
 }
 

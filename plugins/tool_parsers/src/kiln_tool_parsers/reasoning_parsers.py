@@ -1,4 +1,5 @@
-"""Reasoning formats: ``<think>...</think>`` (DeepSeek-R1, Qwen3) and Granite's plain-text markers."""
+"""Reasoning formats: ``<think>...</think>`` (DeepSeek-R1, Qwen3), ``[THINK]...[/THINK]`` (Magistral)
+and Granite's plain-text markers."""
 
 from __future__ import annotations
 
@@ -44,6 +45,14 @@ class DeepSeekR1ReasoningParser(ThinkReasoningParser):
 
 
 class Qwen3ReasoningParser(ThinkReasoningParser):
+    implicit_start = False
+
+
+class MistralReasoningParser(ThinkReasoningParser):
+    """Magistral: ``[THINK]`` and ``[/THINK]``, control tokens of its tekken tokenizer; an output
+    without them is all answer."""
+
+    start, end = "[THINK]", "[/THINK]"
     implicit_start = False
 
 
