@@ -204,3 +204,31 @@ def test_a_tool_round_trip_with_the_parsers_ids_encodes(client, llm):
     assert {tok.convert_tokens_to_ids(t) for t in ("[TOOL_CALLS]", "[TOOL_RESULTS]")} <= set(ids)
     reply = client.post("/v1/chat/completions", json={"messages": messages, "tools": TOOLS, "max_tokens": 2})
     assert reply.status_code == 200, reply.text
+
+
+def test_reasoning_tokens_count_special_markers_as_the_text_shows_them(tiny_model_dir):
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from kiln.engine.detokenizer import detokenized
+    from kiln.entrypoints.openai.serving_chat import ChatServing
+    from kiln.entrypoints.openai.tool_calling import ToolSetup
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir("llama"))
+    tok.add_special_tokens({"additional_special_tokens": ["[THINK]", "[/THINK]"]})  # as Magistral's tekken has them
+    parser = load_ref(get_plugin_manager().registry.table("reasoning_parsers")["mistral"])
+    think, end = tok.convert_tokens_to_ids(["[THINK]", "[/THINK]"])
+    ids = [
+        think,
+        *tok.encode("plan it", add_special_tokens=False),
+        end,
+        *tok.encode("answer", add_special_tokens=False),
+    ]
+    setup = ToolSetup(make_reasoning_parser=parser, markup=parser.markup())
+    params = SamplingParams()
+    params._kept_special_ids = markup_token_ids(tok, setup.markup)
+    text = detokenized(tok, ids, params)
+    assert parser().extract_reasoning(text) == ("plan it", "answer")
+    count = ChatServing.reasoning_tokens(SimpleNamespace(tokenizer=tok), setup, [(text, ids)], True)
+    assert count == ids.index(end) + 1

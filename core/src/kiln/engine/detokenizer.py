@@ -99,3 +99,10 @@ class IncrementalDetokenizer:
         if finished or self.include_stop or not self.max_stop_len:
             return self.text
         return self.text[: max(0, len(self.text) - self.max_stop_len + 1)]
+
+
+def detokenized(tokenizer, token_ids: list[int], params: SamplingParams) -> str:
+    """The text ``IncrementalDetokenizer`` makes of output ``token_ids`` (no prompt before them)."""
+    detokenizer = IncrementalDetokenizer(tokenizer, [], params)
+    detokenizer.update(token_ids, check_stop=False)
+    return detokenizer.text

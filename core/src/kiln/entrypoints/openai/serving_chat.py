@@ -9,6 +9,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from kiln.engine.async_engine import EngineDeadError, RequestStream
+from kiln.engine.detokenizer import detokenized
 from kiln.engine.tokenizer import markup_token_ids
 from kiln.entrypoints.openai.chat_utils import (
     detect_content_format,
@@ -117,13 +118,15 @@ class ChatServing(OpenAIServing):
         if setup.make_reasoning_parser is None:
             return None
         total = 0
+        shown = SamplingParams(skip_special_tokens=skip_special_tokens)
+        shown._kept_special_ids = markup_token_ids(self.tokenizer, setup.markup)  # as the output's text has them
         for text, ids in outputs:
             _, answer = setup.make_reasoning_parser().extract_reasoning(text)
             reach = len(text) - len(answer or "")
             lo, hi = 0, len(ids)
             while lo < hi:  # decoded prefixes only grow: bisect for the first that reaches the answer
                 mid = (lo + hi) // 2
-                if len(self.tokenizer.decode(ids[:mid], skip_special_tokens=skip_special_tokens)) >= reach:
+                if len(detokenized(self.tokenizer, ids[:mid], shown)) >= reach:
                     hi = mid
                 else:
                     lo = mid + 1
