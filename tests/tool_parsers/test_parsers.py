@@ -33,6 +33,18 @@ def qwen3_coder(name, args):
     return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>"
 
 
+def deepseek_v3(calls):
+    body = "".join(
+        f"<｜tool▁call▁begin｜>function<｜tool▁sep｜>{n}\n```json\n{j(a)}\n```<｜tool▁call▁end｜>" for n, a in calls
+    )
+    return f"<｜tool▁calls▁begin｜>{body}<｜tool▁calls▁end｜>"
+
+
+def deepseek_v31(calls):
+    body = "".join(f"<｜tool▁call▁begin｜>{n}<｜tool▁sep｜>{j(a)}<｜tool▁call▁end｜>" for n, a in calls)
+    return f"<｜tool▁calls▁begin｜>{body}<｜tool▁calls▁end｜>"
+
+
 def as_list(calls, key="arguments"):
     return j([{"name": n, key: a} for n, a in calls])
 
@@ -65,6 +77,18 @@ CASES = {
         ("[TOOL_CALLS]get_time[ARGS]{}[TOOL_CALLS]get_weather[ARGS]{\"city\": ", "[TOOL_CALLS]get_weather[ARGS]{\"city\": ",
          [TIME]),
         ("[TOOL_CALLS]get_weather{\"city\": \"Paris\"}", "[TOOL_CALLS]get_weather{\"city\": \"Paris\"}", []),
+    ],
+    "deepseek_v3": [
+        (deepseek_v3([PARIS]), "", [PARIS]),
+        ("Checking.\n\n" + deepseek_v3([NESTED, TIME]), "Checking.\n\n", [NESTED, TIME]),
+        (deepseek_v31([PARIS]), deepseek_v31([PARIS]), []),  # the other format is not this one
+        ("No call: <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n{",
+         "No call: <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n{", []),
+    ],
+    "deepseek_v31": [
+        (deepseek_v31([PARIS]), "", [PARIS]),
+        ("Let me look.\n" + deepseek_v31([NESTED, TIME]), "Let me look.\n", [NESTED, TIME]),
+        (deepseek_v3([TIME]), deepseek_v3([TIME]), []),
     ],
     "pythonic": [
         ('[get_weather(city="Paris", days=3)]', "", [PARIS]),

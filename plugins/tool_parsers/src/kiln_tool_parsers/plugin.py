@@ -15,6 +15,8 @@ _TOOL_PARSERS = {
     "granite": "GraniteToolParser",
     "jamba": "JambaToolParser",
     "qwen3_coder": "Qwen3CoderToolParser",
+    "deepseek_v3": "DeepSeekV3ToolParser",
+    "deepseek_v31": "DeepSeekV31ToolParser",
 }
 _REASONING_PARSERS = {
     "deepseek_r1": "DeepSeekR1ReasoningParser",

@@ -104,6 +104,46 @@ class InternLMToolParser(TaggedToolParser):
     end = "<|action_end|>"
 
 
+class DeepSeekV3ToolParser(TaggedToolParser):
+    """DeepSeek-V3 / R1-0528: inside ``<｜tool▁calls▁begin｜>`` ... ``<｜tool▁calls▁end｜>``, each call as
+    ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME`` then its arguments in a fenced JSON block
+    and ``<｜tool▁call▁end｜>``."""
+
+    start, end = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+    call_start, call_end, sep = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+
+    @classmethod
+    def markup(cls) -> tuple[str, ...]:
+        return cls.start, cls.end, cls.call_start, cls.call_end, cls.sep
+
+    def parse_call(self, call: str) -> tuple[str, str] | None:
+        kind, sep, rest = call.partition(self.sep)
+        name, newline, block = rest.partition("\n")
+        block = block.strip()
+        if kind.strip() != "function" or not sep or not name.strip() or not newline or not block.startswith("```"):
+            return None
+        args = block.removeprefix("```").removeprefix("json").removesuffix("```")
+        return call_from_json({"name": name.strip(), "arguments": args.strip()})
+
+    def parse_body(self, body: str) -> list[tuple[str, str]] | None:
+        calls, rest = [], body.strip()
+        while rest:
+            if not rest.startswith(self.call_start) or self.call_end not in rest:
+                return None
+            call, _, rest = rest[len(self.call_start) :].partition(self.call_end)
+            calls.append(self.parse_call(call))
+            rest = rest.strip()
+        return calls if calls and None not in calls else None
+
+
+class DeepSeekV31ToolParser(DeepSeekV3ToolParser):
+    """DeepSeek-V3.1: as V3, each call ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>``."""
+
+    def parse_call(self, call: str) -> tuple[str, str] | None:
+        name, sep, args = call.partition(self.sep)
+        return call_from_json({"name": name.strip(), "arguments": args.strip()}) if sep and name.strip() else None
+
+
 class JambaToolParser(TaggedToolParser):
     """Jamba: ``<tool_calls>[{"name": ..., "arguments": {...}}, ...]</tool_calls>``."""
 
