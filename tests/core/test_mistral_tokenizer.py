@@ -232,3 +232,11 @@ def test_reasoning_tokens_count_special_markers_as_the_text_shows_them(tiny_mode
     assert parser().extract_reasoning(text) == ("plan it", "answer")
     count = ChatServing.reasoning_tokens(SimpleNamespace(tokenizer=tok), setup, [(text, ids)], True)
     assert count == ids.index(end) + 1
+
+
+def test_a_chat_template_flag_fails_at_start_up(model_dir):
+    from kiln.entrypoints.openai.api_server import run_server
+
+    args = serve_args([model_dir, "--tokenizer-mode", "mistral", "--chat-template", "{{ messages }}"])
+    with pytest.raises(ValueError, match="--chat-template: the model's mistral_common tokenizer"):
+        run_server(args)

@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import kiln
 from kiln.engine.async_engine import AsyncEngine
 from kiln.engine.llm_engine import LLMEngine
+from kiln.engine.tokenizer import is_mistral
 from kiln.entrypoints.openai.chat_utils import resolve_chat_template
 from kiln.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from kiln.entrypoints.openai.middleware import APIKeyMiddleware, BodyLimitMiddleware, RequestIdMiddleware
@@ -289,6 +290,11 @@ def run_server(args: argparse.Namespace) -> int:
     if args.lora_modules and not config.enable_lora:
         raise ValueError("--lora-modules: needs --enable-lora")
     llm = LLMEngine(config)
+    if args.chat_template is not None and is_mistral(llm.model_info.tokenizer):
+        raise ValueError(
+            "--chat-template: the model's mistral_common tokenizer (--tokenizer-mode mistral) encodes conversations "
+            "itself, with no template"
+        )
     _warm_up(llm)
     options = ServerOptions(
         tool_parser=tool_parser,
