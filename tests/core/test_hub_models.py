@@ -4,6 +4,7 @@ own revision, and offline errors that say what was looked for."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -102,3 +103,52 @@ def test_modelscope_serves_its_cached_snapshot(monkeypatch, modelscope_cache, ti
         ValueError, match=r"'kiln-test/tiny-llama' .* ModelScope cache .* revision 'v9'.*HF_HUB_OFFLINE"
     ):
         LLM(REPO, revision="v9")
+
+
+# A Mistral repo's listing (as Mistral-7B-Instruct-v0.3 lays it out): the weights twice, as
+# Hugging Face shards with their index and in Mistral's own consolidated file.
+MISTRAL_REPO = [
+    "config.json", "generation_config.json", "params.json", "tokenizer.json", "tokenizer.model.v3",
+    "tokenizer_config.json", "model.safetensors.index.json", "model-00001-of-00002.safetensors",
+    "model-00002-of-00002.safetensors", "consolidated.safetensors",
+]  # fmt: skip
+
+
+def test_a_download_fetches_one_copy_of_the_weights(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    from kiln.models import loader
+
+    snapshot = tmp_path / "snapshot"
+    snapshot.mkdir()
+    shards = {"a.weight": "model-00001-of-00002.safetensors", "b.weight": "model-00002-of-00002.safetensors"}
+    (snapshot / "model.safetensors.index.json").write_text(json.dumps({"weight_map": shards}))
+    assert loader.hub_weights(MISTRAL_REPO, str(snapshot)) == sorted(shards.values())
+    no_index = [f for f in MISTRAL_REPO if "index" not in f and not f.startswith("model-")]
+    assert loader.hub_weights([*no_index, "model.safetensors"], str(tmp_path)) == ["model.safetensors"]
+    assert loader.hub_weights(no_index, str(tmp_path)) == ["consolidated.safetensors"]  # the only copy
+    meta = ["config.json", "pytorch_model.bin", "training_args.bin", "original/consolidated.00.pth"]
+    assert loader.hub_weights(meta, str(tmp_path)) == ["pytorch_model.bin"]
+
+    # The download itself: the small files first, then the shards the index names, nothing else.
+    calls = []
+
+    def snapshot_download(repo_id, revision=None, cache_dir=None, allow_patterns=()):
+        calls.append(list(allow_patterns))
+        return str(snapshot)
+
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_files", lambda self, repo_id, revision=None: MISTRAL_REPO)
+    assert loader.hub_snapshot("mistralai/Mistral-7B-Instruct-v0.3", None, None) == str(snapshot)
+    assert calls == [loader.HUB_FILES, [*loader.HUB_FILES, *sorted(shards.values())]]
+
+
+def test_a_folder_with_both_layouts_loads_the_hugging_face_one(tmp_path, tiny_model_dir):
+    from kiln.models.loader import weight_files
+
+    folder = tmp_path / "both"
+    shutil.copytree(tiny_model_dir("llama"), folder)
+    shutil.copy(folder / "model.safetensors", folder / "consolidated.safetensors")
+    assert weight_files(str(folder)) == ("safetensors", [str(folder / "model.safetensors")])

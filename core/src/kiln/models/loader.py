@@ -6,13 +6,15 @@ snapshot folder in its cache (``--download-dir``, else ``HF_HUB_CACHE``), downlo
 missing unless ``HF_HUB_OFFLINE`` is set; the token comes from the usual environment. With
 ``KILN_USE_MODELSCOPE=true`` (the usual source on Ascend clusters in China) it resolves through
 ModelScope's client and cache instead (``--download-dir``, else ``MODELSCOPE_CACHE``), offline
-under ``HF_HUB_OFFLINE`` too.
+under ``HF_HUB_OFFLINE`` too. A download fetches one copy of the weights (``hub_weights``): a
+repo may also hold them in Mistral's ``consolidated.safetensors`` or under ``original/``.
 
 A folder's weights (``weight_files``) are ``*.safetensors`` or PyTorch ``*.bin`` files
 (``--load-format safetensors|pt``; ``auto`` prefers safetensors), sharded or not: where an
 index file (``model.safetensors.index.json``, ``pytorch_model.bin.index.json``) names the
-shards, every one must be there. ``.bin`` files load with ``weights_only=True``: tensors,
-never arbitrary pickled objects.
+shards, every one must be there; without one, a Mistral ``consolidated*`` file beside other
+weight files is left out (the same weights in Mistral's layout). ``.bin`` files load with
+``weights_only=True``: tensors, never arbitrary pickled objects.
 
 GGUF files (the embedded default among them) are dequantized once and cached as fp32
 Hugging Face folders under ``$KILN_CACHE_DIR/models`` (default ``~/.cache/kiln``), one per
@@ -31,6 +33,7 @@ import re
 import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -131,16 +134,37 @@ def hub_snapshot(repo_id: str, revision: str | None, download_dir: str | None, f
         if offline:  # the cached snapshot as it is
             return snapshot_download(repo_id, revision=revision, cache_dir=download_dir, local_files_only=True)
         files = HfApi().list_repo_files(repo_id, revision=revision)
-        weights = "*.safetensors" if any(f.endswith(".safetensors") for f in files) else "*.bin"  # not both
-        return snapshot_download(
-            repo_id, revision=revision, cache_dir=download_dir, allow_patterns=[*HUB_FILES, weights]
-        )
+        fetch = partial(snapshot_download, repo_id, revision=revision, cache_dir=download_dir)
+        return fetch(allow_patterns=[*HUB_FILES, *hub_weights(files, fetch(allow_patterns=HUB_FILES))])
     except Exception as exc:  # noqa: BLE001 (the hub's many failures become one start-up error)
         how = "HF_HUB_OFFLINE is set, so nothing was downloaded" if offline else f"the download failed ({exc})"
         raise ValueError(
             f"{flag}: {repo_id!r} is not a local folder or file, and the Hugging Face cache {cache!r} has no "
             f"snapshot of it at revision {revision or 'main'!r}; {how}"
         ) from None
+
+
+def hub_weights(files: list[str], snapshot: str) -> list[str]:
+    """The weight files of a repo (``files``, its listing) to download, given ``snapshot``, a folder
+    holding its small files: the shards its index names, else its top-level files of one format
+    (safetensors first). A repo may hold the same weights twice, in Mistral's own layout
+    (``consolidated.safetensors``) or under ``original/`` (Meta's): only one copy is fetched."""
+    for index_name, pattern in WEIGHT_FORMATS.values():
+        index = os.path.join(snapshot, index_name)
+        if index_name in files and os.path.exists(index):
+            with open(index) as f:
+                return sorted(set(json.load(f)["weight_map"].values()))
+        suffix = pattern.removeprefix("*")
+        found = [f for f in files if "/" not in f and f.endswith(suffix) and f not in NOT_WEIGHTS]
+        if found:
+            return without_mistral_layout(found)
+    return []
+
+
+def without_mistral_layout(names: list[str]) -> list[str]:
+    """``names`` (weight file names) less Mistral's ``consolidated*`` files when others hold the weights."""
+    others = [n for n in names if not os.path.basename(n).startswith("consolidated")]
+    return others or names
 
 
 def modelscope_snapshot(repo_id: str, revision: str | None, download_dir: str | None, offline: bool, flag: str) -> str:
@@ -157,8 +181,8 @@ def modelscope_snapshot(repo_id: str, revision: str | None, download_dir: str | 
         if offline:
             return snapshot_download(repo_id, revision=revision, cache_dir=cache, local_files_only=True)
         files = [f["Path"] for f in HubApi().get_model_files(repo_id, revision=revision or "master", recursive=True)]
-        weights = "*.safetensors" if any(f.endswith(".safetensors") for f in files) else "*.bin"  # not both
-        return snapshot_download(repo_id, revision=revision, cache_dir=cache, allow_patterns=[*HUB_FILES, weights])
+        fetch = partial(snapshot_download, repo_id, revision=revision, cache_dir=cache)
+        return fetch(allow_patterns=[*HUB_FILES, *hub_weights(files, fetch(allow_patterns=HUB_FILES))])
     except Exception as exc:  # noqa: BLE001 (as for the Hugging Face Hub)
         how = "HF_HUB_OFFLINE is set, so nothing was downloaded" if offline else f"the download failed ({exc})"
         raise ValueError(
@@ -206,7 +230,7 @@ def weight_files(path: str, load_format: str = "auto") -> tuple[str, list[str]]:
             f for f in glob.glob(os.path.join(glob.escape(path), pattern)) if os.path.basename(f) not in NOT_WEIGHTS
         )
         if files:
-            return fmt, files
+            return fmt, without_mistral_layout(files)
     wanted = " or ".join(WEIGHT_FORMATS[fmt][1] for fmt in formats)
     raise ValueError(f"model: no {wanted} weights in {path!r} (use --load-format dummy for random weights)")
 
