@@ -20,9 +20,10 @@ from kiln.config import EngineConfig
 from kiln.engine.async_engine import AsyncEngine
 from kiln.engine.detokenizer import DecodeWindow, IncrementalDetokenizer
 from kiln.engine.llm_engine import LLMEngine
-from kiln.engine.tokenizer import is_mistral, load_tokenizer, markup_token_ids
+from kiln.engine.tokenizer import load_tokenizer, markup_token_ids
 from kiln.entrypoints.openai.api_server import build_app
 from kiln.entrypoints.openai.serving import ServerOptions
+from kiln.interfaces.tokenizer import is_mistral
 from kiln.plugins import get_plugin_manager
 from kiln.registry import load_ref
 from kiln.testing.models import hf_greedy

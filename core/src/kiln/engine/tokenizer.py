@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 from functools import lru_cache
 
+from kiln.interfaces.tokenizer import is_mistral
+
 MISTRAL_FILE = "tekken.json"
 # Any of these makes a folder's tokenizer a Hugging Face one.
 HF_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -44,11 +46,6 @@ def load_tokenizer(path: str, mode: str, trust_remote_code: bool = False):
             ) from None
         return AutoTokenizer.from_pretrained(path, mistral_format=True)
     return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-
-
-def is_mistral(tokenizer) -> bool:
-    """Whether ``tokenizer`` is mistral_common's (through transformers' ``MistralCommonBackend``)."""
-    return type(tokenizer).__name__ == "MistralCommonBackend"
 
 
 def special_ids(tokenizer) -> set[int]:

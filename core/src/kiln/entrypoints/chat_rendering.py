@@ -18,8 +18,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from kiln.engine.tokenizer import is_mistral
 from kiln.entrypoints.chat_template_sandbox import DEFAULT_LIMITS, ChatTemplateError, RenderLimits, render_template
+from kiln.interfaces.tokenizer import is_mistral
 
 # The names messages' reasoning goes by; templates read the first.
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")

@@ -9,7 +9,6 @@ import re
 import torch
 import xgrammar as xgr
 
-from kiln.engine.tokenizer import is_mistral
 from kiln.interfaces.guided import (
     CompiledGuide,
     GuidedBackend,
@@ -17,6 +16,7 @@ from kiln.interfaces.guided import (
     GuideMatcher,
     UnsupportedConstraint,
 )
+from kiln.interfaces.tokenizer import is_mistral
 
 # xgrammar prefixes its messages with "[time] file.cc:line: ".
 _LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")

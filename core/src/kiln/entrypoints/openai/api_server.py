@@ -24,7 +24,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import kiln
 from kiln.engine.async_engine import AsyncEngine
 from kiln.engine.llm_engine import LLMEngine
-from kiln.engine.tokenizer import is_mistral
 from kiln.entrypoints.openai.chat_utils import resolve_chat_template
 from kiln.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from kiln.entrypoints.openai.middleware import APIKeyMiddleware, BodyLimitMiddleware, RequestIdMiddleware
@@ -48,6 +47,7 @@ from kiln.entrypoints.openai.structured_outputs import structured_outputs_constr
 from kiln.entrypoints.openai.tls import CertRefresher, check_tls_args
 from kiln.entrypoints.openai.validation import ValidatedJSONRoute, check_generation_overrides
 from kiln.envs import env_number
+from kiln.interfaces.tokenizer import is_mistral
 from kiln.pooling_params import PoolingParams
 from kiln.registry import load_ref
 from kiln.sampling_params import REQUEST_FIELDS, RequestOutputKind, SamplingParams

@@ -16,7 +16,6 @@ from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 
 from kiln.engine.pooling import encode_text, truncation_limit
-from kiln.engine.tokenizer import is_mistral
 from kiln.entrypoints.openai.protocol import APIError
 from kiln.entrypoints.openai.protocol_pooling import (
     ClassificationRequest,
@@ -27,6 +26,7 @@ from kiln.entrypoints.openai.protocol_pooling import (
 )
 from kiln.entrypoints.openai.serving import OpenAIServing, Prompt, error_message, new_id, now
 from kiln.entrypoints.scoring import ScorePlan, pair_up
+from kiln.interfaces.tokenizer import is_mistral
 from kiln.pooling_params import PoolingParams
 
 if TYPE_CHECKING:
