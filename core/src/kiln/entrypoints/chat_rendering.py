@@ -117,18 +117,17 @@ def mistral_chat_ids(
     template: str | None = None,
     *,
     tools: list[Any] | None = None,
-    documents: list[Mapping[str, Any]] | None = None,
-    add_generation_prompt: bool = False,
     continue_final_message: bool = False,
+    documents: list[Mapping[str, Any]] | None = None,
     variables: Mapping[str, Any] | None = None,
-    limits: RenderLimits = DEFAULT_LIMITS,
+    **template_only: Any,
 ) -> list[int]:
     """The conversation's token ids as mistral_common's instruct request encodes it (through
-    transformers' ``MistralCommonBackend``): a last user or tool message always ends in the
-    turn's closing ``[/INST]``, so ``add_generation_prompt`` changes nothing; a template, extra
-    template variables and documents have nowhere to go and are refused. Raises
+    transformers' ``MistralCommonBackend``). ``render_chat_template``'s other options do nothing
+    here (``template_only``): a last user or tool message always ends in the turn's closing
+    ``[/INST]`` (``add_generation_prompt``), and no template renders (``limits``); a template,
+    extra template variables and documents have nowhere to go and are refused. Raises
     :class:`ChatTemplateError` with mistral_common's reason for a conversation it refuses."""
-    del add_generation_prompt, limits  # see above; no template renders
     for given, param in ((template, "chat_template"), (variables, "chat_template_kwargs"), (documents, "documents")):
         if given:
             raise ChatTemplateError(
@@ -142,15 +141,14 @@ def mistral_chat_ids(
 
     conversation = [_plain({k: v for k, v in m.items() if v is not None}) for m in messages]
     try:
-        return list(
-            tokenizer.apply_chat_template(
-                conversation,
-                tools=_plain(_tool_schemas(tools)),
-                continue_final_message=continue_final_message,
-                tokenize=True,
-                return_dict=False,
-            )  # fmt: skip
+        ids = tokenizer.apply_chat_template(
+            conversation,
+            tools=_plain(_tool_schemas(tools)),
+            continue_final_message=continue_final_message,
+            tokenize=True,
+            return_dict=False,
         )
+        return list(ids)
     except (MistralCommonException, ValueError, TypeError, KeyError) as exc:  # its validation (pydantic's too)
         raise ChatTemplateError(f"mistral_common refused the conversation: {exc}", param="messages") from None
 
