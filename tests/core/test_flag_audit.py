@@ -98,3 +98,14 @@ def test_null_generation_defaults_are_no_defaults(tmp_path):
 
     (tmp_path / "generation_config.json").write_text('{"temperature": null, "top_p": 0.9, "eos_token_id": 2}')
     assert load_generation_defaults(str(tmp_path), "auto") == {"top_p": 0.9, "eos_token_ids": [2]}
+
+
+def test_underscored_flags_read_as_vllm_reads_them():
+    from kiln.cli import build_parser, dashed
+
+    argv = ["serve", "org/my_model", "--tokenizer_mode", "mistral", "--max_model_len=128", "--", "--keep_this"]
+    assert dashed(argv) == ["serve", "org/my_model", "--tokenizer-mode", "mistral", "--max-model-len=128", "--",
+                            "--keep_this"]  # fmt: skip
+    argv = dashed(["serve", "org/my_model", "--tokenizer_mode", "mistral", "--max_model_len=128"])
+    ns = build_parser(argv).parse_args(argv)
+    assert (ns.model_tag, ns.tokenizer_mode, ns.max_model_len) == ("org/my_model", "mistral", 128)

@@ -150,8 +150,22 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def dashed(argv: list[str]) -> list[str]:
+    """``--long_flag`` spelled ``--long-flag``, as vLLM reads it (models' cards write
+    ``--tokenizer_mode mistral``); values, and anything after ``--``, stay as they are."""
+    out = []
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            return out + argv[i:]
+        if arg.startswith("--"):
+            flag, eq, value = arg.partition("=")
+            arg = flag.replace("_", "-") + eq + value
+        out.append(arg)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    argv = dashed(sys.argv[1:] if argv is None else argv)
     parser = build_parser(argv)
     ns = parser.parse_args(argv)
     level = ns.log_level or ("INFO" if ns.command == "serve" else "WARNING")
