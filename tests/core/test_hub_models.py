@@ -124,6 +124,7 @@ def test_a_download_fetches_one_copy_of_the_weights(tmp_path, monkeypatch):
     shards = {"a.weight": "model-00001-of-00002.safetensors", "b.weight": "model-00002-of-00002.safetensors"}
     (snapshot / "model.safetensors.index.json").write_text(json.dumps({"weight_map": shards}))
     assert loader.hub_weights(MISTRAL_REPO, str(snapshot)) == sorted(shards.values())
+    assert loader.hub_weights(MISTRAL_REPO, str(snapshot), "mistral") == ["consolidated.safetensors"]
     no_index = [f for f in MISTRAL_REPO if "index" not in f and not f.startswith("model-")]
     assert loader.hub_weights([*no_index, "model.safetensors"], str(tmp_path)) == ["model.safetensors"]
     assert loader.hub_weights(no_index, str(tmp_path)) == ["consolidated.safetensors"]  # the only copy

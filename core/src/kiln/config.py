@@ -59,7 +59,14 @@ class EngineConfig(SpeculativeFlags):
     )
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     preemption_mode: Literal["recompute"] | None = None
-    load_format: Literal["auto", "safetensors", "pt", "gguf", "dummy"] = "auto"
+    load_format: Literal["auto", "safetensors", "pt", "gguf", "mistral", "dummy"] = Field(
+        "auto",
+        description="auto: a folder's safetensors, else .bin (or a .gguf file's); mistral: Mistral's "
+        "consolidated*.safetensors; dummy: random weights",
+    )
+    config_format: Literal["auto", "hf", "mistral"] = Field(
+        "auto", description="auto: config.json, else Mistral's params.json; hf: config.json; mistral: params.json"
+    )
     max_parallel_loading_workers: int | None = Field(
         None, ge=1, description="tensor-parallel ranks that read the checkpoint at once (the others wait their turn)"
     )

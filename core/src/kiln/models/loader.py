@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from kiln.models import mistral_format
 from kiln.models.gguf_cache import convert_gguf
 from kiln.models.rope import rope_settings
 
@@ -85,15 +86,17 @@ def resolve_model(
     path = model or default_model_path()
     name = model or DEFAULT_MODEL_NAME
     if not os.path.exists(path) and REPO_ID.fullmatch(path):
-        path = hub_snapshot(path, revision, download_dir)
+        path = hub_snapshot(path, revision, download_dir, load_format=load_format)
     if not os.path.exists(path):
         raise ValueError(f"model: {path!r} does not exist (expected a Hugging Face folder or a .gguf file)")
     if os.path.isfile(path):
         if not is_gguf_file(path, load_format):
             raise ValueError(f"model: {path!r} is a file but not a .gguf file")
         return ModelFiles(convert_gguf(path, cache_dir() / "models"), name)
-    if not os.path.exists(os.path.join(path, "config.json")):
-        raise ValueError(f"model: {path!r} has no config.json; is it a Hugging Face model folder?")
+    if not os.path.exists(os.path.join(path, "config.json")) and not os.path.exists(
+        os.path.join(path, mistral_format.PARAMS)
+    ):
+        raise ValueError(f"model: {path!r} has no config.json (nor Mistral's params.json); is it a model folder?")
     if load_format != "dummy":
         weight_files(path, load_format)  # fail at start-up, naming what is missing
     return ModelFiles(path, name)
@@ -121,21 +124,23 @@ def resolve_tokenizer(
     raise ValueError(f"--tokenizer: {source!r} does not exist (expected a folder or a Hub repo id)")
 
 
-def hub_snapshot(repo_id: str, revision: str | None, download_dir: str | None, flag: str = "model") -> str:
+def hub_snapshot(
+    repo_id: str, revision: str | None, download_dir: str | None, flag: str = "model", load_format: str = "auto"
+) -> str:
     """The local snapshot folder of a Hub model repo, downloaded unless ``HF_HUB_OFFLINE`` is set;
     ``ValueError`` (naming ``flag``) says what was looked for and where."""
     from huggingface_hub import HfApi, constants, snapshot_download
 
     offline = constants.HF_HUB_OFFLINE or _flag_set("HF_HUB_OFFLINE")
     if _flag_set("KILN_USE_MODELSCOPE"):
-        return modelscope_snapshot(repo_id, revision, download_dir, offline, flag)
+        return modelscope_snapshot(repo_id, revision, download_dir, offline, flag, load_format)
     cache = download_dir or constants.HF_HUB_CACHE
     try:
         if offline:  # the cached snapshot as it is
             return snapshot_download(repo_id, revision=revision, cache_dir=download_dir, local_files_only=True)
         files = HfApi().list_repo_files(repo_id, revision=revision)
         fetch = partial(snapshot_download, repo_id, revision=revision, cache_dir=download_dir)
-        return fetch(allow_patterns=[*HUB_FILES, *hub_weights(files, fetch(allow_patterns=HUB_FILES))])
+        return fetch(allow_patterns=[*HUB_FILES, *hub_weights(files, fetch(allow_patterns=HUB_FILES), load_format)])
     except Exception as exc:  # noqa: BLE001 (the hub's many failures become one start-up error)
         how = "HF_HUB_OFFLINE is set, so nothing was downloaded" if offline else f"the download failed ({exc})"
         raise ValueError(
@@ -144,12 +149,15 @@ def hub_snapshot(repo_id: str, revision: str | None, download_dir: str | None, f
         ) from None
 
 
-def hub_weights(files: list[str], snapshot: str) -> list[str]:
+def hub_weights(files: list[str], snapshot: str, load_format: str = "auto") -> list[str]:
     """The weight files of a repo (``files``, its listing) to download, given ``snapshot``, a folder
     holding its small files: the shards its index names, else its top-level files of one format
-    (safetensors first). A repo may hold the same weights twice, in Mistral's own layout
-    (``consolidated.safetensors``) or under ``original/`` (Meta's): only one copy is fetched."""
-    for index_name, pattern in WEIGHT_FORMATS.values():
+    (safetensors first); with ``--load-format mistral``, Mistral's consolidated files. A repo may
+    hold the same weights twice, in Mistral's own layout (``consolidated.safetensors``) or under
+    ``original/`` (Meta's): only one copy is fetched."""
+    if load_format == "mistral":
+        return [f for f in files if "/" not in f and _consolidated(f) and f.endswith(".safetensors")]
+    for index_name, pattern in (WEIGHT_FORMATS["safetensors"], WEIGHT_FORMATS["pt"]):
         index = os.path.join(snapshot, index_name)
         if index_name in files and os.path.exists(index):
             with open(index) as f:
@@ -163,11 +171,13 @@ def hub_weights(files: list[str], snapshot: str) -> list[str]:
 
 def without_mistral_layout(names: list[str]) -> list[str]:
     """``names`` (weight file names) less Mistral's ``consolidated*`` files when others hold the weights."""
-    others = [n for n in names if not os.path.basename(n).startswith("consolidated")]
+    others = [n for n in names if not _consolidated(n)]
     return others or names
 
 
-def modelscope_snapshot(repo_id: str, revision: str | None, download_dir: str | None, offline: bool, flag: str) -> str:
+def modelscope_snapshot(
+    repo_id: str, revision: str | None, download_dir: str | None, offline: bool, flag: str, load_format: str
+) -> str:
     """``hub_snapshot`` through ModelScope's client and cache (its default revision: master)."""
     try:
         from modelscope import snapshot_download
@@ -182,7 +192,7 @@ def modelscope_snapshot(repo_id: str, revision: str | None, download_dir: str | 
             return snapshot_download(repo_id, revision=revision, cache_dir=cache, local_files_only=True)
         files = [f["Path"] for f in HubApi().get_model_files(repo_id, revision=revision or "master", recursive=True)]
         fetch = partial(snapshot_download, repo_id, revision=revision, cache_dir=cache)
-        return fetch(allow_patterns=[*HUB_FILES, *hub_weights(files, fetch(allow_patterns=HUB_FILES))])
+        return fetch(allow_patterns=[*HUB_FILES, *hub_weights(files, fetch(allow_patterns=HUB_FILES), load_format)])
     except Exception as exc:  # noqa: BLE001 (as for the Hugging Face Hub)
         how = "HF_HUB_OFFLINE is set, so nothing was downloaded" if offline else f"the download failed ({exc})"
         raise ValueError(
@@ -199,6 +209,7 @@ def _flag_set(name: str) -> bool:
 WEIGHT_FORMATS = {
     "safetensors": ("model.safetensors.index.json", "*.safetensors"),
     "pt": ("pytorch_model.bin.index.json", "*.bin"),
+    "mistral": (None, "consolidated*.safetensors"),  # Mistral's own layout (kiln.models.mistral_format)
 }
 
 
@@ -214,8 +225,8 @@ def weight_files(path: str, load_format: str = "auto") -> tuple[str, list[str]]:
     formats = ["safetensors", "pt"] if load_format == "auto" else [load_format]
     for fmt in formats:
         index_name, pattern = WEIGHT_FORMATS[fmt]
-        index = os.path.join(path, index_name)
-        if os.path.exists(index):
+        index = os.path.join(path, index_name or "")
+        if index_name and os.path.exists(index):
             with open(index) as f:
                 shards = sorted(set(json.load(f)["weight_map"].values()))
             root = os.path.realpath(path)
@@ -240,7 +251,10 @@ def load_hf_config(path: str, config) -> Any:
     (nested objects update sub-configs), then ``--rope-scaling`` and ``--rope-theta``."""
     from transformers import AutoConfig
 
-    hf_config = AutoConfig.from_pretrained(path, trust_remote_code=config.trust_remote_code)
+    if mistral_format.is_mistral_layout(path, config.config_format):
+        hf_config = mistral_format.hf_config(path)
+    else:
+        hf_config = AutoConfig.from_pretrained(path, trust_remote_code=config.trust_remote_code)
     model_theta, _ = rope_settings(hf_config)
     _override(hf_config, config.hf_overrides or {})
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
@@ -281,7 +295,13 @@ def iter_weights(path: str, load_format: str = "auto", progress: bool = False) -
 
     fmt, files = weight_files(path, load_format)
     for file in tqdm(files, desc=f"Loading {fmt} shards", unit="shard", disable=not progress or len(files) < 2):
-        yield from read_weight_file(file)
+        weights = read_weight_file(file)
+        # Mistral's names and rotary layout: chosen by --load-format mistral, or by auto as the only copy
+        yield from mistral_format.hf_weights(path, weights) if _consolidated(file) else weights
+
+
+def _consolidated(file: str) -> bool:
+    return os.path.basename(file).startswith("consolidated")
 
 
 def read_weight_file(file: str) -> Iterator[tuple[str, torch.Tensor]]:

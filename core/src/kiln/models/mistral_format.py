@@ -1,0 +1,129 @@
+"""Mistral's own checkpoint layout: ``params.json`` and ``consolidated*.safetensors``, as Mistral's
+model cards serve them (``--tokenizer-mode mistral --config-format mistral --load-format mistral``).
+
+``params.json`` becomes the Hugging Face config transformers' conversion script would write
+(a ``MistralConfig``, or a ``MixtralConfig`` with a ``moe`` section); the consolidated
+weights get Hugging Face's names, and their q/k projections Hugging Face's rotary layout: Mistral
+keeps each head's rotated pairs interleaved (as Meta's Llama did), transformers rotates its
+halves, so the rows of ``wq`` and ``wk`` are reordered per head as the conversion reorders them.
+A text model's vision encoder (Pixtral-style multimodal releases) is left out: Kiln serves text.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from collections.abc import Iterator
+
+import torch
+
+logger = logging.getLogger("kiln.loader")
+
+PARAMS = "params.json"
+# params.json keys read here; any other changes the model in ways Kiln does not follow.
+KNOWN = frozenset({
+    "dim", "n_layers", "head_dim", "hidden_dim", "n_heads", "n_kv_heads", "norm_eps", "vocab_size", "rope_theta",
+    "sliding_window", "tied_embeddings", "max_position_embeddings", "max_seq_len", "moe", "vision_encoder",
+    "model_type", "lora",
+})  # fmt: skip
+VISION = ("vision_encoder.", "vision_language_adapter.", "patch_merger.", "pre_mm_projector_norm.")
+_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
+_PER_LAYER = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.gate.weight": "mlp.gate.weight",
+}
+_EXPERT = re.compile(r"feed_forward\.experts\.(\d+)\.w([123])\.weight")
+_TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight"}  # fmt: skip
+
+
+def is_mistral_layout(path: str, config_format: str) -> bool:
+    """Whether folder ``path``'s config is read from ``params.json``: ``--config-format mistral``,
+    or ``auto`` for a folder with ``params.json`` and no ``config.json``."""
+    if config_format == "mistral":
+        return True
+    has = lambda name: os.path.exists(os.path.join(path, name))  # noqa: E731
+    return config_format == "auto" and has(PARAMS) and not has("config.json")
+
+
+def read_params(path: str) -> dict:
+    """Folder ``path``'s ``params.json``; ``ValueError`` where it is missing or holds keys Kiln
+    does not read."""
+    try:
+        with open(os.path.join(path, PARAMS)) as f:
+            params = json.load(f)
+    except OSError:
+        raise ValueError(f"model: {path!r} has no {PARAMS} (Mistral's layout, --config-format mistral)") from None
+    if unknown := sorted(set(params) - KNOWN):
+        raise ValueError(
+            f"model: {path}/{PARAMS} has {unknown}, which Kiln does not read; if the repo also has a Hugging Face "
+            "config.json and weights, serve those (--config-format hf --load-format auto)"
+        )
+    return params
+
+
+def hf_config(path: str):
+    """The Hugging Face config of the model in ``path``'s ``params.json``."""
+    from transformers import MistralConfig, MixtralConfig
+
+    p = read_params(path)
+    if p.get("vision_encoder"):
+        logger.info("%s: a multimodal release; Kiln serves its text model, without the vision encoder", path)
+    heads = p["n_heads"]
+    config = dict(
+        hidden_size=p["dim"], num_hidden_layers=p["n_layers"], intermediate_size=p["hidden_dim"],
+        num_attention_heads=heads, num_key_value_heads=p.get("n_kv_heads", heads),
+        head_dim=p.get("head_dim", p["dim"] // heads), rms_norm_eps=p["norm_eps"], vocab_size=p["vocab_size"],
+        rope_theta=p.get("rope_theta", 10000.0), sliding_window=p.get("sliding_window"),
+        tie_word_embeddings=p.get("tied_embeddings", False),
+        max_position_embeddings=p.get("max_position_embeddings") or p.get("max_seq_len") or 32768,
+        bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    if moe := p.get("moe"):
+        out = MixtralConfig(
+            **config, num_local_experts=moe["num_experts"], num_experts_per_tok=moe["num_experts_per_tok"]
+        )
+        out.architectures = ["MixtralForCausalLM"]
+    else:
+        out = MistralConfig(**config)
+        out.architectures = ["MistralForCausalLM"]
+    return out
+
+
+def rotary_halves(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """A q/k projection's rows from Mistral's rotary layout (each head's pairs interleaved) to
+    Hugging Face's (each head's two halves), as transformers' conversion reorders them."""
+    rows, cols = weight.shape
+    return weight.view(heads, rows // heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def hf_weights(path: str, weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``weights`` (a consolidated file's, Mistral's names) under Hugging Face's names and layout;
+    the vision encoder's are dropped, a name Kiln does not know passes as it is."""
+    p = read_params(path)
+    heads = {"attention.wq.weight": p["n_heads"], "attention.wk.weight": p.get("n_kv_heads", p["n_heads"])}
+    for name, tensor in weights:
+        if name.startswith(VISION):
+            continue
+        layer = _LAYER.fullmatch(name)
+        if layer is None:
+            yield _TOP.get(name, name), tensor
+            continue
+        index, rest = layer.groups()
+        if expert := _EXPERT.fullmatch(rest):
+            proj = {"1": "gate", "2": "down", "3": "up"}[expert[2]]
+            yield f"model.layers.{index}.mlp.experts.{expert[1]}.{proj}_proj.weight", tensor
+            continue
+        if rest in heads:
+            tensor = rotary_halves(tensor, heads[rest])
+        yield f"model.layers.{index}.{_PER_LAYER.get(rest, rest)}", tensor

@@ -1,0 +1,97 @@
+"""Mistral's own layout (``params.json`` + ``consolidated.safetensors``, ``--config-format mistral
+--load-format mistral``): a tiny Mistral and a tiny Mixtral written in that layout from their
+Hugging Face checkpoints (names renamed, q/k rows back in Mistral's interleaved rotary order, as
+Mistral publishes them) serve transformers' tokens of the Hugging Face originals."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kiln import LLM, SamplingParams
+from kiln.models.mistral_format import rotary_halves
+from kiln.testing.models import hf_greedy
+
+PROMPTS = [[1, 5, 9, 200, 31, 7], list(range(40, 75))]
+NEW_TOKENS = 10
+TO_MISTRAL = {
+    "self_attn.q_proj": "attention.wq", "self_attn.k_proj": "attention.wk", "self_attn.v_proj": "attention.wv",
+    "self_attn.o_proj": "attention.wo", "input_layernorm": "attention_norm", "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "feed_forward.w1", "mlp.down_proj": "feed_forward.w2", "mlp.up_proj": "feed_forward.w3",
+}  # fmt: skip
+
+
+def interleaved(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """``rotary_halves`` undone: Hugging Face's rows back in Mistral's order."""
+    rows, cols = weight.shape
+    out = weight.view(heads, 2, rows // heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+    assert torch.equal(rotary_halves(out, heads), weight)
+    return out
+
+
+def mistral_layout(hf_dir: str, out: Path, **extra_params) -> Path:
+    """``hf_dir``'s model as Mistral publishes its own: params.json, consolidated.safetensors and the
+    tokenizer files, no config.json."""
+    config = json.loads((Path(hf_dir) / "config.json").read_text())
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    params = {
+        "dim": config["hidden_size"], "n_layers": config["num_hidden_layers"], "head_dim": config["head_dim"],
+        "hidden_dim": config["intermediate_size"], "n_heads": heads, "n_kv_heads": kv_heads,
+        "norm_eps": config["rms_norm_eps"], "vocab_size": config["vocab_size"],
+        "rope_theta": config["rope_parameters"]["rope_theta"], "tied_embeddings": config["tie_word_embeddings"],
+        **extra_params,
+    }  # fmt: skip
+    if "num_local_experts" in config:
+        params["moe"] = {
+            "num_experts": config["num_local_experts"],
+            "num_experts_per_tok": config["num_experts_per_tok"],
+        }
+    weights = {}
+    for name, tensor in load_file(str(Path(hf_dir) / "model.safetensors")).items():
+        top = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
+               "lm_head.weight": "output.weight"}  # fmt: skip
+        if name in top:
+            weights[top[name]] = tensor
+            continue
+        layer, rest = name.removeprefix("model.layers.").split(".", 1)
+        module, kind = rest.rsplit(".", 1)
+        if module.startswith("block_sparse_moe."):  # Mixtral's checkpoint names: experts.E.w1..w3 and gate
+            weights[f"layers.{layer}.feed_forward.{module.removeprefix('block_sparse_moe.')}.{kind}"] = tensor
+            continue
+        if module in ("self_attn.q_proj", "self_attn.k_proj"):
+            tensor = interleaved(tensor, heads if module.endswith("q_proj") else kv_heads)
+        weights[f"layers.{layer}.{TO_MISTRAL[module]}.{kind}"] = tensor.contiguous()
+    out.mkdir()
+    (out / "params.json").write_text(json.dumps(params))
+    save_file(weights, str(out / "consolidated.safetensors"))
+    for f in Path(hf_dir).iterdir():
+        if f.name.startswith("tokenizer") or f.name.endswith(".jinja"):
+            shutil.copy(f, out / f.name)
+    return out
+
+
+@pytest.mark.parametrize("family", ["mistral", "mixtral"])
+def test_mistral_layout_serves_the_hugging_face_models_tokens(tiny_model_dir, tmp_path, family):
+    hf_dir = tiny_model_dir(family)
+    folder = mistral_layout(hf_dir, tmp_path / "consolidated")
+    expected = hf_greedy(hf_dir, PROMPTS, NEW_TOKENS)
+    params = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0)
+    llm = LLM(str(folder), config_format="mistral", load_format="mistral", dtype="float32", max_model_len=128)
+    assert [
+        o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    ] == expected
+    auto = LLM(str(folder), dtype="float32", max_model_len=128)  # found by its params.json alone
+    assert [
+        o.outputs[0].token_ids for o in auto.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    ] == expected
+
+
+def test_unknown_params_are_named(tiny_model_dir, tmp_path):
+    folder = mistral_layout(tiny_model_dir("mistral"), tmp_path / "quantized", quantization={"qformat_weight": "fp8"})
+    with pytest.raises(ValueError, match=r"params.json has \['quantization'\], which Kiln does not read"):
+        LLM(str(folder), max_model_len=128)
