@@ -106,6 +106,7 @@ def test_underscored_flags_read_as_vllm_reads_them():
     argv = ["serve", "org/my_model", "--tokenizer_mode", "mistral", "--max_model_len=128", "--", "--keep_this"]
     assert dashed(argv) == ["serve", "org/my_model", "--tokenizer-mode", "mistral", "--max-model-len=128", "--",
                             "--keep_this"]  # fmt: skip
+    assert dashed(["generate", "--prompt", "--not a_flag"]) == ["generate", "--prompt", "--not a_flag"]
     argv = dashed(["serve", "org/my_model", "--tokenizer_mode", "mistral", "--max_model_len=128"])
     ns = build_parser(argv).parse_args(argv)
     assert (ns.model_tag, ns.tokenizer_mode, ns.max_model_len) == ("org/my_model", "mistral", 128)

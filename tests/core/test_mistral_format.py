@@ -95,3 +95,9 @@ def test_unknown_params_are_named(tiny_model_dir, tmp_path):
     folder = mistral_layout(tiny_model_dir("mistral"), tmp_path / "quantized", quantization={"qformat_weight": "fp8"})
     with pytest.raises(ValueError, match=r"params.json has \['quantization'\], which Kiln does not read"):
         LLM(str(folder), max_model_len=128)
+
+
+def test_a_window_per_layer_is_refused_with_the_way_out(tiny_model_dir, tmp_path):
+    folder = mistral_layout(tiny_model_dir("mistral"), tmp_path / "ministral", sliding_window=[16, 16, 64])
+    with pytest.raises(ValueError, match="sliding window per layer.*--config-format hf"):
+        LLM(str(folder), max_model_len=128)

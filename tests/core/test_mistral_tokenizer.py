@@ -89,8 +89,13 @@ def test_chat_prompt_is_mistral_commons_encoding(llm):
     assert list(out.prompt_token_ids) == expected
 
 
-def test_folder_with_only_tekken_loads_it_by_default(model_dir, tmp_path):
+def test_folder_with_only_tekken_loads_it_by_default(model_dir, tmp_path, tiny_model_dir):
     assert is_mistral(load_tokenizer(model_dir, "auto"))
+    both = tmp_path / "both"  # a Mistral repo with Hugging Face tokenizer files beside tekken.json
+    shutil.copytree(tiny_model_dir("mistral"), both)
+    shutil.copy(TEKKEN, both / "tekken.json")
+    assert not is_mistral(load_tokenizer(str(both), "auto"))  # transformers alone would pick mistral_common
+    assert is_mistral(load_tokenizer(str(both), "mistral"))
     hf = tmp_path / "hf"
     hf.mkdir()
     with pytest.raises(ValueError, match="--tokenizer-mode mistral: .*hf has no tekken.json"):
@@ -231,7 +236,7 @@ def test_reasoning_tokens_count_special_markers_as_the_text_shows_them(tiny_mode
     params._kept_special_ids = markup_token_ids(tok, setup.markup)
     text = detokenized(tok, ids, params)
     assert parser().extract_reasoning(text) == ("plan it", "answer")
-    count = ChatServing.reasoning_tokens(SimpleNamespace(tokenizer=tok), setup, [(text, ids)], True)
+    count = ChatServing.reasoning_tokens(SimpleNamespace(tokenizer=tok), setup, [(text, ids)], params)
     assert count == ids.index(end) + 1
 
 
@@ -241,3 +246,13 @@ def test_a_chat_template_flag_fails_at_start_up(model_dir):
     args = serve_args([model_dir, "--tokenizer-mode", "mistral", "--chat-template", "{{ messages }}"])
     with pytest.raises(ValueError, match="--chat-template: the model's mistral_common tokenizer"):
         run_server(args)
+
+
+def test_forced_tool_calls_take_mistral_ids(client):
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    body = {"messages": HELLO, "tools": TOOLS, "tool_choice": choice, "max_tokens": 40, "temperature": 0}
+    reply = client.post("/v1/chat/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    (call,) = reply.json()["choices"][0]["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    assert len(call["id"]) == 9 and call["id"].isalnum() and call["id"].isascii()

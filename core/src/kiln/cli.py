@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import sys
 
 import kiln
@@ -157,8 +158,8 @@ def dashed(argv: list[str]) -> list[str]:
     for i, arg in enumerate(argv):
         if arg == "--":
             return out + argv[i:]
-        if arg.startswith("--"):
-            flag, eq, value = arg.partition("=")
+        flag, eq, value = arg.partition("=")
+        if re.fullmatch(r"--[\w-]+", flag):  # a flag, not a value that starts with --
             arg = flag.replace("_", "-") + eq + value
         out.append(arg)
     return out

@@ -26,19 +26,23 @@ class DecodeWindow:
     "" while that text ends in an incomplete UTF-8 sequence (U+FFFD) and the id waits."""
 
     def __init__(self, tokenizer, context: list[int]) -> None:
-        self.decode = tokenizer.decode
+        # No special id enters the window; skip_special_tokens would also let mistral_common
+        # strip a leading "lang:xx" from the text.
+        self.decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)
         self.ids = list(context)  # the window
         self.read = len(self.ids)  # the window's ids before this are emitted
+        self.before = self.decode(self.ids)  # their text
 
     def step(self, _backend, token_id: int) -> str:
         self.ids.append(token_id)
-        before = self.decode(self.ids[: self.read], skip_special_tokens=True)
-        after = self.decode(self.ids, skip_special_tokens=True)
-        if after.endswith("\ufffd") or len(after) <= len(before):
+        after = self.decode(self.ids)
+        if after.endswith("\ufffd") or len(after) <= len(self.before):
             return ""
+        new = after[len(self.before) :]
         del self.ids[: self.read]
         self.read = len(self.ids)
-        return after[len(before) :]
+        self.before = self.decode(self.ids)
+        return new
 
 
 class IncrementalDetokenizer:

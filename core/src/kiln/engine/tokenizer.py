@@ -45,7 +45,8 @@ def load_tokenizer(path: str, mode: str, trust_remote_code: bool = False):
                 "(or kiln-core[mistral])"
             ) from None
         return AutoTokenizer.from_pretrained(path, mistral_format=True)
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    # transformers would pick mistral_common itself for Mistral models with a tekken.json
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, mistral_format=False)
 
 
 def special_ids(tokenizer) -> set[int]:

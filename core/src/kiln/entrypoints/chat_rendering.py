@@ -149,7 +149,8 @@ def mistral_chat_ids(
             return_dict=False,
         )
         return list(ids)
-    except (MistralCommonException, ValueError, TypeError, KeyError) as exc:  # its validation (pydantic's too)
+    except (MistralCommonException, ValueError, TypeError, KeyError, AssertionError, NotImplementedError) as exc:
+        # its validation (pydantic's too), and its encoders' asserts
         raise ChatTemplateError(f"mistral_common refused the conversation: {exc}", param="messages") from None
 
 

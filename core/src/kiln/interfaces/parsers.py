@@ -22,6 +22,8 @@ and its hand-written ``extract_tool_calls_streaming`` is not needed.
 
 from __future__ import annotations
 
+import random
+import string
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -30,6 +32,12 @@ from typing import Any
 
 def new_call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex[:24]}"
+
+
+def short_call_id() -> str:
+    """9 letters and digits: the only call ids Mistral's chat templates and mistral_common accept
+    when a client sends the calls back."""
+    return "".join(random.choices(string.ascii_letters + string.digits, k=9))
 
 
 @dataclass
@@ -116,9 +124,11 @@ class ToolParser(ABC):
         ``final=True`` unparseable markup is content. The content of a non-final parse
         must be a prefix of the content of any later parse."""
 
-    def new_call_id(self) -> str:
+    @classmethod
+    def new_call_id(cls) -> str:
         """The id of a call found (``tool_calls[].id``): override where the model's chat format
-        constrains the ids that clients send back (Mistral's: 9 letters and digits)."""
+        constrains the ids that clients send back (Mistral's: ``short_call_id``). Calls that
+        ``tool_choice`` forces take their ids from the server's ``--tool-call-parser`` too."""
         return new_call_id()
 
     def extract_tool_calls(self, text: str) -> ExtractedToolCalls:

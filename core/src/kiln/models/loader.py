@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import pickle
+import posixpath
 import re
 import zipfile
 from collections.abc import Iterator
@@ -160,8 +161,8 @@ def hub_weights(files: list[str], snapshot: str, load_format: str = "auto") -> l
     for index_name, pattern in (WEIGHT_FORMATS["safetensors"], WEIGHT_FORMATS["pt"]):
         index = os.path.join(snapshot, index_name)
         if index_name in files and os.path.exists(index):
-            with open(index) as f:
-                return sorted(set(json.load(f)["weight_map"].values()))
+            with open(index) as f:  # as the repo's listing spells them ("./a" is "a")
+                return sorted({posixpath.normpath(s) for s in json.load(f)["weight_map"].values()})
         suffix = pattern.removeprefix("*")
         found = [f for f in files if "/" not in f and f.endswith(suffix) and f not in NOT_WEIGHTS]
         if found:
@@ -218,15 +219,14 @@ NOT_WEIGHTS = frozenset({"training_args.bin", "optimizer.bin", "scheduler.bin", 
 
 
 def weight_files(path: str, load_format: str = "auto") -> tuple[str, list[str]]:
-    """The format (``safetensors`` or ``pt``) and the files of a folder's weights; ``ValueError``
-    names a shard its index lists but the folder lacks, or what was looked for."""
+    """The format (``safetensors``, ``pt`` or ``mistral``) and the files of a folder's weights;
+    ``ValueError`` names a shard its index lists but the folder lacks, or what was looked for."""
     if load_format not in ("auto", *WEIGHT_FORMATS):
         raise ValueError(f"--load-format {load_format}: reads a .gguf file, not the folder {path!r}")
     formats = ["safetensors", "pt"] if load_format == "auto" else [load_format]
     for fmt in formats:
         index_name, pattern = WEIGHT_FORMATS[fmt]
-        index = os.path.join(path, index_name or "")
-        if index_name and os.path.exists(index):
+        if index_name and os.path.exists(index := os.path.join(path, index_name)):
             with open(index) as f:
                 shards = sorted(set(json.load(f)["weight_map"].values()))
             root = os.path.realpath(path)

@@ -79,6 +79,11 @@ def hf_config(path: str):
     p = read_params(path)
     if p.get("vision_encoder"):
         logger.info("%s: a multimodal release; Kiln serves its text model, without the vision encoder", path)
+    if isinstance(p.get("sliding_window"), list):  # a window per layer (Ministral's interleaved pattern)
+        raise ValueError(
+            f"model: {path}/{PARAMS} gives a sliding window per layer, which Kiln's Mistral does not read; serve "
+            "the repo's Hugging Face config.json and weights (--config-format hf --load-format auto)"
+        )
     heads = p["n_heads"]
     config = dict(
         hidden_size=p["dim"], num_hidden_layers=p["n_layers"], intermediate_size=p["hidden_dim"],
@@ -86,7 +91,8 @@ def hf_config(path: str):
         head_dim=p.get("head_dim", p["dim"] // heads), rms_norm_eps=p["norm_eps"], vocab_size=p["vocab_size"],
         rope_theta=p.get("rope_theta", 10000.0), sliding_window=p.get("sliding_window"),
         tie_word_embeddings=p.get("tied_embeddings", False),
-        max_position_embeddings=p.get("max_position_embeddings") or p.get("max_seq_len") or 32768,
+        # params.json rarely says: vLLM's reading of it assumes 128k, as Mistral's recent models have
+        max_position_embeddings=p.get("max_position_embeddings") or p.get("max_seq_len") or 128_000,
         bos_token_id=1, eos_token_id=2,
     )  # fmt: skip
     if moe := p.get("moe"):

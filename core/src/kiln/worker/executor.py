@@ -111,7 +111,7 @@ class Executor:
         eagle = spec.method in EAGLE_ARCHS
         config = self.config.model_copy(
             update={
-                "model": files.path, "load_format": load_format, "quantization": quantization,
+                "model": files.path, "load_format": load_format, "config_format": "auto", "quantization": quantization,
                 "tensor_parallel_size": 1, "enforce_eager": self.config.enforce_eager or has_graphs,
                 "enable_lora": False, "hf_overrides": None, "rope_scaling": None, "rope_theta": None,
                 **({"model_impl": "kiln"} if eagle else {}),  # a head is Kiln's own class

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import ast
 import json
-import random
 import re
-import string
 from typing import Any
 
-from kiln.interfaces.parsers import ToolParse, ToolParser, partial_marker_suffix
+from kiln.interfaces.parsers import ToolParse, ToolParser, partial_marker_suffix, short_call_id
 
 _DECODER = json.JSONDecoder()
 
@@ -226,9 +224,9 @@ class MistralToolParser(MarkerToolParser):
     def markup(cls) -> tuple[str, ...]:
         return cls.marker, "[ARGS]", "[CALL_ID]"
 
-    def new_call_id(self) -> str:
-        # Mistral's templates and mistral_common refuse a conversation whose ids are not 9 of these.
-        return "".join(random.choices(string.ascii_letters + string.digits, k=9))
+    @classmethod
+    def new_call_id(cls) -> str:
+        return short_call_id()
 
     def parse(self, text: str, final: bool) -> ToolParse:
         i = text.find(self.marker)

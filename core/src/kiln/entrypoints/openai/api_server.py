@@ -272,6 +272,12 @@ def _iteration_timeout() -> float | None:
     return env_number("KILN_ENGINE_ITERATION_TIMEOUT_S", 60.0) or None
 
 
+MISTRAL_TEMPLATE = (
+    "--chat-template: the model's mistral_common tokenizer (--tokenizer-mode mistral) encodes conversations itself, "
+    "with no template"
+)
+
+
 def run_server(args: argparse.Namespace) -> int:
     """Load the model, then serve until SIGINT/SIGTERM (in-flight requests are drained first)."""
     import uvicorn
@@ -282,6 +288,8 @@ def run_server(args: argparse.Namespace) -> int:
 
     started = time.monotonic()
     tool_parser, reasoning_parser = resolve_parsers(args)  # bad flags fail before the model loads
+    if args.chat_template is not None and args.tokenizer_mode == "mistral":
+        raise ValueError(MISTRAL_TEMPLATE)
     check_tls_args(args)
     check_generation_overrides(args.override_generation_config or {})
     iteration_timeout = _iteration_timeout()
@@ -290,11 +298,8 @@ def run_server(args: argparse.Namespace) -> int:
     if args.lora_modules and not config.enable_lora:
         raise ValueError("--lora-modules: needs --enable-lora")
     llm = LLMEngine(config)
-    if args.chat_template is not None and is_mistral(llm.model_info.tokenizer):
-        raise ValueError(
-            "--chat-template: the model's mistral_common tokenizer (--tokenizer-mode mistral) encodes conversations "
-            "itself, with no template"
-        )
+    if args.chat_template is not None and is_mistral(llm.model_info.tokenizer):  # auto picked mistral_common
+        raise ValueError(MISTRAL_TEMPLATE)
     _warm_up(llm)
     options = ServerOptions(
         tool_parser=tool_parser,

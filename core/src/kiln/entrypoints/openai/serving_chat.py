@@ -78,7 +78,7 @@ class ChatServing(OpenAIServing):
                 len(prompt.token_ids),
                 sum(len(c.token_ids) for c in out.outputs),
                 out.num_cached_tokens,
-                self.reasoning_tokens(setup, [(c.text, c.token_ids) for c in out.outputs], req.skip_special_tokens),
+                self.reasoning_tokens(setup, [(c.text, c.token_ids) for c in out.outputs], params),
             ),
         }
         if req.prompt_logprobs is not None:
@@ -110,23 +110,27 @@ class ChatServing(OpenAIServing):
         return prompt, params, setup, lora
 
     def reasoning_tokens(
-        self, setup: ToolSetup, outputs: list[tuple[str, Sequence[int]]], skip_special_tokens: bool
+        self, setup: ToolSetup, outputs: list[tuple[str, Sequence[int]]], shown: SamplingParams | ChatCompletionRequest
     ) -> int | None:
         """``completion_tokens_details.reasoning_tokens`` over the choices' (text, token ids); None
         without a reasoning parser. A choice's reasoning tokens are the fewest leading tokens whose text
-        reaches its answer (the parsers' answer is the tail of the text), markers included."""
+        reaches its answer (the parsers' answer is the tail of the text), markers included; ``shown``
+        (the request or its sampling parameters) says how special tokens were shown in that text."""
         if setup.make_reasoning_parser is None:
             return None
         total = 0
-        shown = SamplingParams(skip_special_tokens=skip_special_tokens)
-        shown._kept_special_ids = markup_token_ids(self.tokenizer, setup.markup)  # as the output's text has them
+        as_shown = SamplingParams(
+            skip_special_tokens=shown.skip_special_tokens,
+            spaces_between_special_tokens=shown.spaces_between_special_tokens,
+        )
+        as_shown._kept_special_ids = markup_token_ids(self.tokenizer, setup.markup)  # as the output's text has them
         for text, ids in outputs:
             _, answer = setup.make_reasoning_parser().extract_reasoning(text)
             reach = len(text) - len(answer or "")
             lo, hi = 0, len(ids)
             while lo < hi:  # decoded prefixes only grow: bisect for the first that reaches the answer
                 mid = (lo + hi) // 2
-                if len(detokenized(self.tokenizer, ids[:mid], shown)) >= reach:
+                if len(detokenized(self.tokenizer, ids[:mid], as_shown)) >= reach:
                     hi = mid
                 else:
                     lo = mid + 1
@@ -231,7 +235,7 @@ class ChatServing(OpenAIServing):
                     self.metrics.observe_finished(out, counts, model_name)
             if options and options.include_usage:
                 outputs = [("".join(t), ids) for t, ids in zip(texts, token_ids)]
-                yield chunk([], True, self.reasoning_tokens(setup, outputs, req.skip_special_tokens))
+                yield chunk([], True, self.reasoning_tokens(setup, outputs, req))
         except EngineDeadError as exc:
             yield sse(APIError(str(exc), status=503).body())
         finally:

@@ -379,7 +379,7 @@ class ResponsesServing:
         """The finished Response object (``text``, ``ids``: the whole output); stored with its
         conversation when the request asks."""
         count = len(ids)
-        reasoning_tokens = self.chat.reasoning_tokens(turn.setup, [(text, ids)], turn.params.skip_special_tokens)
+        reasoning_tokens = self.chat.reasoning_tokens(turn.setup, [(text, ids)], turn.params)
         usage = {
             "input_tokens": turn.prompt_len,
             "input_tokens_details": {"cached_tokens": cached},

@@ -15,10 +15,28 @@ from typing import Any
 
 from kiln.entrypoints.openai.protocol import APIError, ChatCompletionRequest
 from kiln.interfaces.guided import GuidedDecodingParams
-from kiln.interfaces.parsers import DeltaMessage, ReasoningParser, ToolCall, ToolParse, ToolParser
+from kiln.interfaces.parsers import (
+    DeltaMessage,
+    ReasoningParser,
+    ToolCall,
+    ToolParse,
+    ToolParser,
+    short_call_id,
+)
+from kiln.interfaces.tokenizer import is_mistral
 
 
-class RequiredToolParser(ToolParser):
+class ForcedToolParser(ToolParser):
+    """Calls ``tool_choice`` forces through guided decoding; their ids as ``call_ids`` makes them
+    (the server's tool parser's, or Mistral's short ones for a mistral_common tokenizer)."""
+
+    def __init__(self, call_ids: Callable[[], str] | None = None) -> None:
+        super().__init__()
+        if call_ids is not None:
+            self.new_call_id = call_ids
+
+
+class RequiredToolParser(ForcedToolParser):
     """Output constrained to ``[{"name": ..., "parameters": {...}}, ...]``; parsed when complete."""
 
     def parse(self, text: str, final: bool) -> ToolParse:
@@ -31,11 +49,11 @@ class RequiredToolParser(ToolParser):
             return ToolParse(text, [])  # cut short (max_tokens): what there is, as content
 
 
-class NamedToolParser(ToolParser):
+class NamedToolParser(ForcedToolParser):
     """Output constrained to the named function's arguments."""
 
-    def __init__(self, name: str) -> None:
-        super().__init__()
+    def __init__(self, name: str, call_ids: Callable[[], str] | None = None) -> None:
+        super().__init__(call_ids)
         self.name = name
 
     def parse(self, text: str, final: bool) -> ToolParse:
@@ -86,6 +104,7 @@ def tool_setup(
         return setup
     if not tools:
         raise APIError("tool_choice: needs tools", param="tool_choice")
+    call_ids = tool_parser.new_call_id if tool_parser is not None else short_call_id if is_mistral(tokenizer) else None
     if choice == "auto":
         if not (auto_enabled and tool_parser is not None):
             raise APIError(
@@ -107,14 +126,14 @@ def tool_setup(
         if not setup.parallel:
             schema["maxItems"] = 1
         setup.guided = GuidedDecodingParams(json=schema)
-        setup.make_tool_parser = RequiredToolParser
+        setup.make_tool_parser = lambda: RequiredToolParser(call_ids)
         return setup
     if isinstance(choice, dict) and isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")
         if name not in functions:
             raise APIError(f"tool_choice: function {name!r} is not among the tools", param="tool_choice")
         setup.guided = GuidedDecodingParams(json=functions[name].get("parameters") or {"type": "object"})
-        setup.make_tool_parser = lambda: NamedToolParser(name)
+        setup.make_tool_parser = lambda: NamedToolParser(name, call_ids)
         return setup
     raise APIError(f"tool_choice: {choice!r} is not none, auto, required or a named function", param="tool_choice")
 
