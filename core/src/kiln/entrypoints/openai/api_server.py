@@ -288,7 +288,7 @@ def run_server(args: argparse.Namespace) -> int:
 
     started = time.monotonic()
     tool_parser, reasoning_parser = resolve_parsers(args)  # bad flags fail before the model loads
-    if args.chat_template is not None and args.tokenizer_mode == "mistral":
+    if args.chat_template is not None and getattr(args, "tokenizer_mode", "auto") == "mistral":  # given flags only
         raise ValueError(MISTRAL_TEMPLATE)
     check_tls_args(args)
     check_generation_overrides(args.override_generation_config or {})
