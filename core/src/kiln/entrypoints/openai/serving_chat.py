@@ -44,7 +44,7 @@ class ChatServing(OpenAIServing):
         streams = self.start(request_id, [(prompt, params)], req.priority, lora)
         echo = self.echo_text(req)
         if req.stream:
-            chunks = self.stream(req, request_id, prompt, streams[0], echo, setup, model_name)
+            chunks = self.stream(req, params, request_id, prompt, streams[0], echo, setup, model_name)
             return StreamingResponse(chunks, media_type="text/event-stream")
         out = (await self.final_outputs(streams, raw, model_name))[0]
         choices = []
@@ -110,27 +110,22 @@ class ChatServing(OpenAIServing):
         return prompt, params, setup, lora
 
     def reasoning_tokens(
-        self, setup: ToolSetup, outputs: list[tuple[str, Sequence[int]]], shown: SamplingParams | ChatCompletionRequest
+        self, setup: ToolSetup, outputs: list[tuple[str, Sequence[int]]], params: SamplingParams
     ) -> int | None:
         """``completion_tokens_details.reasoning_tokens`` over the choices' (text, token ids); None
         without a reasoning parser. A choice's reasoning tokens are the fewest leading tokens whose text
-        reaches its answer (the parsers' answer is the tail of the text), markers included; ``shown``
-        (the request or its sampling parameters) says how special tokens were shown in that text."""
+        reaches its answer (the parsers' answer is the tail of the text), markers included; ``params``
+        (the request's, from ``prepare``) say how special tokens were shown in that text."""
         if setup.make_reasoning_parser is None:
             return None
         total = 0
-        as_shown = SamplingParams(
-            skip_special_tokens=shown.skip_special_tokens,
-            spaces_between_special_tokens=shown.spaces_between_special_tokens,
-        )
-        as_shown._kept_special_ids = markup_token_ids(self.tokenizer, setup.markup)  # as the output's text has them
         for text, ids in outputs:
             _, answer = setup.make_reasoning_parser().extract_reasoning(text)
             reach = len(text) - len(answer or "")
             lo, hi = 0, len(ids)
             while lo < hi:  # decoded prefixes only grow: bisect for the first that reaches the answer
                 mid = (lo + hi) // 2
-                if len(detokenized(self.tokenizer, ids[:mid], as_shown)) >= reach:
+                if len(detokenized(self.tokenizer, ids[:mid], params)) >= reach:
                     hi = mid
                 else:
                     lo = mid + 1
@@ -165,6 +160,7 @@ class ChatServing(OpenAIServing):
     async def stream(
         self,
         req: ChatCompletionRequest,
+        params: SamplingParams,
         request_id: str,
         prompt: Prompt,
         stream: RequestStream,
@@ -235,7 +231,7 @@ class ChatServing(OpenAIServing):
                     self.metrics.observe_finished(out, counts, model_name)
             if options and options.include_usage:
                 outputs = [("".join(t), ids) for t, ids in zip(texts, token_ids)]
-                yield chunk([], True, self.reasoning_tokens(setup, outputs, req))
+                yield chunk([], True, self.reasoning_tokens(setup, outputs, params))
         except EngineDeadError as exc:
             yield sse(APIError(str(exc), status=503).body())
         finally:
