@@ -23,6 +23,7 @@ file content (``kiln.models.gguf_cache``).
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import importlib.util
 import json
@@ -156,15 +157,12 @@ def hub_weights(files: list[str], snapshot: str, load_format: str = "auto") -> l
     (safetensors first); with ``--load-format mistral``, Mistral's consolidated files. A repo may
     hold the same weights twice, in Mistral's own layout (``consolidated.safetensors``) or under
     ``original/`` (Meta's): only one copy is fetched."""
-    if load_format == "mistral":
-        return [f for f in files if "/" not in f and _consolidated(f) and f.endswith(".safetensors")]
-    for index_name, pattern in (WEIGHT_FORMATS["safetensors"], WEIGHT_FORMATS["pt"]):
-        index = os.path.join(snapshot, index_name)
-        if index_name in files and os.path.exists(index):
+    for fmt in ["mistral"] if load_format == "mistral" else ["safetensors", "pt"]:
+        index_name, pattern = WEIGHT_FORMATS[fmt]
+        if index_name in files and os.path.exists(index := os.path.join(snapshot, index_name)):
             with open(index) as f:  # as the repo's listing spells them ("./a" is "a")
                 return sorted({posixpath.normpath(s) for s in json.load(f)["weight_map"].values()})
-        suffix = pattern.removeprefix("*")
-        found = [f for f in files if "/" not in f and f.endswith(suffix) and f not in NOT_WEIGHTS]
+        found = [f for f in files if "/" not in f and fnmatch.fnmatchcase(f, pattern) and f not in NOT_WEIGHTS]
         if found:
             return without_mistral_layout(found)
     return []
