@@ -233,10 +233,10 @@ def _write_by_tensor(gguf_path: str, out: str, reader) -> bool:
     parts = []
     for t in reader.tensors:
         if m := STACKED_EXPERTS.fullmatch(t.name):
-            parts += [(_expert_name(m["layer"], e, m["proj"]), dims(t)[1:], lambda t=t, e=e: dequantized(t, e))
+            parts += [(expert_weight_name(m["layer"], e, m["proj"]), dims(t)[1:], lambda t=t, e=e: dequantized(t, e))
                       for e in range(int(t.shape[-1]))]  # fmt: skip
         elif m := ONE_EXPERT.fullmatch(t.name):
-            parts.append((_expert_name(m["layer"], m["expert"], m["proj"]), dims(t), lambda t=t: dequantized(t)))
+            parts.append((expert_weight_name(m["layer"], m["expert"], m["proj"]), dims(t), lambda t=t: dequantized(t)))
         elif t.name in names:  # transformers skips the others too
             parts.append((names[t.name], shapes[names[t.name]], lambda t=t: processed(t)))
     if arch == gguf_deepseek.ARCH:
@@ -244,7 +244,7 @@ def _write_by_tensor(gguf_path: str, out: str, reader) -> bool:
     expected = {n for n in shapes if not FUSED_EXPERTS.search(n)}
     experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
     for layer in {int(m[1]) for n in shapes if (m := FUSED_EXPERTS.search(n))}:
-        expected |= {_expert_name(layer, e, p) for e in range(experts) for p in ("gate", "up", "down")}
+        expected |= {expert_weight_name(layer, e, p) for e in range(experts) for p in ("gate", "up", "down")}
     tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
     if missing := expected - tied - {name for name, _, _ in parts}:
         if experts or arch == gguf_deepseek.ARCH:  # transformers' whole-model loading would not map these either
@@ -279,7 +279,9 @@ ONE_EXPERT = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?P<proj>gate|up|down)\.(?P<e
 FUSED_EXPERTS = re.compile(r"layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 
 
-def _expert_name(layer: int | str, expert: int | str, proj: str) -> str:
+def expert_weight_name(layer: int | str, expert: int | str, proj: str) -> str:
+    """An expert's projection (``gate``, ``up``, ``down``) under the per-expert name of Hugging Face
+    checkpoints, which Kiln's models read (conversions from other layouts write it)."""
     return f"model.layers.{layer}.mlp.experts.{expert}.{proj}_proj.weight"
 
 

@@ -19,6 +19,8 @@ from collections.abc import Iterator
 
 import torch
 
+from kiln.models.gguf_cache import expert_weight_name
+
 logger = logging.getLogger("kiln.loader")
 
 PARAMS = "params.json"
@@ -127,8 +129,7 @@ def hf_weights(path: str, weights: Iterator[tuple[str, torch.Tensor]]) -> Iterat
             continue
         index, rest = layer.groups()
         if expert := _EXPERT.fullmatch(rest):
-            proj = {"1": "gate", "2": "down", "3": "up"}[expert[2]]
-            yield f"model.layers.{index}.mlp.experts.{expert[1]}.{proj}_proj.weight", tensor
+            yield expert_weight_name(index, expert[1], {"1": "gate", "2": "down", "3": "up"}[expert[2]]), tensor
             continue
         if rest in heads:
             tensor = rotary_halves(tensor, heads[rest])
