@@ -61,8 +61,9 @@ SLOW_GRAMMAR = "root ::= r0\n" + "\n".join(f'r{i} ::= (r{i + 1} | "q")*' for i i
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        (schema_format({"$ref": "#"}), "admits no output"),
-        (schema_format({"$ref": "#/$defs/A", "$defs": {"A": {"$ref": "#/$defs/A"}}}), "admits no output"),
+        # xgrammar 0.2.9 refuses a $ref cycle itself; 0.2.8 compiles it and Kiln finds no first token.
+        (schema_format({"$ref": "#"}), "admits no output|Circular \\$ref chain"),
+        (schema_format({"$ref": "#/$defs/A", "$defs": {"A": {"$ref": "#/$defs/A"}}}), "admits no output|Circular \\$ref chain"),
         ({"guided_grammar": "root ::= root"}, "admits no output"),
         ({"guided_json": json.dumps(nested(40))}, "KILN_GUIDED_MAX_DEPTH"),
         ({"guided_json": "[" * 100_000 + "]" * 100_000}, "nested too deeply"),
@@ -79,7 +80,7 @@ def test_pathological_constraints_get_a_400_in_bounded_time(client, request, fie
     response, elapsed = chat(client, **fields)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
-    assert message in error["message"], error
+    assert re.search(message, error["message"]), error
     assert elapsed < 60  # the worker start (imports, tokenizer tables) plus the limit, on a busy machine
     # A new constraint (a new compile) still works: a killed worker was replaced, nothing is stuck.
     fresh = "[0-9]{3}" + request.node.callspec.id
