@@ -374,7 +374,7 @@ int int8_linear(float *out, const float *x, int64_t rows, int64_t x_stride, int 
                 for (int64_t i = 0; i < K; i++) xq[r * K + i] ^= (int8_t)0x80;
 #endif
         }
-        /* From ROWS rows on, tiles go one at a time to whichever thread is free: the threads do
+        /* From ROWS_PER_HANDOUT rows on, tiles go one at a time to whichever thread is free: the threads do
          * not run at one speed (the server's other threads, the machine's neighbours), and with
          * even shares the faster one waited at the end. On a 2-core AVX2-only EPYC, W4 of issue 17
          * (64 decodes per step) went from 207-214 to 222-232 output tok/s. Fewer rows keep one
