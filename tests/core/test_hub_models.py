@@ -4,6 +4,7 @@ own revision, and offline errors that say what was looked for."""
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import shutil
 
@@ -143,7 +144,27 @@ def test_a_download_fetches_one_copy_of_the_weights(tmp_path, monkeypatch):
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
     monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_files", lambda self, repo_id, revision=None: MISTRAL_REPO)
     assert loader.hub_snapshot("mistralai/Mistral-7B-Instruct-v0.3", None, None) == str(snapshot)
-    assert calls == [loader.HUB_FILES, [*loader.HUB_FILES, *sorted(shards.values())]]
+    small = [f for f in MISTRAL_REPO if f.endswith(".json")]  # not tokenizer.model.v3: no reader takes it
+    assert calls == [small, [*small, *sorted(shards.values())]]
+
+
+def test_a_download_skips_the_copies_in_subfolders():
+    from kiln.models.loader import hub_small_files
+
+    # Meta's Llama 3 layout: its own params.json and tokenizer under original/, beside the weights.
+    listing = [
+        "config.json", "tokenizer.json", "original/params.json", "original/tokenizer.model", "LICENSE.txt",
+        "additional_chat_templates/tool_use.jinja", "onnx/config.json", "chat[v2].jinja", "model.safetensors",
+    ]  # fmt: skip
+    wanted = [
+        "config.json",
+        "tokenizer.json",
+        "LICENSE.txt",
+        "additional_chat_templates/tool_use.jinja",
+        "chat[v2].jinja",
+    ]
+    # Patterns, as the hub's clients match them: each matches its own file and no other.
+    assert [[f for f in listing if fnmatch.fnmatch(f, p)] for p in hub_small_files(listing)] == [[f] for f in wanted]
 
 
 def test_a_folder_with_both_layouts_loads_the_hugging_face_one(tmp_path, tiny_model_dir):

@@ -105,8 +105,21 @@ def resolve_model(
 
 
 REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
-# What a snapshot needs: config, tokenizer, generation config, weights, remote code.
+# What a snapshot needs beside its weights: config, tokenizer, generation config, remote code,
+# chat templates (transformers also reads more of them from additional_chat_templates/).
 HUB_FILES = ["*.json", "*.jinja", "*.model", "*.txt", "*.tiktoken", "*.py"]
+HUB_FOLDERS = ("", "additional_chat_templates")
+
+
+def hub_small_files(files: list[str]) -> list[str]:
+    """The files of a repo's listing ``files`` that ``HUB_FILES`` names, as patterns matching each
+    exactly: top-level ones (and chat templates), not the copies a repo keeps in subfolders, such
+    as Meta's ``original/`` (its own ``params.json`` and tokenizer)."""
+    return [
+        glob.escape(f)  # an fnmatch pattern for the name itself, as the hub's clients match
+        for f in files
+        if posixpath.dirname(f) in HUB_FOLDERS and any(fnmatch.fnmatchcase(posixpath.basename(f), p) for p in HUB_FILES)
+    ]
 
 
 def resolve_tokenizer(
@@ -142,7 +155,8 @@ def hub_snapshot(
             return snapshot_download(repo_id, revision=revision, cache_dir=download_dir, local_files_only=True)
         files = HfApi().list_repo_files(repo_id, revision=revision)
         fetch = partial(snapshot_download, repo_id, revision=revision, cache_dir=download_dir)
-        return fetch(allow_patterns=[*HUB_FILES, *hub_weights(files, fetch(allow_patterns=HUB_FILES), load_format)])
+        small = hub_small_files(files)
+        return fetch(allow_patterns=[*small, *hub_weights(files, fetch(allow_patterns=small), load_format)])
     except Exception as exc:  # noqa: BLE001 (the hub's many failures become one start-up error)
         how = "HF_HUB_OFFLINE is set, so nothing was downloaded" if offline else f"the download failed ({exc})"
         raise ValueError(
@@ -191,7 +205,8 @@ def modelscope_snapshot(
             return snapshot_download(repo_id, revision=revision, cache_dir=cache, local_files_only=True)
         files = [f["Path"] for f in HubApi().get_model_files(repo_id, revision=revision or "master", recursive=True)]
         fetch = partial(snapshot_download, repo_id, revision=revision, cache_dir=cache)
-        return fetch(allow_patterns=[*HUB_FILES, *hub_weights(files, fetch(allow_patterns=HUB_FILES), load_format)])
+        small = hub_small_files(files)
+        return fetch(allow_patterns=[*small, *hub_weights(files, fetch(allow_patterns=small), load_format)])
     except Exception as exc:  # noqa: BLE001 (as for the Hugging Face Hub)
         how = "HF_HUB_OFFLINE is set, so nothing was downloaded" if offline else f"the download failed ({exc})"
         raise ValueError(
