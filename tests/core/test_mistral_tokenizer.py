@@ -1,9 +1,10 @@
-"""``--tokenizer-mode mistral``: a model whose tokenizer is mistral_common's ``tekken.json`` serves
-with it — prompts encoded and outputs decoded by mistral_common, chat conversations encoded by
-its instruct requests (no template), guided decoding over its byte vocabulary — and generates
-transformers' tokens for the same ids. mistral_common's own tekken file (shipped in its wheel)
-is the tokenizer of a tiny random Mistral. And a tool parser's markup that a tokenizer holds
-as a special token (Mistral's ``[TOOL_CALLS]``) stays in the text the parser reads."""
+"""``--tokenizer-mode mistral``: a model whose tokenizer is mistral_common's — tekken's
+``tekken.json``, or a SentencePiece ``tokenizer.model.v3`` — serves with it: prompts encoded and
+outputs decoded by mistral_common, chat conversations encoded by its instruct requests (no
+template), guided decoding over its vocabulary; and it generates transformers' tokens for the
+same ids. mistral_common's own tokenizer files (shipped in its wheel) are the tokenizers of tiny
+random Mistrals. And a tool parser's markup that a tokenizer holds as a special token
+(Mistral's ``[TOOL_CALLS]``) stays in the text the parser reads."""
 
 from __future__ import annotations
 
@@ -23,27 +24,34 @@ from kiln.engine.llm_engine import LLMEngine
 from kiln.engine.tokenizer import load_tokenizer, markup_token_ids
 from kiln.entrypoints.openai.api_server import build_app
 from kiln.entrypoints.openai.serving import ServerOptions
-from kiln.interfaces.tokenizer import is_mistral
+from kiln.interfaces.tokenizer import is_mistral, is_mistral_sentencepiece
 from kiln.plugins import get_plugin_manager
 from kiln.registry import load_ref
 from kiln.testing.models import hf_greedy
 
 mistral_common = pytest.importorskip("mistral_common")
-TEKKEN = Path(mistral_common.__file__).parent / "data" / "tekken_240911.json"
-TEXT = "Kiln serves naïve café menus: 你好, 世界 🙂 — ¿qué tal? ∑x²"
+DATA = Path(mistral_common.__file__).parent / "data"
+TEKKEN = DATA / "tekken_240911.json"
+# Per kind: mistral_common's file, its name in a model folder, and the vocabulary's size.
+KINDS = {
+    "tekken": (TEKKEN, "tekken.json", 131072),
+    "sentencepiece": (DATA / "mistral_instruct_tokenizer_240323.model.v3", "tokenizer.model.v3", 32768),
+}
+TEXT = "Kiln serves naïve café menus: 你好, 世界 🙂 — ¿qué tal? ∑x² 🦀"
 HELLO = [{"role": "user", "content": "Hello there"}]
 NEW_TOKENS = 12
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
+@pytest.fixture(scope="module", params=KINDS)
+def model_dir(request, tmp_path_factory) -> str:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    path = tmp_path_factory.mktemp("tekken-mistral")
-    shutil.copy(TEKKEN, path / "tekken.json")
+    source, name, vocab_size = KINDS[request.param]
+    path = tmp_path_factory.mktemp(f"{request.param}-mistral")
+    shutil.copy(source, path / name)
     config = AutoConfig.for_model(
-        "mistral", vocab_size=131072, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        "mistral", vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
         initializer_range=0.2, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, sliding_window=None,
     )  # fmt: skip
@@ -67,7 +75,9 @@ def test_generates_transformers_tokens_and_decodes_them(llm, model_dir):
     expected = hf_greedy(model_dir, [prompt], NEW_TOKENS)[0]
     assert list(by_text.prompt_token_ids) == prompt
     assert by_text.outputs[0].token_ids == by_ids.outputs[0].token_ids == expected
-    assert by_text.outputs[0].text == tok.decode(expected, skip_special_tokens=True)
+    # the output's text as it continues the prompt's (SentencePiece drops a text's leading space)
+    whole, before = (tok.decode(ids, skip_special_tokens=True) for ids in (prompt + expected, prompt))
+    assert by_text.outputs[0].text == whole[len(before) :]
 
 
 def test_streamed_text_is_the_whole_decode_and_waits_on_split_characters(llm):
@@ -89,16 +99,19 @@ def test_chat_prompt_is_mistral_commons_encoding(llm):
     assert list(out.prompt_token_ids) == expected
 
 
-def test_folder_with_only_tekken_loads_it_by_default(model_dir, tmp_path, tiny_model_dir):
+def test_folder_with_only_mistral_files_loads_them_by_default(model_dir, tmp_path, tiny_model_dir):
     assert is_mistral(load_tokenizer(model_dir, "auto"))
-    both = tmp_path / "both"  # a Mistral repo with Hugging Face tokenizer files beside tekken.json
+    both = tmp_path / "both"  # a Mistral repo with Hugging Face tokenizer files beside mistral_common's
     shutil.copytree(tiny_model_dir("mistral"), both)
-    shutil.copy(TEKKEN, both / "tekken.json")
+    for source, name, _ in KINDS.values():
+        shutil.copy(source, both / name)
     assert not is_mistral(load_tokenizer(str(both), "auto"))  # transformers alone would pick mistral_common
-    assert is_mistral(load_tokenizer(str(both), "mistral"))
+    assert not is_mistral_sentencepiece(load_tokenizer(str(both), "mistral"))  # tekken.json wins
+    (both / "tekken.json").unlink()
+    assert is_mistral_sentencepiece(load_tokenizer(str(both), "mistral"))
     hf = tmp_path / "hf"
     hf.mkdir()
-    with pytest.raises(ValueError, match="--tokenizer-mode mistral: .*hf has no tekken.json"):
+    with pytest.raises(ValueError, match="--tokenizer-mode mistral: .*hf has no tekken.json nor tokenizer.model.v"):
         load_tokenizer(str(hf), "mistral")
 
 
@@ -106,8 +119,9 @@ def mistral_tool_parser():
     return load_ref(get_plugin_manager().registry.table("tool_parsers")["mistral"])
 
 
+# maxLength: a random model's string ends within a forced call's max_tokens
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}}}}]  # fmt: skip
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}}}}]  # fmt: skip
 CALL = '[{"name": "get_weather", "arguments": {"city": "Paris"}}]'
 
 
@@ -256,3 +270,11 @@ def test_forced_tool_calls_take_mistral_ids(client):
     (call,) = reply.json()["choices"][0]["message"]["tool_calls"]
     assert call["function"]["name"] == "get_weather"
     assert len(call["id"]) == 9 and call["id"].isalnum() and call["id"].isascii()
+
+
+def test_text_keeps_special_tokens_as_their_strings(llm):
+    tok = llm.get_tokenizer()
+    inst, end = tok.convert_tokens_to_ids(["[INST]", "[/INST]"])
+    ids = [tok.bos_token_id, inst, *tok.encode(TEXT, add_special_tokens=False), end]
+    assert tok.decode(ids, skip_special_tokens=True) == TEXT
+    assert tok.decode(ids) == f"<s>[INST]{TEXT}[/INST]"  # not SentencePiece's raw pieces ("▁Kiln")

@@ -27,9 +27,9 @@ class EngineConfig(SpeculativeFlags):
     tokenizer: str | None = Field(None, description="tokenizer folder; defaults to the model's")
     tokenizer_mode: Literal["auto", "slow", "mistral"] = Field(
         "auto",
-        description="auto: Hugging Face's tokenizer (mistral_common's for a folder whose only tokenizer file is "
-        "tekken.json); mistral: mistral_common's tekken.json (pip install mistral-common); slow is refused with the "
-        "reason",
+        description="auto: Hugging Face's tokenizer (mistral_common's for a folder whose only tokenizer files are "
+        "its tekken.json or tokenizer.model.v<N>); mistral: mistral_common's (pip install "
+        "mistral-common[sentencepiece]); slow is refused with the reason",
     )
     dtype: Literal["auto", "half", "float16", "bfloat16", "float", "float32"] = "auto"
     max_model_len: int | None = Field(None, ge=1)

@@ -107,7 +107,7 @@ def resolve_model(
 REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 # What a snapshot needs beside its weights: config, tokenizer, generation config, remote code,
 # chat templates (transformers also reads more of them from additional_chat_templates/).
-HUB_FILES = ["*.json", "*.jinja", "*.model", "*.txt", "*.tiktoken", "*.py"]
+HUB_FILES = ["*.json", "*.jinja", "*.model", "*.model.v*", "*.txt", "*.tiktoken", "*.py"]
 HUB_FOLDERS = ("", "additional_chat_templates")
 
 

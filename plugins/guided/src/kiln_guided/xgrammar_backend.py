@@ -16,7 +16,7 @@ from kiln.interfaces.guided import (
     GuideMatcher,
     UnsupportedConstraint,
 )
-from kiln.interfaces.tokenizer import is_mistral
+from kiln.interfaces.tokenizer import is_mistral, is_mistral_sentencepiece, mistral_inner
 
 # xgrammar prefixes its messages with "[time] file.cc:line: ".
 _LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
@@ -25,13 +25,20 @@ _LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 MAX_WHITESPACE = 4
 
 
-def tekken_info(tokenizer, vocab_size: int) -> xgr.TokenizerInfo:
-    """xgrammar's view of a mistral_common tekken tokenizer, which its ``from_huggingface`` does not
-    read: every token's bytes as they are (a raw vocabulary), control tokens empty (xgrammar takes
-    empty tokens for special ones and never lets a grammar choose them)."""
-    tekken = tokenizer.tokenizer.instruct_tokenizer.tokenizer
-    vocab = [b"" if tekken.is_special(i) else tekken.id_to_byte_piece(i, "keep") for i in range(tekken.n_words)]
-    return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=[tokenizer.eos_token_id])
+def mistral_info(tokenizer, vocab_size: int) -> xgr.TokenizerInfo:
+    """xgrammar's view of a mistral_common tokenizer, which its ``from_huggingface`` does not read,
+    control tokens empty (xgrammar takes empty tokens for special ones and never lets a grammar
+    choose them). Tekken: every token's bytes as they are (a raw vocabulary). SentencePiece: its
+    pieces ("▁" for a space, "<0xNN>" for a byte), which xgrammar reads as byte-fallback ones."""
+    inner = mistral_inner(tokenizer)
+    stop = [tokenizer.eos_token_id]
+    if is_mistral_sentencepiece(tokenizer):
+        vocab = ["" if inner.is_special(i) else inner.id_to_piece(i) for i in range(inner.n_words)]
+        return xgr.TokenizerInfo(
+            vocab, xgr.VocabType.BYTE_FALLBACK, vocab_size=vocab_size, stop_token_ids=stop, add_prefix_space=True
+        )
+    vocab = [b"" if inner.is_special(i) else inner.id_to_byte_piece(i, "keep") for i in range(inner.n_words)]
+    return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=stop)
 
 
 def choice_grammar(choices: tuple[str, ...]) -> str:
@@ -73,7 +80,7 @@ class XGrammarBackend(GuidedBackend):
     def __init__(self, tokenizer, vocab_size: int) -> None:
         super().__init__(tokenizer, vocab_size)
         info = (
-            tekken_info(tokenizer, vocab_size)
+            mistral_info(tokenizer, vocab_size)
             if is_mistral(tokenizer)
             else xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
         )
