@@ -218,7 +218,7 @@ def check(goal: Goal, figures: dict[str, dict], skipped: dict[str, str]) -> Targ
         why = ", ".join(f"{s} {'skipped' if s in skipped else 'not run'}" for s in missing)
         return Target(goal.name, "not measured", why)
     if goal.metric not in figures["kiln"]:
-        return Target(goal.name, "not measured", f"{goal.metric.split()[0]} not run (--workloads)")
+        return Target(goal.name, "not measured", f"{goal.metric}: its workload not run (--workloads)")
     kiln = figures["kiln"][goal.metric]["median"]
     values = [figures[p][goal.metric]["median"] for p in goal.peers]
     best = (max if goal.higher_is_better else min)(values) if values else 1.0
