@@ -7,6 +7,7 @@ import os
 import platform
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -150,6 +151,19 @@ def test_gguf_models_multiply_in_int8_unless_told_not_to(default_model_dir):
         LLM(default_model_dir, max_model_len=256, quantization="gguf")
 
 
+HELDOUT = (Path(__file__).parent.parent / "data" / "heldout.txt").read_text()[:3000]
+
+
+@pytest.fixture(scope="module")
+def default_file_perplexity() -> float:
+    """The default model's file, served as it is, on ``HELDOUT``."""
+    from kiln import LLM
+    from kiln.models.loader import default_model_path
+    from kiln.quantization.evaluate import perplexity
+
+    return perplexity(LLM(default_model_path(), max_model_len=512), HELDOUT)
+
+
 @pytest.mark.parametrize(
     ("quant_type", "overrides", "fmts"),
     [
@@ -158,7 +172,7 @@ def test_gguf_models_multiply_in_int8_unless_told_not_to(default_model_dir):
         ("Q4_0", {"attn_v.weight": "Q5_1", "attn_output.weight": "Q5_1"}, (8, 8, 4, 4)),
     ],
 )  # fmt: skip
-def test_other_gguf_types_stay_in_blocks(tmp_path, quant_type, overrides, fmts):
+def test_other_gguf_types_stay_in_blocks(tmp_path, default_file_perplexity, quant_type, overrides, fmts):
     """The default model's file re-quantized to other GGUF types: served from its blocks
     (Q4_0 as Q4_1-style tiles, Q5_0 and Q5_1 as 8-bit ones, Q6_K as 8-bit ones with a scale per
     16 inputs) with int8 activations, close in perplexity to the exact products of the same
@@ -168,24 +182,22 @@ def test_other_gguf_types_stay_in_blocks(tmp_path, quant_type, overrides, fmts):
     held as 8-bit codes with a min. Each case converts a new file (~20 s), so the mixed case
     stands for Q4_0 and Q5_1 whole too."""
     import shutil
-    from pathlib import Path
 
     from kiln import LLM
     from kiln.models.loader import default_model_path, resolve_model
     from kiln.quantization.evaluate import perplexity
     from kiln.testing.models import requantized_gguf
 
-    text = (Path(__file__).parent.parent / "data" / "heldout.txt").read_text()[:3000]
     path = requantized_gguf(default_model_path(), str(tmp_path / f"model.{quant_type}.gguf"), quant_type, overrides)
     try:
         llm = LLM(path, max_model_len=512)
         layer = llm.engine.executor.runner.model.layers[0]
         projections = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
         assert tuple(p.weight.fmt for p in projections) == fmts and all(p.int8_activations for p in projections)
-        ppl = perplexity(llm, text)
-        exact = perplexity(LLM(path, max_model_len=512, quantization="none"), text)
+        ppl = perplexity(llm, HELDOUT)
+        exact = perplexity(LLM(path, max_model_len=512, quantization="none"), HELDOUT)
     finally:
         shutil.rmtree(resolve_model(path, "auto").path)  # the converted fp32 folder this test made in the cache
     assert ppl != exact and abs(ppl / exact - 1) <= 0.02  # int8 activations: another rounding, as close
     # the same model, rounded twice (Q4_1's blocks re-quantized to Q4_0 cost ~30 % here)
-    assert ppl < 1.5 * perplexity(LLM(default_model_path(), max_model_len=512), text)
+    assert ppl < 1.5 * default_file_perplexity

@@ -23,6 +23,7 @@ an older Kiln's conversion made (``MARKER`` says which made it) is converted aga
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -32,6 +33,7 @@ import re
 import shutil
 import struct
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -135,15 +137,16 @@ def _convert(files: list[str], target: Path) -> None:
             reader = gguf_split.read_model(files)
             # transformers cannot read a deepseek2 file's config, which AutoTokenizer would read first.
             fast_only = reader.fields["general.architecture"].contents() == gguf_deepseek.ARCH
-            gguf_tokenizer(gguf_path, fast_only=fast_only, reader=reader).save_pretrained(tmp)
-            if not _write_by_tensor(gguf_path, tmp, reader):
-                if len(files) > 1:  # transformers reads one file
-                    raise gguf_split.SplitModelError(
-                        f"model: {gguf_path}: a split GGUF model of this architecture is not read (Kiln converts "
-                        "split files tensor by tensor, which this architecture's conversion through transformers "
-                        "does not allow); join its files with llama.cpp's `llama-gguf-split --merge`"
-                    )
-                _write_whole(gguf_path, tmp)
+            with _parsed_once(gguf_path, reader):
+                gguf_tokenizer(gguf_path, fast_only=fast_only, reader=reader).save_pretrained(tmp)
+                if not _write_by_tensor(gguf_path, tmp, reader):
+                    if len(files) > 1:  # transformers reads one file
+                        raise gguf_split.SplitModelError(
+                            f"model: {gguf_path}: a split GGUF model of this architecture is not read (Kiln "
+                            "converts split files tensor by tensor, which this architecture's conversion through "
+                            "transformers does not allow); join its files with llama.cpp's `llama-gguf-split --merge`"
+                        )
+                    _write_whole(gguf_path, tmp)
         except (UnmappedGGUF, gguf_split.SplitModelError):
             raise
         except ImportError as exc:
@@ -160,6 +163,33 @@ def _convert(files: list[str], target: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         if not _current(target):  # else another process's conversion won the race
             raise
+
+
+@contextlib.contextmanager
+def _parsed_once(gguf_path: str, reader) -> Iterator[None]:
+    """transformers parses the file again for each of its config, its tokenizer and its weights
+    (``load_gguf_checkpoint`` opens its own ``gguf.GGUFReader``): several seconds each where the
+    vocabulary is large (~5 s for the default model's 49k tokens and merges). Meanwhile a reader
+    asked for this file is the one parsed already. A split model's parts are each parsed as
+    before."""
+    import gguf
+
+    opened = gguf.GGUFReader
+    if type(reader) is not opened:
+        yield
+        return
+    path = os.path.realpath(gguf_path)
+
+    def reader_for(p, *args, **kwargs):
+        if not args and not kwargs and os.path.realpath(p) == path:
+            return reader
+        return opened(p, *args, **kwargs)
+
+    gguf.GGUFReader = reader_for
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = opened
 
 
 def _install(tmp: Path, target: Path) -> None:

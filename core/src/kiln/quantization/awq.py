@@ -20,17 +20,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kiln.interfaces.quantization import widen
-from kiln.quantization.rtn import int4_asymmetric
+from kiln.quantization.rtn import int4_fake_quant as fake_quant
 from kiln.quantization.smoothquant import fold_scales
 
 GRID = 20
 CLIP_STEPS, CLIP_SHRINK = 10, 0.5
 MAX_TOKENS = 4096  # calibration tokens each search evaluates (a seeded subsample beyond that)
-
-
-def fake_quant(w: torch.Tensor, group: int) -> torch.Tensor:
-    return widen(*int4_asymmetric(w, group))
 
 
 def _subsample(x: torch.Tensor, limit: int) -> torch.Tensor:

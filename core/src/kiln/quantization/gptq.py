@@ -48,18 +48,21 @@ def _grid(low: torch.Tensor, high: torch.Tensor, sym: bool) -> tuple[torch.Tenso
 
 
 def _group_params(w: torch.Tensor, sym: bool, col_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scale and zero point per row: of the grids over the range shrunk by 0 .. 20 %, the one
+    """Scale and zero point per row (``w``'s last dimension is the group's columns, ``col_weight``
+    theirs): of the grids over the range shrunk by 0 .. 20 %, the one
     whose rounding error is smallest (|e|^2.4, the measure of the ``mse`` option of GPTQ's
     reference code, times ``col_weight`` per column, summed). Clipping the extremes buys finer
     steps for the rest. On the default model (group 32, act-order, zero points, 32 x 128
     calibration tokens): perplexity +9.6 % over fp32 with no search, +8.1 % with it, +7.3 % with
     the columns weighted, +6.8 % with static groups; searching up to 50 % chose the same grids."""
-    low, high = w.amin(dim=1), w.amax(dim=1)
+    low, high = w.amin(dim=-1), w.amax(dim=-1)
     best, scale, zero = torch.full_like(low, float("inf")), torch.zeros_like(low), torch.zeros_like(low)
     for shrink in SHRINKS:  # the first (no shrinking) is always taken, then only a smaller error
         s, z = _grid(low * shrink, high * shrink, sym)
-        q = torch.clamp(torch.round(w / s[:, None]) + z[:, None], 0, MAXQ)
-        err = (((q - z[:, None]) * s[:, None] - w).abs().pow(2.4) * col_weight).sum(dim=1)
+        s_, z_ = s.unsqueeze(-1), z.unsqueeze(-1)
+        q = torch.round(w / s_).add_(z_).clamp_(0, MAXQ)
+        # |e|^2.4 as exp(2.4 log|e|): in place, and ~0.6 of pow's time on float64.
+        err = q.sub_(z_).mul_(s_).sub_(w).abs_().log_().mul_(2.4).exp_().mul_(col_weight).sum(dim=-1)
         better = err < best
         best, scale, zero = torch.where(better, err, best), torch.where(better, s, scale), torch.where(better, z, zero)
     return scale, zero
@@ -89,9 +92,7 @@ def gptq_quantize(
     inverse = torch.argsort(perm)
     if static_groups:  # grids over consecutive original columns, before any is quantized
         w_orig, weight_orig = w[:, inverse], col_weight[inverse]
-        for g in range(cols // group):
-            cut = slice(g * group, (g + 1) * group)
-            scales[:, g], zeros[:, g] = _group_params(w_orig[:, cut], sym, weight_orig[cut])
+        scales, zeros = _group_params(w_orig.view(rows, -1, group), sym, weight_orig.view(-1, group))
     group_of = (perm // group).tolist()  # quantization position -> its group (scale column)
     for i1 in range(0, cols, BLOCK):
         i2 = min(i1 + BLOCK, cols)

@@ -142,39 +142,47 @@ def first_layer_inputs(model, samples: torch.Tensor) -> tuple[list[torch.Tensor]
 
 
 @torch.no_grad()
-def run_layer(
-    layer: nn.Module, hidden: list[torch.Tensor], kwargs: list[dict], hooks: dict | None = None
-) -> list[torch.Tensor]:
-    """The layer's outputs for each chunk (``kwargs``: its keyword arguments for each);
-    ``hooks`` maps a linear to a callback given its input rows."""
-    handles = [
-        lin.register_forward_hook(lambda mod, args, out, fn=fn: fn(args[0].reshape(-1, args[0].shape[-1]).float()))
-        for lin, fn in (hooks or {}).items()
-    ]
-    try:
-        outs = []
-        for h, kw in zip(hidden, kwargs, strict=True):
-            out = layer(h, **kw)
-            outs.append(out[0] if isinstance(out, tuple) else out)
-        return outs
-    finally:
-        for handle in handles:
-            handle.remove()
+def run_layer(layer: nn.Module, hidden: list[torch.Tensor], kwargs: list[dict]) -> list[torch.Tensor]:
+    """The layer's outputs for each chunk (``kwargs``: its keyword arguments for each)."""
+    outs = []
+    for h, kw in zip(hidden, kwargs, strict=True):
+        out = layer(h, **kw)
+        outs.append(out[0] if isinstance(out, tuple) else out)
+    return outs
 
 
 def _modules(layer: nn.Module) -> dict[str, nn.Module]:
     return {name.split(".")[-1]: layer.get_submodule(name) for name in LINEARS}
 
 
+class _Seen(Exception):
+    """Raised when every linear a collection needs has seen its chunk: the rest of the layer's
+    forward would be wasted (GPTQ's first collection stops at q_proj, before attention)."""
+
+
+@torch.no_grad()
 def _collect(layer, hidden, kwargs, linears: list[nn.Linear], reduce) -> list:
     """Per linear: its input rows over all chunks, folded with ``reduce(acc, rows)``."""
     acc: dict[nn.Linear, object] = {}
-    run_layer(
-        layer,
-        hidden,
-        kwargs,
-        {lin: (lambda x, lin=lin: acc.__setitem__(lin, reduce(acc.get(lin), x))) for lin in linears},
-    )
+    seen: set[nn.Linear] = set()
+
+    def before(lin, args):
+        acc[lin] = reduce(acc.get(lin), args[0].reshape(-1, args[0].shape[-1]).float())
+        seen.add(lin)
+        if len(seen) == len(linears):
+            raise _Seen
+
+    handles = [lin.register_forward_pre_hook(before) for lin in linears]
+    try:
+        for h, kw in zip(hidden, kwargs, strict=True):
+            seen.clear()
+            try:
+                layer(h, **kw)
+            except _Seen:
+                pass
+    finally:
+        for handle in handles:
+            handle.remove()
     return [acc[lin] for lin in linears]
 
 
@@ -212,12 +220,17 @@ def quantize_layer(ns, layer, hidden, kwargs) -> dict[str, tuple]:
     if ns.quant_type == "gptq":
         for sub in (qkv, [m["o_proj"]], gate_up, [m["down_proj"]]):  # each sees the ones before it quantized
             (hessian,) = _collect(layer, hidden, kwargs, [sub[0]], _hessian)
-            for lin in sub:
-                codes, scale, zero, g_idx = gptq.gptq_quantize(
-                    lin.weight, hessian, ns.group_size, ns.act_order, ns.sym, ns.static_groups
-                )
-                lin.weight.copy_(widen(codes, scale, zero, g_idx))
-                result[names[lin]] = (codes, scale, zero, g_idx)
+            # GPTQ treats each output row on its own: the linears sharing these inputs go as one.
+            codes, scale, zero, g_idx = gptq.gptq_quantize(
+                torch.cat([lin.weight for lin in sub]), hessian, ns.group_size, ns.act_order, ns.sym, ns.static_groups
+            )
+            rows = [lin.weight.shape[0] for lin in sub]
+            zero_parts = zero.split(rows) if zero is not None else [None] * len(sub)
+            for lin, *parts in zip(sub, codes.split(rows), scale.split(rows), zero_parts, strict=True):
+                # Each its own storage: safetensors refuses to save tensors that share one.
+                c, s, z, g = (None if t is None else t.clone() for t in (*parts, g_idx))
+                lin.weight.copy_(widen(c, s, z, g))
+                result[names[lin]] = (c, s, z, g)
     else:
         for lin, name in names.items():
             if ns.quant_type == "awq":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from pathlib import Path
@@ -289,6 +290,18 @@ def _deepseek2_fields(writer, cfg: dict, split_kv_b: bool) -> None:
         writer.add_rope_scaling_yarn_log_mul(0.1 * rope_parameters["mscale_all_dim"])
 
 
+@functools.cache
+def _default_tokenizer_fields() -> list[tuple[str, object, list]]:
+    """The default model GGUF's ``tokenizer.*`` fields as (name, value, types): read once per
+    process (parsing its 49k tokens and merges takes seconds)."""
+    from gguf import GGUFReader
+
+    from kiln.models.loader import default_model_path
+
+    fields = GGUFReader(default_model_path()).fields.values()
+    return [(f.name, f.contents(), list(f.types)) for f in fields if f.name.startswith("tokenizer.")]
+
+
 def hf_as_gguf(
     src: str,
     dst: str,
@@ -321,7 +334,6 @@ def hf_as_gguf(
     from gguf import (
         MODEL_ARCH_NAMES,
         GGMLQuantizationType,
-        GGUFReader,
         GGUFValueType,
         GGUFWriter,
         dequantize,
@@ -329,8 +341,6 @@ def hf_as_gguf(
         quantize,
     )
     from safetensors.torch import load_file, save_file
-
-    from kiln.models.loader import default_model_path
 
     cfg = json.loads((Path(src) / "config.json").read_text())
     weights = load_file(str(Path(src) / "model.safetensors"))
@@ -340,12 +350,8 @@ def hf_as_gguf(
     kind = GGMLQuantizationType[quant_type]
 
     writer = GGUFWriter(dst, arch, split_max_tensors=split_max_tensors)
-    tokenizer = GGUFReader(default_model_path())
-    for field in tokenizer.fields.values():
-        if field.name.startswith("tokenizer."):
-            types = field.types
-            writer.add_key_value(field.name, field.contents(), types[0],
-                                 sub_type=types[-1] if types[0] == GGUFValueType.ARRAY else None)  # fmt: skip
+    for name, value, types in _default_tokenizer_fields():
+        writer.add_key_value(name, value, types[0], sub_type=types[-1] if types[0] == GGUFValueType.ARRAY else None)
     writer.add_block_count(layers)
     if arch == "llama":
         writer.add_vocab_size(cfg["vocab_size"])

@@ -12,7 +12,8 @@ from kiln_cuda import kernels
 
 # Keys per inner-loop tile of the attention kernels.
 TILE = 32
-# Split-KV decode: slices per sequence, used while decodes x kv heads leave the GPU idle.
+# Split-KV decode: slices per sequence (at most; a power of two), used while decodes x kv heads
+# leave the GPU idle.
 SPLITS = 8
 SPLIT_KV_MAX_WORK = 128
 # The kernels' window where a layer has none: wider than any position.
@@ -30,6 +31,9 @@ class TritonMetadata:
     token_pos: torch.Tensor  # (tokens,) int32: its absolute position (its KV length - 1)
     block_size: int
     all_decode: bool  # one query token per request
+    # Split-KV decode's slices per sequence: no more than give each a tile of keys (eager batches,
+    # whose longest sequence is known), SPLITS under a decode graph (its grid is fixed).
+    splits: int = SPLITS
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -55,6 +59,7 @@ class TritonAttentionBackend(AttentionBackend):
         return TritonMetadata(
             layout.slot_mapping, layout.block_table, layout.seq_lens, token_seq.to(torch.int32),
             token_pos.to(torch.int32), layout.block_size, layout.num_decode_reqs == layout.num_reqs,
+            min(SPLITS, triton.next_power_of_2(max(1, triton.cdiv(layout.max_seq_len, TILE)))),
         )  # fmt: skip
 
     def graph_metadata(self, block_table, seq_lens, slot_mapping, block_size) -> TritonMetadata:
@@ -107,17 +112,17 @@ class TritonAttentionBackend(AttentionBackend):
         self, q, kv_cache, out, metadata: TritonMetadata, scale: float, window: int, block_d: int, cap: dict
     ) -> None:
         """Flash-decoding for small decode batches: one program per (decode, head, slice), then a reduction."""
-        tokens, heads = q.shape[0], self.num_heads
-        part_acc = torch.empty(tokens, heads, SPLITS, block_d, dtype=torch.float32, device=q.device)
-        part_max = torch.empty(tokens, heads, SPLITS, dtype=torch.float32, device=q.device)
+        tokens, heads, splits = q.shape[0], self.num_heads, metadata.splits
+        part_acc = torch.empty(tokens, heads, splits, block_d, dtype=torch.float32, device=q.device)
+        part_max = torch.empty(tokens, heads, splits, dtype=torch.float32, device=q.device)
         part_sum = torch.empty_like(part_max)
-        kernels.paged_decode_split_kernel[(tokens, heads, SPLITS)](
+        kernels.paged_decode_split_kernel[(tokens, heads, splits)](
             q, kv_cache, metadata.seq_lens, metadata.block_table, part_acc, part_max, part_sum,
             metadata.block_table.stride(0), q.stride(0), q.stride(1), kv_cache.stride(0), scale, window,
             H=heads, KVN=self.num_kv_heads, GROUP=heads // self.num_kv_heads, D=self.head_dim,
-            BLOCK_D=block_d, BS=metadata.block_size, TILE=TILE, SPLITS=SPLITS, **cap,
+            BLOCK_D=block_d, BS=metadata.block_size, TILE=TILE, SPLITS=splits, **cap,
         )  # fmt: skip
         kernels.reduce_splits_kernel[(tokens, heads)](
             part_acc, part_max, part_sum, out, out.stride(0), out.stride(1),
-            H=heads, D=self.head_dim, BLOCK_D=block_d, SPLITS=SPLITS,
+            H=heads, D=self.head_dim, BLOCK_D=block_d, SPLITS=splits,
         )  # fmt: skip
