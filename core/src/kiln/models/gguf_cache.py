@@ -24,6 +24,7 @@ an older Kiln's conversion made (``MARKER`` says which made it) is converted aga
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -167,29 +168,27 @@ def _convert(files: list[str], target: Path) -> None:
 
 @contextlib.contextmanager
 def _parsed_once(gguf_path: str, reader) -> Iterator[None]:
-    """transformers parses the file again for each of its config, its tokenizer and its weights
-    (``load_gguf_checkpoint`` opens its own ``gguf.GGUFReader``): several seconds each where the
-    vocabulary is large (~5 s for the default model's 49k tokens and merges). Meanwhile a reader
-    asked for this file is the one parsed already. A split model's parts are each parsed as
-    before."""
+    """What transformers would redo during one conversion, done once. It parses the file again for
+    each of its config, its tokenizer and its weights (``load_gguf_checkpoint`` opens its own
+    ``gguf.GGUFReader``: ~5 s each for the default model's 49k tokens and merges), so a reader
+    asked for this file is the one parsed already (a split model's parts are parsed as before).
+    Its weight-name mapping builds gguf's name table for every module of the model, recursively
+    (~10 s for the default model), so that table is kept per architecture and depth."""
     import gguf
 
-    opened = gguf.GGUFReader
-    if type(reader) is not opened:
-        yield
-        return
+    opened, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
     path = os.path.realpath(gguf_path)
 
     def reader_for(p, *args, **kwargs):
-        if not args and not kwargs and os.path.realpath(p) == path:
+        if type(reader) is opened and not args and not kwargs and os.path.realpath(p) == path:
             return reader
         return opened(p, *args, **kwargs)
 
-    gguf.GGUFReader = reader_for
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader_for, functools.cache(name_map)
     try:
         yield
     finally:
-        gguf.GGUFReader = opened
+        gguf.GGUFReader, gguf.get_tensor_name_map = opened, name_map
 
 
 def _install(tmp: Path, target: Path) -> None:
