@@ -31,57 +31,75 @@ def reshape_and_cache_kernel(
 
 
 @triton.jit
-def _attend_tile(q, cache_ptr, table_row_ptr, plane_stride, scale, softcap, j, jmask, d, dmask, kvh, m, denom, acc,
-                 KVN: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, SOFTCAP: tl.constexpr):  # fmt: skip
-    """One tile of keys ``j`` (valid where ``jmask``) folded into the online softmax (m, denom, acc);
-    with ``SOFTCAP`` the scores are first capped to ``softcap * tanh(score / softcap)`` (Gemma 2)."""
+def _attend_rows(q, cache_ptr, table_row_ptr, plane_stride, scale, softcap, j, first, last, d, dmask, kvh, m, denom,
+                 acc, KVN: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, SOFTCAP: tl.constexpr):  # fmt: skip
+    """One tile of keys ``j`` folded into the online softmax (m, denom, acc) of each query row
+    (``q`` is rows x BLOCK_D, fp32): row r sees the keys ``first[r]..last[r]``, and a row that sees
+    none keeps max -inf and adds nothing. With ``SOFTCAP`` the scores are first capped to
+    ``softcap * tanh(score / softcap)`` (Gemma 2). Scores and weighted values are fp32 dots."""
+    jmask = j <= tl.max(last, axis=0)
     block = tl.load(table_row_ptr + j // BS, mask=jmask, other=0)
-    rows = (block * BS + j % BS) * KVN + kvh
-    kv_mask = jmask[:, None] & dmask[None, :]
-    k = tl.load(cache_ptr + rows[:, None] * D + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-    s = tl.sum(k * q[None, :], axis=1) * scale
+    keys = (block * BS + j % BS) * KVN + kvh
+    kt = tl.load(cache_ptr + keys[None, :] * D + d[:, None], mask=dmask[:, None] & jmask[None, :], other=0.0)
+    s = tl.dot(q, kt.to(tl.float32), input_precision="ieee") * scale
     if SOFTCAP:  # tanh from exp, which saturates to +-1 where exp overflows or vanishes
         s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
-    s = tl.where(jmask, s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, axis=0))
-    p = tl.exp(s - m_new)
-    alpha = tl.exp(m - m_new)
-    v = tl.load(cache_ptr + plane_stride + rows[:, None] * D + d[None, :], mask=kv_mask, other=0.0)
-    acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
-    return m_new, denom * alpha + tl.sum(p, axis=0), acc
+    s = tl.where((j[None, :] >= first[:, None]) & (j[None, :] <= last[:, None]), s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: exp(-inf) = 0, not NaN
+    p = tl.exp(s - shift[:, None])
+    alpha = tl.exp(m - shift)
+    v = tl.load(cache_ptr + plane_stride + keys[:, None] * D + d[None, :], mask=jmask[:, None] & dmask[None, :],
+                other=0.0)  # fmt: skip
+    acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    return m_new, denom * alpha + tl.sum(p, axis=1), acc
 
 
 @triton.jit
 def paged_attention_kernel(
-    q_ptr, cache_ptr, out_ptr, token_seq_ptr, token_pos_ptr, block_table_ptr,
+    q_ptr, cache_ptr, out_ptr, tile_seq_ptr, tile_first_ptr, tile_len_ptr, token_pos_ptr, block_table_ptr,
     bt_stride, q_stride_t, q_stride_h, o_stride_t, o_stride_h, plane_stride, scale, window, softcap,
-    KVN: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    KVN: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BS: tl.constexpr, TILE: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
-    """Grid (tokens, heads): prefill chunks and decodes alike. Token t of request ``seq`` at
+    """Grid (query tiles, kv heads): prefill chunks and decodes alike. A tile is up to
+    ``BLOCK_M // GROUP`` consecutive query tokens of one request (``tile_len`` of them from token
+    ``tile_first``), and a program takes them with the GROUP query heads that share KV head ``kvh``:
+    BLOCK_M rows of (token, head), so each K/V tile is read once for all of them. Token t at
     absolute position ``pos`` attends to cache positions pos - window + 1..pos (from 0 where that
     is negative; ``window`` is the sliding window, or larger than any position without one):
     causal within the new tokens, over the cached context as far as the window reaches, reading
     K/V through the block table, with online softmax. Keys before the window are not read."""
-    t = tl.program_id(0)
-    n = tl.program_id(1)
-    kvh = n // GROUP
-    seq = tl.load(token_seq_ptr + t)
-    pos = tl.load(token_pos_ptr + t)
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    seq = tl.load(tile_seq_ptr + tile)
+    start = tl.load(tile_first_ptr + tile)
+    count = tl.load(tile_len_ptr + tile)
+    r = tl.arange(0, BLOCK_M)
+    rmask = r < count * GROUP
+    t = start + r // GROUP
+    n = kvh * GROUP + r % GROUP
+    pos = tl.load(token_pos_ptr + t, mask=rmask, other=-1)
+    first = tl.maximum(pos + 1 - window, 0)
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
-    q = tl.load(q_ptr + t * q_stride_t + n * q_stride_h + d, mask=dmask, other=0.0).to(tl.float32)
-    m = tl.zeros([], dtype=tl.float32) - float("inf")
-    denom = tl.zeros([], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for start in range(tl.maximum(pos + 1 - window, 0), pos + 1, TILE):
-        j = start + tl.arange(0, TILE)
-        m, denom, acc = _attend_tile(
-            q, cache_ptr, block_table_ptr + seq * bt_stride, plane_stride, scale, softcap, j, j <= pos, d, dmask,
-            kvh, m, denom, acc, KVN=KVN, D=D, BS=BS, SOFTCAP=SOFTCAP,
+    io_mask = rmask[:, None] & dmask[None, :]
+    q = tl.load(q_ptr + t[:, None] * q_stride_t + n[:, None] * q_stride_h + d[None, :], mask=io_mask, other=0.0)
+    q = q.to(tl.float32)
+    m = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+    denom = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    # Keys from the first token's window to the last token's position (padding rows: pos -1, none).
+    low = tl.maximum(tl.load(token_pos_ptr + start) + 1 - window, 0)
+    for tile_start in range(low, tl.max(pos, axis=0) + 1, TILE):
+        j = tile_start + tl.arange(0, TILE)
+        m, denom, acc = _attend_rows(
+            q, cache_ptr, block_table_ptr + seq * bt_stride, plane_stride, scale, softcap, j, first,
+            pos, d, dmask, kvh, m, denom, acc, KVN=KVN, D=D, BS=BS, SOFTCAP=SOFTCAP,
         )  # fmt: skip
-    out = acc / denom
-    tl.store(out_ptr + t * o_stride_t + n * o_stride_h + d, out.to(out_ptr.dtype.element_ty), mask=dmask)
+    out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
+    tl.store(out_ptr + t[:, None] * o_stride_t + n[:, None] * o_stride_h + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=io_mask)  # fmt: skip
 
 
 @triton.jit
@@ -194,37 +212,43 @@ def silu_and_mul_kernel(x_ptr, out_ptr, d, BLOCK: tl.constexpr):
 def paged_decode_split_kernel(
     q_ptr, cache_ptr, seq_lens_ptr, block_table_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
     bt_stride, q_stride_t, q_stride_h, plane_stride, scale, window, softcap,
-    H: tl.constexpr, KVN: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    BS: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr, SOFTCAP: tl.constexpr,
+    H: tl.constexpr, KVN: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
+    BLOCK_D: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
-    """Split-KV decode (flash-decoding), grid (decodes, heads, SPLITS): each program covers one
-    slice of the sequence's last ``window`` keys (all of them where it is the longer) and leaves
-    its unnormalised output, max and sum for the reduction."""
+    """Split-KV decode (flash-decoding), grid (decodes, kv heads, SPLITS): each program covers one
+    slice of the sequence's last ``window`` keys (all of them where it is the longer) for the
+    GROUP query heads of one KV head (rows padded to BLOCK_G for the dots), and leaves each head's
+    unnormalised output, max and sum for the reduction."""
     r = tl.program_id(0)
-    n = tl.program_id(1)
+    kvh = tl.program_id(1)
     split = tl.program_id(2)
-    kvh = n // GROUP
     seq_len = tl.load(seq_lens_ptr + r)
     first = tl.maximum(seq_len - window, 0)
     chunk = tl.cdiv(seq_len - first, SPLITS)
     start = first + split * chunk
     end = tl.minimum(start + chunk, seq_len)
+    g = tl.arange(0, BLOCK_G)
+    gmask = g < GROUP
+    n = kvh * GROUP + g
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
-    q = tl.load(q_ptr + r * q_stride_t + n * q_stride_h + d, mask=dmask, other=0.0).to(tl.float32)
-    m = tl.zeros([], dtype=tl.float32) - float("inf")
-    denom = tl.zeros([], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    q = tl.load(q_ptr + r * q_stride_t + n[:, None] * q_stride_h + d[None, :], mask=gmask[:, None] & dmask[None, :],
+                other=0.0).to(tl.float32)  # fmt: skip
+    rows_first = tl.zeros([BLOCK_G], dtype=tl.int32) + start
+    rows_last = tl.zeros([BLOCK_G], dtype=tl.int32) + end - 1
+    m = tl.zeros([BLOCK_G], dtype=tl.float32) - float("inf")
+    denom = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     for tile in range(start, end, TILE):
         j = tile + tl.arange(0, TILE)
-        m, denom, acc = _attend_tile(
-            q, cache_ptr, block_table_ptr + r * bt_stride, plane_stride, scale, softcap, j, j < end, d, dmask,
-            kvh, m, denom, acc, KVN=KVN, D=D, BS=BS, SOFTCAP=SOFTCAP,
+        m, denom, acc = _attend_rows(
+            q, cache_ptr, block_table_ptr + r * bt_stride, plane_stride, scale, softcap, j, rows_first, rows_last,
+            d, dmask, kvh, m, denom, acc, KVN=KVN, D=D, BS=BS, SOFTCAP=SOFTCAP,
         )  # fmt: skip
     part = (r * H + n) * SPLITS + split
-    tl.store(part_acc_ptr + part * BLOCK_D + d, acc)
-    tl.store(part_max_ptr + part, m)
-    tl.store(part_sum_ptr + part, denom)
+    tl.store(part_acc_ptr + part[:, None] * BLOCK_D + d[None, :], acc, mask=gmask[:, None])
+    tl.store(part_max_ptr + part, m, mask=gmask)
+    tl.store(part_sum_ptr + part, denom, mask=gmask)
 
 
 @triton.jit
