@@ -92,27 +92,41 @@ class TritonAttentionBackend(AttentionBackend):
         tokens = q.shape[0]
         block_d = triton.next_power_of_2(self.head_dim)
         if tokens:
-            kernels.reshape_and_cache_kernel[(tokens, self.num_kv_heads)](
+            kernels.reshape_and_cache_kernel[(tokens,)](
                 k, v, kv_cache, metadata.slot_mapping, k.stride(0), v.stride(0), kv_cache.stride(0),
-                1.0 / self.k_scale, 1.0 / self.v_scale, KVN=self.num_kv_heads, D=self.head_dim, BLOCK_D=block_d,
+                1.0 / self.k_scale, 1.0 / self.v_scale, KVN=self.num_kv_heads,
+                BLOCK_H=triton.next_power_of_2(self.num_kv_heads), D=self.head_dim, BLOCK_D=block_d,
             )  # fmt: skip
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        scale = scale * self.k_scale  # scores of stored keys; v_scale applies to the output below
-        window = sliding_window or NO_WINDOW
-        cap = dict(softcap=logit_softcap or 0.0, SOFTCAP=bool(logit_softcap))
-        if tokens and metadata.all_decode and tokens * self.num_kv_heads <= SPLIT_KV_MAX_WORK:
-            self._split_kv_decode(q, kv_cache, out, metadata, scale, window, block_d, cap)
-        elif tokens:
-            kernels.paged_attention_kernel[(metadata.tile_seq.shape[0], self.num_kv_heads)](
-                q, kv_cache, out, metadata.tile_seq, metadata.tile_first, metadata.tile_len, metadata.token_pos,
-                metadata.block_table, metadata.block_table.stride(0), q.stride(0), q.stride(1), out.stride(0),
-                out.stride(1), kv_cache.stride(0), scale, window,
-                KVN=self.num_kv_heads, GROUP=self.num_heads // self.num_kv_heads, D=self.head_dim,
-                BLOCK_D=block_d, BLOCK_M=self._block_m, BS=metadata.block_size, TILE=TILE, **cap,
-            )  # fmt: skip
-        if self.v_scale != 1.0:
+        if tokens:
+            self._attend(q, kv_cache, out, metadata, scale * self.k_scale, sliding_window, logit_softcap)
+        if self.v_scale != 1.0:  # scores are of stored keys (k_scale above), the output of stored values
             out.mul_(self.v_scale)
         return out
+
+    def _attend(self, q, kv_cache, out, metadata: TritonMetadata, scale, sliding_window, logit_softcap) -> None:
+        """One launch of the paged kernel over the metadata's query tiles. Small decode batches split each
+        sequence's keys into ``metadata.splits`` slices (flash-decoding), combined by a second launch."""
+        tokens, heads = q.shape[0], self.num_heads
+        split = metadata.all_decode and metadata.splits > 1 and tokens * self.num_kv_heads <= SPLIT_KV_MAX_WORK
+        splits = metadata.splits if split else 1
+        block_d = triton.next_power_of_2(self.head_dim)
+        parts = [out] * 3  # unused without slices
+        if split:
+            part_max = torch.empty(tokens, heads, splits, dtype=torch.float32, device=q.device)
+            parts = [torch.empty(*part_max.shape, block_d, dtype=torch.float32, device=q.device), part_max,
+                     torch.empty_like(part_max)]  # fmt: skip
+        kernels.paged_attention_kernel[(metadata.tile_seq.shape[0], self.num_kv_heads, splits)](
+            q, kv_cache, out, *parts, metadata.tile_seq, metadata.tile_first, metadata.tile_len, metadata.token_pos,
+            metadata.block_table, metadata.block_table.stride(0), q.stride(0), q.stride(1), out.stride(0),
+            out.stride(1), kv_cache.stride(0), scale, sliding_window or NO_WINDOW, logit_softcap or 0.0,
+            H=heads, KVN=self.num_kv_heads, GROUP=heads // self.num_kv_heads, D=self.head_dim, BLOCK_D=block_d,
+            BLOCK_M=self._block_m, BS=metadata.block_size, TILE=TILE, SPLITS=splits, SOFTCAP=bool(logit_softcap),
+        )  # fmt: skip
+        if split:
+            kernels.reduce_splits_kernel[(tokens, heads)](
+                *parts, out, out.stride(0), out.stride(1), H=heads, D=self.head_dim, BLOCK_D=block_d, SPLITS=splits
+            )
 
     def forward_encoder(self, q, k, v, layout: BatchLayout, *, scale):
         """Bidirectional attention within each sequence, in one launch (``encoder_attention_kernel``)."""
@@ -126,23 +140,3 @@ class TritonAttentionBackend(AttentionBackend):
                 BLOCK_D=triton.next_power_of_2(self.head_dim), BLOCK_M=ENCODER_BLOCK, BLOCK_N=ENCODER_BLOCK,
             )  # fmt: skip
         return out
-
-    def _split_kv_decode(
-        self, q, kv_cache, out, metadata: TritonMetadata, scale: float, window: int, block_d: int, cap: dict
-    ) -> None:
-        """Flash-decoding for small decode batches: one program per (decode, KV head, slice), then a reduction."""
-        tokens, heads, splits = q.shape[0], self.num_heads, metadata.splits
-        group = heads // self.num_kv_heads
-        part_acc = torch.empty(tokens, heads, splits, block_d, dtype=torch.float32, device=q.device)
-        part_max = torch.empty(tokens, heads, splits, dtype=torch.float32, device=q.device)
-        part_sum = torch.empty_like(part_max)
-        kernels.paged_decode_split_kernel[(tokens, self.num_kv_heads, splits)](
-            q, kv_cache, metadata.seq_lens, metadata.block_table, part_acc, part_max, part_sum,
-            metadata.block_table.stride(0), q.stride(0), q.stride(1), kv_cache.stride(0), scale, window,
-            H=heads, KVN=self.num_kv_heads, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
-            D=self.head_dim, BLOCK_D=block_d, BS=metadata.block_size, TILE=TILE, SPLITS=splits, **cap,
-        )  # fmt: skip
-        kernels.reduce_splits_kernel[(tokens, heads)](
-            part_acc, part_max, part_sum, out, out.stride(0), out.stride(1),
-            H=heads, D=self.head_dim, BLOCK_D=block_d, SPLITS=splits,
-        )  # fmt: skip

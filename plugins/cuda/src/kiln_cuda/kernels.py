@@ -11,17 +11,17 @@ import triton.language as tl
 @triton.jit
 def reshape_and_cache_kernel(
     k_ptr, v_ptr, cache_ptr, slot_ptr, k_stride, v_stride, plane_stride, inv_k_scale, inv_v_scale,
-    KVN: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    KVN: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """Grid (tokens, kv_heads): one head's K and V row into slot ``slot_ptr[t]``; slot < 0 is padding.
-    The cache is (2, blocks, block_size, kv_heads, D): slot s, head h is row ``s * KVN + h``.
+    """Grid (tokens,): each KV head's K and V row of token t into slot ``slot_ptr[t]``; slot < 0 is
+    padding. The cache is (2, blocks, block_size, kv_heads, D): slot s, head h is row ``s * KVN + h``.
     Values are stored as ``k * inv_k_scale`` in the cache's dtype (fp8 caches; 1.0 otherwise)."""
     t = tl.program_id(0)
-    h = tl.program_id(1)
     slot = tl.load(slot_ptr + t)
-    d = tl.arange(0, BLOCK_D)
-    slots = tl.zeros([BLOCK_D], dtype=tl.int64) + slot  # per lane: the interpreter masks need a vector
-    mask = (d < D) & (slots >= 0)
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    slots = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.int64) + slot  # per lane: the interpreter masks need a block
+    mask = (h < KVN) & (d < D) & (slots >= 0)
     row = tl.where(slots >= 0, slots, 0) * KVN + h
     k = tl.load(k_ptr + t * k_stride + h * D + d, mask=mask)
     v = tl.load(v_ptr + t * v_stride + h * D + d, mask=mask)
@@ -31,47 +31,28 @@ def reshape_and_cache_kernel(
 
 
 @triton.jit
-def _attend_rows(q, cache_ptr, table_row_ptr, plane_stride, scale, softcap, j, first, last, d, dmask, kvh, m, denom,
-                 acc, KVN: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, SOFTCAP: tl.constexpr):  # fmt: skip
-    """One tile of keys ``j`` folded into the online softmax (m, denom, acc) of each query row
-    (``q`` is rows x BLOCK_D, fp32): row r sees the keys ``first[r]..last[r]``, and a row that sees
-    none keeps max -inf and adds nothing. With ``SOFTCAP`` the scores are first capped to
-    ``softcap * tanh(score / softcap)`` (Gemma 2). Scores and weighted values are fp32 dots."""
-    jmask = j <= tl.max(last, axis=0)
-    block = tl.load(table_row_ptr + j // BS, mask=jmask, other=0)
-    keys = (block * BS + j % BS) * KVN + kvh
-    kt = tl.load(cache_ptr + keys[None, :] * D + d[:, None], mask=dmask[:, None] & jmask[None, :], other=0.0)
-    s = tl.dot(q, kt.to(tl.float32), input_precision="ieee") * scale
-    if SOFTCAP:  # tanh from exp, which saturates to +-1 where exp overflows or vanishes
-        s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
-    s = tl.where((j[None, :] >= first[:, None]) & (j[None, :] <= last[:, None]), s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, axis=1))
-    shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: exp(-inf) = 0, not NaN
-    p = tl.exp(s - shift[:, None])
-    alpha = tl.exp(m - shift)
-    v = tl.load(cache_ptr + plane_stride + keys[:, None] * D + d[None, :], mask=jmask[:, None] & dmask[None, :],
-                other=0.0)  # fmt: skip
-    acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-    return m_new, denom * alpha + tl.sum(p, axis=1), acc
-
-
-@triton.jit
 def paged_attention_kernel(
-    q_ptr, cache_ptr, out_ptr, tile_seq_ptr, tile_first_ptr, tile_len_ptr, token_pos_ptr, block_table_ptr,
-    bt_stride, q_stride_t, q_stride_h, o_stride_t, o_stride_h, plane_stride, scale, window, softcap,
-    KVN: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    BS: tl.constexpr, TILE: tl.constexpr, SOFTCAP: tl.constexpr,
+    q_ptr, cache_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, tile_seq_ptr, tile_first_ptr,
+    tile_len_ptr, token_pos_ptr, block_table_ptr, bt_stride, q_stride_t, q_stride_h, o_stride_t, o_stride_h,
+    plane_stride, scale, window, softcap,
+    H: tl.constexpr, KVN: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
-    """Grid (query tiles, kv heads): prefill chunks and decodes alike. A tile is up to
+    """Grid (query tiles, kv heads, SPLITS): prefill chunks and decodes alike. A tile is up to
     ``BLOCK_M // GROUP`` consecutive query tokens of one request (``tile_len`` of them from token
     ``tile_first``), and a program takes them with the GROUP query heads that share KV head ``kvh``:
-    BLOCK_M rows of (token, head), so each K/V tile is read once for all of them. Token t at
-    absolute position ``pos`` attends to cache positions pos - window + 1..pos (from 0 where that
-    is negative; ``window`` is the sliding window, or larger than any position without one):
-    causal within the new tokens, over the cached context as far as the window reaches, reading
-    K/V through the block table, with online softmax. Keys before the window are not read."""
+    BLOCK_M rows of (token, head), so each K/V tile is read once for all of them, and scores and
+    weighted values are fp32 dots. Token t at absolute position ``pos`` attends to cache positions
+    pos - window + 1..pos (from 0 where that is negative; ``window`` is the sliding window, or
+    larger than any position without one): causal within the new tokens, over the cached context
+    as far as the window reaches, reading K/V through the block table, with online softmax. Keys
+    before the window are not read. With SPLITS > 1 (flash-decoding, for tiles of one decode) each
+    program covers one slice of those keys and leaves each row's unnormalised output, max and sum
+    for ``reduce_splits_kernel``; with soft-capping (``SOFTCAP``) scores first become
+    ``softcap * tanh(score / softcap)`` (Gemma 2)."""
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
+    split = tl.program_id(2)
     seq = tl.load(tile_seq_ptr + tile)
     start = tl.load(tile_first_ptr + tile)
     count = tl.load(tile_len_ptr + tile)
@@ -79,27 +60,55 @@ def paged_attention_kernel(
     rmask = r < count * GROUP
     t = start + r // GROUP
     n = kvh * GROUP + r % GROUP
-    pos = tl.load(token_pos_ptr + t, mask=rmask, other=-1)
+    pos = tl.load(token_pos_ptr + t, mask=rmask, other=-1)  # padding rows see no key
     first = tl.maximum(pos + 1 - window, 0)
+    last = pos
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
     io_mask = rmask[:, None] & dmask[None, :]
     q = tl.load(q_ptr + t[:, None] * q_stride_t + n[:, None] * q_stride_h + d[None, :], mask=io_mask, other=0.0)
     q = q.to(tl.float32)
+    # Keys from the first token's window to the last token's position.
+    low = tl.maximum(tl.load(token_pos_ptr + start) + 1 - window, 0)
+    high = tl.max(pos, axis=0) + 1
+    if SPLITS > 1:
+        chunk = tl.cdiv(high - low, SPLITS)
+        low = low + split * chunk
+        high = tl.minimum(low + chunk, high)
+        first = tl.maximum(first, low)
+        last = tl.minimum(last, high - 1)
+    table_row = block_table_ptr + seq * bt_stride
     m = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
     denom = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    # Keys from the first token's window to the last token's position (padding rows: pos -1, none).
-    low = tl.maximum(tl.load(token_pos_ptr + start) + 1 - window, 0)
-    for tile_start in range(low, tl.max(pos, axis=0) + 1, TILE):
+    for tile_start in range(low, high, TILE):
         j = tile_start + tl.arange(0, TILE)
-        m, denom, acc = _attend_rows(
-            q, cache_ptr, block_table_ptr + seq * bt_stride, plane_stride, scale, softcap, j, first,
-            pos, d, dmask, kvh, m, denom, acc, KVN=KVN, D=D, BS=BS, SOFTCAP=SOFTCAP,
-        )  # fmt: skip
-    out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
-    tl.store(out_ptr + t[:, None] * o_stride_t + n[:, None] * o_stride_h + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=io_mask)  # fmt: skip
+        jmask = j < high
+        block = tl.load(table_row + j // BS, mask=jmask, other=0)
+        keys = (block * BS + j % BS) * KVN + kvh
+        kt = tl.load(cache_ptr + keys[None, :] * D + d[:, None], mask=dmask[:, None] & jmask[None, :], other=0.0)
+        s = tl.dot(q, kt.to(tl.float32), input_precision="ieee") * scale
+        if SOFTCAP:  # tanh from exp, which saturates to +-1 where exp overflows or vanishes
+            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
+        s = tl.where((j[None, :] >= first[:, None]) & (j[None, :] <= last[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: exp(-inf) = 0, not NaN
+        p = tl.exp(s - shift[:, None])
+        alpha = tl.exp(m - shift)
+        v = tl.load(cache_ptr + plane_stride + keys[:, None] * D + d[None, :], mask=jmask[:, None] & dmask[None, :],
+                    other=0.0)  # fmt: skip
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        denom = denom * alpha + tl.sum(p, axis=1)
+        m = m_new
+    if SPLITS > 1:
+        part = (t * H + n) * SPLITS + split
+        tl.store(part_acc_ptr + part[:, None] * BLOCK_D + d[None, :], acc, mask=rmask[:, None])
+        tl.store(part_max_ptr + part, m, mask=rmask)
+        tl.store(part_sum_ptr + part, denom, mask=rmask)
+    else:
+        out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
+        tl.store(out_ptr + t[:, None] * o_stride_t + n[:, None] * o_stride_h + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=io_mask)  # fmt: skip
 
 
 @triton.jit
@@ -173,23 +182,24 @@ def rms_norm_kernel(
 
 @triton.jit
 def rotary_kernel(
-    pos_ptr, x_ptr, cache_ptr, x_stride_t, x_stride_h,
-    D: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, NEOX: tl.constexpr,
+    pos_ptr, x_ptr, cache_ptr, x_stride_t, x_stride_h, heads,
+    D: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, BLOCK_H: tl.constexpr, NEOX: tl.constexpr,
 ):  # fmt: skip
-    """Grid (tokens, heads), in place. NeoX pairs i with i + D/2; GPT-J pairs 2i with 2i + 1.
-    The cache row of a position is cos (D/2) then sin (D/2), fp32."""
+    """Grid (tokens,), in place on every head of the token. NeoX pairs i with i + D/2; GPT-J pairs
+    2i with 2i + 1. The cache row of a position is cos (D/2) then sin (D/2), fp32."""
     t = tl.program_id(0)
-    h = tl.program_id(1)
     pos = tl.load(pos_ptr + t)
     i = tl.arange(0, BLOCK)
+    h = tl.arange(0, BLOCK_H)
     mask = i < HALF
-    cos = tl.load(cache_ptr + pos * D + i, mask=mask, other=0.0)
-    sin = tl.load(cache_ptr + pos * D + HALF + i, mask=mask, other=0.0)
-    base = x_ptr + t * x_stride_t + h * x_stride_h
+    cos = tl.load(cache_ptr + pos * D + i, mask=mask, other=0.0)[None, :]
+    sin = tl.load(cache_ptr + pos * D + HALF + i, mask=mask, other=0.0)[None, :]
+    base = x_ptr + t * x_stride_t + h[:, None] * x_stride_h
     if NEOX:
-        first, second = base + i, base + HALF + i
+        first, second = base + i[None, :], base + HALF + i[None, :]
     else:
-        first, second = base + 2 * i, base + 2 * i + 1
+        first, second = base + 2 * i[None, :], base + 2 * i[None, :] + 1
+    mask = (h[:, None] < heads) & mask[None, :]
     x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(second, mask=mask, other=0.0).to(tl.float32)
     tl.store(first, (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty), mask=mask)
@@ -206,49 +216,6 @@ def silu_and_mul_kernel(x_ptr, out_ptr, d, BLOCK: tl.constexpr):
     up = tl.load(x_ptr + row * 2 * d + d + c, mask=mask, other=0.0).to(tl.float32)
     silu = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + row * d + c, (silu * up).to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def paged_decode_split_kernel(
-    q_ptr, cache_ptr, seq_lens_ptr, block_table_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
-    bt_stride, q_stride_t, q_stride_h, plane_stride, scale, window, softcap,
-    H: tl.constexpr, KVN: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
-    BLOCK_D: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr, SOFTCAP: tl.constexpr,
-):  # fmt: skip
-    """Split-KV decode (flash-decoding), grid (decodes, kv heads, SPLITS): each program covers one
-    slice of the sequence's last ``window`` keys (all of them where it is the longer) for the
-    GROUP query heads of one KV head (rows padded to BLOCK_G for the dots), and leaves each head's
-    unnormalised output, max and sum for the reduction."""
-    r = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + r)
-    first = tl.maximum(seq_len - window, 0)
-    chunk = tl.cdiv(seq_len - first, SPLITS)
-    start = first + split * chunk
-    end = tl.minimum(start + chunk, seq_len)
-    g = tl.arange(0, BLOCK_G)
-    gmask = g < GROUP
-    n = kvh * GROUP + g
-    d = tl.arange(0, BLOCK_D)
-    dmask = d < D
-    q = tl.load(q_ptr + r * q_stride_t + n[:, None] * q_stride_h + d[None, :], mask=gmask[:, None] & dmask[None, :],
-                other=0.0).to(tl.float32)  # fmt: skip
-    rows_first = tl.zeros([BLOCK_G], dtype=tl.int32) + start
-    rows_last = tl.zeros([BLOCK_G], dtype=tl.int32) + end - 1
-    m = tl.zeros([BLOCK_G], dtype=tl.float32) - float("inf")
-    denom = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    for tile in range(start, end, TILE):
-        j = tile + tl.arange(0, TILE)
-        m, denom, acc = _attend_rows(
-            q, cache_ptr, block_table_ptr + r * bt_stride, plane_stride, scale, softcap, j, rows_first, rows_last,
-            d, dmask, kvh, m, denom, acc, KVN=KVN, D=D, BS=BS, SOFTCAP=SOFTCAP,
-        )  # fmt: skip
-    part = (r * H + n) * SPLITS + split
-    tl.store(part_acc_ptr + part[:, None] * BLOCK_D + d[None, :], acc, mask=gmask[:, None])
-    tl.store(part_max_ptr + part, m, mask=gmask)
-    tl.store(part_sum_ptr + part, denom, mask=gmask)
 
 
 @triton.jit

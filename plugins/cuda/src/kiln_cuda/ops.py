@@ -46,9 +46,10 @@ def rotary_embedding(
     tokens, _, dim = q.shape
     for x in (q, k):
         if tokens and x.stride(2) == 1:
-            kernels.rotary_kernel[(tokens, x.shape[1])](
-                positions, x, cos_sin_cache, x.stride(0), x.stride(1),
-                D=dim, HALF=dim // 2, BLOCK=triton.next_power_of_2(dim // 2), NEOX=neox,
+            kernels.rotary_kernel[(tokens,)](
+                positions, x, cos_sin_cache, x.stride(0), x.stride(1), x.shape[1],
+                D=dim, HALF=dim // 2, BLOCK=triton.next_power_of_2(dim // 2),
+                BLOCK_H=triton.next_power_of_2(x.shape[1]), NEOX=neox,
             )  # fmt: skip
         elif tokens:
             raise ValueError("rotary_embedding: head_dim must be contiguous")
