@@ -91,14 +91,14 @@ def test_fp32_prefills_read_fused_qkv_rows_and_attend_their_own_keys_unrounded(w
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction-set levels")
 @pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])  # AVX2; SSE through the portable build
-def test_kernels_built_for_older_instruction_sets_match_the_reference(march, tmp_path):
+def test_kernels_built_for_older_instruction_sets_match_the_reference(march, march_cache_dir):
     """Their fp32 products on 8-float vectors, where an AVX-512 machine's build has 16."""
-    env = {**os.environ, "KILN_CPU_MARCH": march, "KILN_CACHE_DIR": str(tmp_path)}
+    env = {**os.environ, "KILN_CPU_MARCH": march, "KILN_CACHE_DIR": str(march_cache_dir)}
     select = "(TestCpuAttentionNative or TestCpuAttentionBfloat16Cache or fused_qkv) and not Fallback"
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", select],
                          env=env, capture_output=True, text=True)  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:]
-    assert list(tmp_path.glob("cpu-kernels/*.so"))  # built for that level, not this machine's cached library
+    assert list(march_cache_dir.glob("cpu-kernels/*.so"))  # built for that level, not this machine's cached library
 
 
 class TestCpuAttentionBfloat16TorchFallback(TestCpuAttentionBfloat16):

@@ -212,13 +212,13 @@ print(json.dumps({{name: fused_experts(x, w13, w2, w, ids).float().tolist() for 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction-set levels")
 @pytest.mark.parametrize("march", ["x86-64-v4", "x86-64-v3", "x86-64"])  # AVX-512 without BF16; AVX2; SSE2
-def test_every_instruction_set_path_of_the_bf16_kernel_matches_the_reference(march, tmp_path):
+def test_every_instruction_set_path_of_the_bf16_kernel_matches_the_reference(march, march_cache_dir):
     if march == "x86-64-v4" and "avx512bw" not in native._cpu_flags().split():
         pytest.skip("this CPU has no AVX-512 to run that build")
-    env = {**os.environ, "KILN_CPU_MARCH": march, "KILN_CACHE_DIR": str(tmp_path)}
+    env = {**os.environ, "KILN_CPU_MARCH": march, "KILN_CACHE_DIR": str(march_cache_dir)}
     done = subprocess.run([sys.executable, "-c", _BF16_RESULTS.format(here=os.path.dirname(__file__))], env=env,
                           capture_output=True, text=True, check=True)  # fmt: skip
-    assert list(tmp_path.glob("cpu-kernels/*.so"))  # built for that level, not this machine's cached library
+    assert list(march_cache_dir.glob("cpu-kernels/*.so"))  # built for that level, not this machine's cached library
     got = json.loads(done.stdout)
     for name, w13, w2, (x, weights, ids) in bf16_cases():
         expected = REFERENCE_OPS["fused_experts"](x, w13, w2, weights, ids)

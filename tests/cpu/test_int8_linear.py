@@ -108,15 +108,15 @@ print(json.dumps(out))
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction-set levels")
 # AVX2 with AVX-VNNI and no AVX-512 (Alder Lake: vpdpbusd on ymm); AVX2 without VNNI (vpmaddubsw); portable C
 @pytest.mark.parametrize("march", ["alderlake", "x86-64-v3", "x86-64"])
-def test_every_instruction_set_path_gives_the_same_products(march, tmp_path):
+def test_every_instruction_set_path_gives_the_same_products(march, march_cache_dir):
     """Against this machine's build (on an AVX-512 VNNI machine, the zmm path), activations int8 per block and per row."""
     if march == "alderlake" and "avx_vnni" not in native._cpu_flags().split():
         pytest.skip("this CPU has no AVX-VNNI to run that build")
-    env = {**os.environ, "KILN_CPU_MARCH": march, "KILN_CACHE_DIR": str(tmp_path)}
+    env = {**os.environ, "KILN_CPU_MARCH": march, "KILN_CACHE_DIR": str(march_cache_dir)}
     code = _PRODUCTS.format(here=os.path.dirname(__file__))
     other = json.loads(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                                       check=True).stdout)  # fmt: skip
-    assert list(tmp_path.glob("cpu-kernels/*.so"))  # built for that level, not this machine's cached library
+    assert list(march_cache_dir.glob("cpu-kernels/*.so"))  # built for that level, not this machine's cached library
     here = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
     for key, values in here.items():
         torch.testing.assert_close(torch.tensor(other[key]), torch.tensor(values), rtol=1e-5, atol=1e-4, msg=key)
