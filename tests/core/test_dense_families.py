@@ -22,6 +22,7 @@ FAMILIES = {
     "gemma2": ({}, {}),  # soft caps on scores and logits
     "gemma2-reference-attention": ({}, dict(attention_backend="torch_ref")),
     "gemma3_text": ({}, {}),  # q/k norms; sliding and full layers with ropes of their own
+    "gemma3_text-head256": (dict(head_dim=256), {}),  # Gemma's real head size: the CPU plugin's C kernels take it
 }
 GEMMA2_CAPS = dict(attn_logit_softcapping=3.0, final_logit_softcapping=5.0)  # low enough to bite on tiny logits
 

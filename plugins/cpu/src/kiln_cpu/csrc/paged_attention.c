@@ -211,6 +211,7 @@ static void permute(float *x, int64_t n, int back) {
 #define DEFINE_DECODE_ATTENTION(NAME, T, LOAD, STORE, KT, WIDEN, PERMUTED)                                       \
     DEFINE_HEAD(NAME, T, LOAD, STORE, KT, WIDEN, PERMUTED, 64)                                                   \
     DEFINE_HEAD(NAME, T, LOAD, STORE, KT, WIDEN, PERMUTED, 128)                                                  \
+    DEFINE_HEAD(NAME, T, LOAD, STORE, KT, WIDEN, PERMUTED, 256)                                                  \
     int paged_decode_attention_##NAME(T *out, const T *q, int64_t q_stride, const KT *k_cache,                   \
                                       const KT *v_cache,                                                         \
                                       const int32_t *block_table, int64_t table_stride, const int32_t *seq_lens, \
@@ -218,10 +219,10 @@ static void permute(float *x, int64_t n, int back) {
                                       int64_t head_dim, int64_t block_size, float scale, int64_t window) {       \
         const int64_t group = num_heads / num_kv_heads;                                                          \
         if (group < 1 || group > 8 || group * num_kv_heads != num_heads) return -1;                              \
-        if (head_dim != 64 && head_dim != 128) return -1;                                                        \
+        if (head_dim != 64 && head_dim != 128 && head_dim != 256) return -1;                                     \
         void (*fn)(T *, const T *, const KT *, const KT *, const int32_t *, int64_t, int64_t, int64_t, int64_t,   \
                    int64_t, float, float *, int64_t, int64_t, float *) =                                         \
-            head_dim == 64 ? head_##NAME##_64 : head_##NAME##_128;                                               \
+            head_dim == 64 ? head_##NAME##_64 : head_dim == 128 ? head_##NAME##_128 : head_##NAME##_256;         \
         const int64_t row = num_kv_heads * head_dim;                                                             \
         /* A few (request, kv head) items go one at a time, or one thread would take them all;     \
          * many go four at a time (fewer hand-outs: measured faster at 16 requests). */              \

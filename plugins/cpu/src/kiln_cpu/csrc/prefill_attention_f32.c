@@ -37,21 +37,22 @@
 #define DV 4          /* vectors of output dims per register block */
 #define KEYS 64       /* keys per online-softmax step */
 #define CHUNK 128     /* query positions per work item */
+#define MAX_D 256     /* head sizes 64, 128 and 256 (Gemma's): multiples of DV * VL */
 
 typedef float vfu __attribute__((vector_size(4 * VL), aligned(4))); /* unaligned loads and stores */
 static inline vi splati(int32_t x) { return (vi){0} + x; }
 DEFINE_VMAX_EXP(vmaxf, expf_nonpositive, vf, vi, splatf)
 
-static const float zero_row[128] __attribute__((aligned(64)));
+static const float zero_row[MAX_D] __attribute__((aligned(64)));
 
 /* One tile: `rows` (<= ROWS) query positions pos0.. of one head, strided by q_stride,
  * against keys key0..end-1 (keys[i], values[i]: key key0 + i's rows; past end, zero_row). */
 static void tile(float *out, int64_t out_stride, const float *q, int64_t q_stride, int64_t rows, int64_t pos0,
                  const float **keys, const float **values, int64_t key0, int64_t end, int64_t window,
                  float scale, int64_t D) {
-    vf qt[128 * 2];              /* (dim, half of the rows) */
+    vf qt[MAX_D * 2];            /* (dim, half of the rows) */
     vf s[KEYS * 2];              /* (key, half): scores, then probabilities */
-    float o[ROWS * 128] __attribute__((aligned(64))); /* (row, dim) */
+    float o[ROWS * MAX_D] __attribute__((aligned(64))); /* (row, dim) */
     float alpha[ROWS], p[KEYS * ROWS];                 /* p: (key, row) */
     for (int64_t d = 0; d < D; d++)
         for (int h = 0; h < 2; h++)
@@ -144,7 +145,7 @@ int prefill_attention_f32(float *out, int64_t out_stride, const float *q, int64_
                           const int32_t *block_table, int64_t table_stride, const int64_t *seqs, int64_t num_seqs,
                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
                           int64_t window) {
-    if (num_kv_heads < 1 || (head_dim != 64 && head_dim != 128) || num_heads % num_kv_heads != 0) return -1;
+    if (num_kv_heads < 1 || (head_dim != 64 && head_dim != 128 && head_dim != MAX_D) || num_heads % num_kv_heads != 0) return -1;
     const int64_t group = num_heads / num_kv_heads, D = head_dim;
     /* seqs: per sequence (first token row, query length, context length, block-table row) */
     int64_t items, longest = 0, context = 0;
