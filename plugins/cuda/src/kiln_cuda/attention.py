@@ -29,9 +29,8 @@ QUERY_ROWS = 32
 class TritonMetadata:
     slot_mapping: torch.Tensor  # (tokens,) int64, -1 = padding
     block_table: torch.Tensor  # (reqs, max_blocks) int32
-    seq_lens: torch.Tensor  # (reqs,) int32
     token_pos: torch.Tensor  # (tokens,) int32: each query token's absolute position (its KV length - 1)
-    # The paged kernel's query tiles: runs of up to ``tile_tokens`` tokens of one request.
+    # The paged kernel's query tiles: runs of up to QUERY_ROWS // GROUP tokens of one request (at least one).
     tile_seq: torch.Tensor  # (tiles,) int32: the request
     tile_first: torch.Tensor  # (tiles,) int32: its first token
     tile_len: torch.Tensor  # (tiles,) int32: how many tokens
@@ -74,7 +73,7 @@ class TritonAttentionBackend(AttentionBackend):
             first += n
         tile_seq, tile_first, tile_len = torch.tensor(tiles, dtype=torch.int32).reshape(-1, 3).T.contiguous().to(device)
         return TritonMetadata(
-            layout.slot_mapping, layout.block_table, layout.seq_lens, token_pos.to(torch.int32), tile_seq,
+            layout.slot_mapping, layout.block_table, token_pos.to(torch.int32), tile_seq,
             tile_first, tile_len, layout.block_size, layout.num_decode_reqs == layout.num_reqs,
             min(SPLITS, triton.next_power_of_2(max(1, triton.cdiv(layout.max_seq_len, TILE)))),
         )  # fmt: skip
@@ -82,9 +81,7 @@ class TritonAttentionBackend(AttentionBackend):
     def graph_metadata(self, block_table, seq_lens, slot_mapping, block_size) -> TritonMetadata:
         # The kernels' grids depend only on the token count, fixed per graph size: a tile per decode.
         ids = torch.arange(seq_lens.shape[0], dtype=torch.int32, device=seq_lens.device)
-        return TritonMetadata(
-            slot_mapping, block_table, seq_lens, seq_lens - 1, ids, ids, torch.ones_like(ids), block_size, True
-        )
+        return TritonMetadata(slot_mapping, block_table, seq_lens - 1, ids, ids, torch.ones_like(ids), block_size, True)
 
     def forward(
         self, q, k, v, kv_cache, metadata: TritonMetadata, *, layer_idx, scale, sliding_window=None, logit_softcap=None
