@@ -55,8 +55,13 @@ class TritonAttentionBackend(AttentionBackend):
         return head_dim % 16 == 0 and block_size % 16 == 0
 
     @property
+    def _group(self) -> int:
+        """Query heads per KV head."""
+        return self.num_heads // self.num_kv_heads
+
+    @property
     def _block_m(self) -> int:
-        return max(QUERY_ROWS, triton.next_power_of_2(self.num_heads // self.num_kv_heads))
+        return max(QUERY_ROWS, triton.next_power_of_2(self._group))
 
     def build_metadata(self, layout: BatchLayout) -> TritonMetadata:
         device = layout.slot_mapping.device
@@ -66,7 +71,7 @@ class TritonAttentionBackend(AttentionBackend):
         offset = torch.arange(layout.num_tokens, device=device) - starts[token_seq]
         token_pos = layout.context_lens.long()[token_seq] + offset
         # Tiles on the host, from the query lengths it already has: request, first token, length.
-        per_tile = self._block_m // (self.num_heads // self.num_kv_heads)
+        per_tile = self._block_m // self._group
         tiles, first = [], 0
         for req, n in enumerate(layout.query_lens_cpu):
             tiles += [(req, first + i, min(per_tile, n - i)) for i in range(0, n, per_tile)]
@@ -117,7 +122,7 @@ class TritonAttentionBackend(AttentionBackend):
             q, kv_cache, out, *parts, metadata.tile_seq, metadata.tile_first, metadata.tile_len, metadata.token_pos,
             metadata.block_table, metadata.block_table.stride(0), q.stride(0), q.stride(1), out.stride(0),
             out.stride(1), kv_cache.stride(0), scale, sliding_window or NO_WINDOW, logit_softcap or 0.0,
-            H=heads, KVN=self.num_kv_heads, GROUP=heads // self.num_kv_heads, D=self.head_dim, BLOCK_D=block_d,
+            H=heads, KVN=self.num_kv_heads, GROUP=self._group, D=self.head_dim, BLOCK_D=block_d,
             BLOCK_M=self._block_m, BS=metadata.block_size, TILE=TILE, SPLITS=splits, SOFTCAP=bool(logit_softcap),
         )  # fmt: skip
         if split:
@@ -133,7 +138,7 @@ class TritonAttentionBackend(AttentionBackend):
             kernels.encoder_attention_kernel[grid](
                 q, k, v, out, layout.query_start_loc, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                 v.stride(0), v.stride(1), out.stride(0), out.stride(1), scale,
-                GROUP=self.num_heads // self.num_kv_heads, D=self.head_dim,
+                GROUP=self._group, D=self.head_dim,
                 BLOCK_D=triton.next_power_of_2(self.head_dim), BLOCK_M=ENCODER_BLOCK, BLOCK_N=ENCODER_BLOCK,
             )  # fmt: skip
         return out
