@@ -16,6 +16,7 @@ from kiln.testing.models import FAMILY_TOKENS, FAMILY_VARIANTS, assert_generates
 FAMILIES = {
     "phi3": ({}, {}),
     "phi3-partial-rotary-window": (dict(partial_rotary_factor=0.5, sliding_window=8), {}),  # Phi-4-mini's rotary
+    "phi3-head96": (dict(hidden_size=384), {}),  # Phi-3's real head size (384 / 4 heads): the C kernels take it
     "glm": ({}, {}),  # half of each head rotates, in adjacent pairs; q/k/v biases
     "glm4": ({}, {}),  # and a norm after each sublayer
     "gemma": ({}, {}),

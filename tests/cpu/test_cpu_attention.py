@@ -33,7 +33,7 @@ LONG_BATCH = [(40, 1), (0, 300), (150, 170)]
 
 class LongPrefills:
     @pytest.mark.parametrize("window", [None, 50, 200])
-    @pytest.mark.parametrize(("heads", "head_dim"), [((6, 2), 64), ((8, 1), 128), ((4, 4), 64), ((4, 2), 256)])
+    @pytest.mark.parametrize(("heads", "head_dim"), [((6, 2), 64), ((8, 1), 128), ((4, 4), 64), ((4, 2), 256), ((4, 2), 96)])
     def test_long_prefills_match_reference(self, heads, head_dim, window):
         self._check_batch(heads, head_dim, 16, LONG_BATCH, seed=5, sliding_window=window)
 
@@ -63,11 +63,13 @@ def test_prefills_take_the_native_kernels():
     assert CpuAttentionBackend(6, 2, 64, torch.bfloat16).native_prefill == expected
     assert CpuAttentionBackend(6, 2, 64, torch.float32).native_prefill == built
     assert CpuAttentionBackend(6, 2, 64, torch.float32, cache_dtype=torch.bfloat16).native_prefill == built
-    # Gemma's head size 256: the fp32 prefill kernel and every decode kernel; the bf16 prefill one's tiles stop at 128
-    assert CpuAttentionBackend(4, 2, 256, torch.float32).native_prefill == built
-    assert not CpuAttentionBackend(4, 2, 256, torch.bfloat16).native_prefill
-    assert all((CpuAttentionBackend(4, 2, 256, dtype, cache).native is not None) == built
-               for dtype, cache in [(torch.float32, None), (torch.bfloat16, None), (torch.float32, torch.bfloat16)])  # fmt: skip
+    # Phi-3's head size 96 and Gemma's 256: the fp32 prefill kernel and every decode kernel; the bf16
+    # prefill one's tiles stop at 128
+    for head_dim in (96, 256):
+        assert CpuAttentionBackend(4, 2, head_dim, torch.float32).native_prefill == built
+        assert not CpuAttentionBackend(4, 2, head_dim, torch.bfloat16).native_prefill
+        assert all((CpuAttentionBackend(4, 2, head_dim, dtype, cache).native is not None) == built
+                   for dtype, cache in [(torch.float32, None), (torch.bfloat16, None), (torch.float32, torch.bfloat16)])  # fmt: skip
 
 
 @pytest.mark.parametrize("window", [None, 20])

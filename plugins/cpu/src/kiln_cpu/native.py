@@ -253,9 +253,9 @@ def write_kv_cache(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slo
     )  # fmt: skip
 
 
-# Head sizes the C attention kernels take: decode and fp32 prefill (256 is Gemma 2/3's); the bf16
-# prefill kernel's tiles hold 128 dims at most.
-HEAD_SIZES = (64, 128, 256)
+# Head sizes the C attention kernels take: decode and fp32 prefill (96 is Phi-3's, 256 Gemma 2/3's);
+# the bf16 prefill kernel's tiles hold 128 dims at most.
+HEAD_SIZES = (64, 96, 128, 256)
 BF16_PREFILL_HEAD_SIZES = (64, 128)
 
 

@@ -134,7 +134,9 @@ static void permute(float *x, int64_t n, int back) {
  * outside the unrolled ones over D: each pass over a block re-reads it from L1 (a
  * block is a few KB), not from memory.
  *   QK: eight keys at a time, one accumulator per key, summed across lanes together.
- *   PV: per head, 64 output dims at a time held in 64 / VL accumulators. */
+ *   PV: per head, 64 output dims at a time held in 64 / VL accumulators (32 at a time for
+ *       Phi-3's 96). */
+#define PV_DIMS(D) ((D) % 64 ? 32 : 64)
 #define DEFINE_HEAD(NAME, T, LOAD, STORE, KT, WIDEN, PERMUTED, D)                                                \
     static void head_##NAME##_##D(T *out, const T *q, const KT *k, const KT *v, const int32_t *table,            \
                                   int64_t first, int64_t base, int64_t len, int64_t row, int64_t block_size,     \
@@ -189,15 +191,15 @@ static void permute(float *x, int64_t n, int back) {
             const float *vb = WIDEN(v + (int64_t)table[t0 / block_size] * block_size * row, tmp, n * D);          \
             for (int64_t g = 0; g < G; g++) {                                                                    \
                 const float *p = scores + g * padded + (t0 - base);                                              \
-                for (int c0 = 0; c0 < D; c0 += 64) {                                                             \
+                for (int c0 = 0; c0 < D; c0 += PV_DIMS(D)) {                                                     \
                     float *og = acc + g * D + c0;                                                                \
                     vf o[64 / VL];                                                                               \
-                    for (int c = 0; c < 64 / VL; c++) o[c] = loadf(og + VL * c);                                 \
+                    for (int c = 0; c < PV_DIMS(D) / VL; c++) o[c] = loadf(og + VL * c);                         \
                     for (int64_t j = 0; j < n; j++) {                                                            \
                         const vf w = splatf(p[j]);                                                               \
-                        for (int c = 0; c < 64 / VL; c++) o[c] += w * loadf(vb + j * D + c0 + VL * c);            \
+                        for (int c = 0; c < PV_DIMS(D) / VL; c++) o[c] += w * loadf(vb + j * D + c0 + VL * c);    \
                     }                                                                                            \
-                    for (int c = 0; c < 64 / VL; c++) storef(og + VL * c, o[c]);                                 \
+                    for (int c = 0; c < PV_DIMS(D) / VL; c++) storef(og + VL * c, o[c]);                         \
                 }                                                                                                \
             }                                                                                                    \
         }                                                                                                        \
@@ -210,6 +212,7 @@ static void permute(float *x, int64_t n, int back) {
  * does not handle (the caller then falls back to torch). */
 #define DEFINE_DECODE_ATTENTION(NAME, T, LOAD, STORE, KT, WIDEN, PERMUTED)                                       \
     DEFINE_HEAD(NAME, T, LOAD, STORE, KT, WIDEN, PERMUTED, 64)                                                   \
+    DEFINE_HEAD(NAME, T, LOAD, STORE, KT, WIDEN, PERMUTED, 96)                                                   \
     DEFINE_HEAD(NAME, T, LOAD, STORE, KT, WIDEN, PERMUTED, 128)                                                  \
     DEFINE_HEAD(NAME, T, LOAD, STORE, KT, WIDEN, PERMUTED, 256)                                                  \
     int paged_decode_attention_##NAME(T *out, const T *q, int64_t q_stride, const KT *k_cache,                   \
@@ -219,10 +222,14 @@ static void permute(float *x, int64_t n, int back) {
                                       int64_t head_dim, int64_t block_size, float scale, int64_t window) {       \
         const int64_t group = num_heads / num_kv_heads;                                                          \
         if (group < 1 || group > 8 || group * num_kv_heads != num_heads) return -1;                              \
-        if (head_dim != 64 && head_dim != 128 && head_dim != 256) return -1;                                     \
         void (*fn)(T *, const T *, const KT *, const KT *, const int32_t *, int64_t, int64_t, int64_t, int64_t,   \
                    int64_t, float, float *, int64_t, int64_t, float *) =                                         \
-            head_dim == 64 ? head_##NAME##_64 : head_dim == 128 ? head_##NAME##_128 : head_##NAME##_256;         \
+            head_dim == 64    ? head_##NAME##_64                                                                 \
+            : head_dim == 96  ? head_##NAME##_96                                                                 \
+            : head_dim == 128 ? head_##NAME##_128                                                                \
+            : head_dim == 256 ? head_##NAME##_256                                                                \
+                              : NULL;                                                                            \
+        if (fn == NULL) return -1;                                                                               \
         const int64_t row = num_kv_heads * head_dim;                                                             \
         /* A few (request, kv head) items go one at a time, or one thread would take them all;     \
          * many go four at a time (fewer hand-outs: measured faster at 16 requests). */              \

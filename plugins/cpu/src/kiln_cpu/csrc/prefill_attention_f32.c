@@ -37,13 +37,33 @@
 #define DV 4          /* vectors of output dims per register block */
 #define KEYS 64       /* keys per online-softmax step */
 #define CHUNK 128     /* query positions per work item */
-#define MAX_D 256     /* head sizes 64, 128 and 256 (Gemma's): multiples of DV * VL */
+#define MAX_D 256     /* head sizes 64, 96 (Phi-3's), 128 and 256 (Gemma's): multiples of 2 VL */
 
 typedef float vfu __attribute__((vector_size(4 * VL), aligned(4))); /* unaligned loads and stores */
 static inline vi splati(int32_t x) { return (vi){0} + x; }
 DEFINE_VMAX_EXP(vmaxf, expf_nonpositive, vf, vi, splatf)
 
 static const float zero_row[MAX_D] __attribute__((aligned(64)));
+
+/* O[r0..r0+RB, d0..d0+nv VL] = alpha O + P V over nb keys (vr[j]: key j's value row): nv
+ * vectors of output dims per row in registers; inlined, so nv is a constant there. */
+static inline __attribute__((always_inline)) void pv_block(float *o, int64_t D, int64_t d0, int64_t r0,
+                                                           const float **vr, const float *p, const float *alpha,
+                                                           int64_t nb, const int nv) {
+    vf acc[RB][DV];
+    for (int i = 0; i < RB; i++)
+        for (int v = 0; v < nv; v++) acc[i][v] = *(vfu *)(o + (r0 + i) * D + d0 + v * VL) * alpha[r0 + i];
+    for (int64_t j = 0; j < nb; j++) {
+        vf w[DV];
+        for (int v = 0; v < nv; v++) w[v] = *(const vfu *)(vr[j] + d0 + v * VL);
+        for (int i = 0; i < RB; i++) {
+            const vf pr = splatf(p[j * ROWS + r0 + i]);
+            for (int v = 0; v < nv; v++) acc[i][v] += pr * w[v];
+        }
+    }
+    for (int i = 0; i < RB; i++)
+        for (int v = 0; v < nv; v++) *(vfu *)(o + (r0 + i) * D + d0 + v * VL) = acc[i][v];
+}
 
 /* One tile: `rows` (<= ROWS) query positions pos0.. of one head, strided by q_stride,
  * against keys key0..end-1 (keys[i], values[i]: key key0 + i's rows; past end, zero_row). */
@@ -108,21 +128,9 @@ static void tile(float *out, int64_t out_stride, const float *q, int64_t q_strid
         }
         const float **vr = values + (k0 - key0);
         for (int64_t r0 = 0; r0 < rows; r0 += RB) {
-            for (int64_t d0 = 0; d0 < D; d0 += DV * VL) {
-                vf acc[RB][DV];
-                for (int i = 0; i < RB; i++)
-                    for (int v = 0; v < DV; v++) acc[i][v] = *(vfu *)(o + (r0 + i) * D + d0 + v * VL) * alpha[r0 + i];
-                for (int64_t j = 0; j < nb; j++) {
-                    vf w[DV];
-                    for (int v = 0; v < DV; v++) w[v] = *(const vfu *)(vr[j] + d0 + v * VL);
-                    for (int i = 0; i < RB; i++) {
-                        const vf pr = splatf(p[j * ROWS + r0 + i]);
-                        for (int v = 0; v < DV; v++) acc[i][v] += pr * w[v];
-                    }
-                }
-                for (int i = 0; i < RB; i++)
-                    for (int v = 0; v < DV; v++) *(vfu *)(o + (r0 + i) * D + d0 + v * VL) = acc[i][v];
-            }
+            int64_t d0 = 0;
+            for (; d0 + DV * VL <= D; d0 += DV * VL) pv_block(o, D, d0, r0, vr, p, alpha, nb, DV);
+            if (d0 < D) pv_block(o, D, d0, r0, vr, p, alpha, nb, 2); /* 96 with 16 lanes: 64 + 32 */
         }
     }
     float inv[ROWS];
@@ -145,7 +153,8 @@ int prefill_attention_f32(float *out, int64_t out_stride, const float *q, int64_
                           const int32_t *block_table, int64_t table_stride, const int64_t *seqs, int64_t num_seqs,
                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
                           int64_t window) {
-    if (num_kv_heads < 1 || (head_dim != 64 && head_dim != 128 && head_dim != MAX_D) || num_heads % num_kv_heads != 0) return -1;
+    if (num_kv_heads < 1 || num_heads % num_kv_heads != 0) return -1;
+    if (head_dim != 64 && head_dim != 96 && head_dim != 128 && head_dim != MAX_D) return -1;
     const int64_t group = num_heads / num_kv_heads, D = head_dim;
     /* seqs: per sequence (first token row, query length, context length, block-table row) */
     int64_t items, longest = 0, context = 0;
