@@ -33,7 +33,9 @@ LONG_BATCH = [(40, 1), (0, 300), (150, 170)]
 
 class LongPrefills:
     @pytest.mark.parametrize("window", [None, 50, 200])
-    @pytest.mark.parametrize(("heads", "head_dim"), [((6, 2), 64), ((8, 1), 128), ((4, 4), 64), ((4, 2), 256), ((4, 2), 96)])
+    @pytest.mark.parametrize(
+        ("heads", "head_dim"), [((6, 2), 64), ((8, 1), 128), ((4, 4), 64), ((4, 2), 256), ((4, 2), 96)]
+    )
     def test_long_prefills_match_reference(self, heads, head_dim, window):
         self._check_batch(heads, head_dim, 16, LONG_BATCH, seed=5, sliding_window=window)
 
