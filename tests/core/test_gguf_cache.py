@@ -13,11 +13,11 @@ import shutil
 
 import pytest
 import torch
-from gguf import GGUFReader
 from safetensors.torch import load_file
 
 from kiln.models import gguf_cache
 from kiln.models.gguf_cache import INDEX, convert_gguf
+from kiln.models.gguf_reader import FastGGUFReader
 from kiln.models.loader import default_model_path
 
 
@@ -86,7 +86,7 @@ def test_weights_written_tensor_by_tensor_are_transformers_conversion(tmp_path):
     by_tensor, whole = tmp_path / "by_tensor", tmp_path / "whole"
     by_tensor.mkdir(), whole.mkdir()
     assert gguf_cache._write_by_tensor(
-        default_model_path(), str(by_tensor), GGUFReader(default_model_path())
+        default_model_path(), str(by_tensor), FastGGUFReader(default_model_path())
     )  # the default model: Llama
     gguf_cache._write_whole(default_model_path(), str(whole))
     ours, theirs = load_file(by_tensor / "model.safetensors"), load_file(whole / "model.safetensors")

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from gguf import GGUFReader
 from safetensors.torch import load_file, save_file
 
+from kiln.models.gguf_reader import FastGGUFReader
 from kiln.testing.models import hf_as_gguf, hf_greedy
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [40, 41, 42, 100, 7]]
@@ -67,7 +67,9 @@ def test_deepseek_gguf_serves_the_values_it_holds(
         bias = load_file(str(Path(source) / "model.safetensors"))["model.layers.1.mlp.gate.e_score_correction_bias"]
         assert torch.equal(model.layers[1].mlp.e_score_correction_bias, bias)
     # The file's EOS, not the config class's default (V3's is 1), stops generation.
-    assert llm.engine.model_info.eos_token_ids == {GGUFReader(gguf).fields["tokenizer.ggml.eos_token_id"].contents()}
+    assert llm.engine.model_info.eos_token_ids == {
+        FastGGUFReader(gguf).fields["tokenizer.ggml.eos_token_id"].contents()
+    }
     params = SamplingParams(max_tokens=16, min_tokens=16, temperature=0)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(reference, PROMPTS, 16)

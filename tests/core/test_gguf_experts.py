@@ -7,9 +7,10 @@ exactly the values the file holds, and the CPU plugin keeps the experts in their
 from __future__ import annotations
 
 import pytest
-from gguf import GGUFReader, GGUFWriter
+from gguf import GGUFWriter
 
 from kiln.models import gguf_cache
+from kiln.models.gguf_reader import FastGGUFReader
 from kiln.testing.models import hf_as_gguf, hf_greedy
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [40, 41, 42, 100, 7]]
@@ -73,7 +74,7 @@ def test_moe_gguf_experts_stay_in_their_blocks(tiny_model_dir, tmp_path, monkeyp
 
 def _copy_without(src: str, dst: str, tensor: str = "", fields: tuple[str, ...] = ()) -> str:
     """The GGUF file ``src`` without the tensor and metadata fields named."""
-    full = GGUFReader(src)
+    full = FastGGUFReader(src)
     cut = GGUFWriter(dst, full.fields["general.architecture"].contents())
     for field in full.fields.values():
         if not field.name.startswith(("GGUF.", "general.architecture")) and field.name not in fields:
@@ -122,7 +123,7 @@ def test_an_architecture_transformers_cannot_read_says_so(tiny_model_dir, tmp_pa
     from kiln import LLM
 
     monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
-    full = GGUFReader(_gguf(tiny_model_dir, tmp_path, "mixtral", "F32"))
+    full = FastGGUFReader(_gguf(tiny_model_dir, tmp_path, "mixtral", "F32"))
     other = GGUFWriter(str(tmp_path / "other.gguf"), "glm4moe")  # llama.cpp's GLM-4.5
     for field in full.fields.values():
         if field.name.startswith("tokenizer."):

@@ -7,8 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from gguf import GGUFReader, GGUFValueType, GGUFWriter, TokenType
+from gguf import GGUFValueType, GGUFWriter, TokenType
 
+from kiln.models.gguf_reader import FastGGUFReader
 from kiln.models.gguf_tokenizer import gguf_tokenizer
 from kiln.models.loader import default_model_path
 from kiln.testing.models import llama_cpp_source
@@ -28,7 +29,7 @@ def test_llama_cpp_test_texts_tokenize_as_llama_cpp_expects(vocab):
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
     path = f"{SOURCE}/models/ggml-vocab-{vocab}.gguf"
-    arch = GGUFReader(path).fields["general.architecture"].contents()
+    arch = FastGGUFReader(path).fields["general.architecture"].contents()
     # As the conversion builds it: through the model's config where transformers reads it (not
     # from Gemma 4's vocabulary-only file, whose config transformers refuses).
     tokenizer = gguf_tokenizer(path, fast_only=arch not in GGUF_SUPPORTED_ARCHITECTURES or arch == "gemma4")
@@ -90,7 +91,7 @@ def test_a_vocabulary_that_asks_for_no_prefix_gets_none(tmp_path):
 def _default_vocab_as(tmp_path: Path, pre: str, renamed: dict[int, str] | None = None, without: tuple = ()) -> str:
     """The default model's BPE vocabulary, its pre-tokenizer type replaced, the tokens of
     ``renamed``'s ids spelled as it says, and the fields ``without`` names left out."""
-    source = GGUFReader(default_model_path())
+    source = FastGGUFReader(default_model_path())
     writer = GGUFWriter(str(tmp_path / f"{pre}.gguf"), "llama")
     for field in source.fields.values():
         if field.name.startswith("tokenizer.") and field.name not in ("tokenizer.ggml.pre", *without):

@@ -170,19 +170,22 @@ def _convert(files: list[str], target: Path) -> None:
 def _parsed_once(gguf_path: str, reader) -> Iterator[None]:
     """What transformers would redo during one conversion, done once. It parses the file again for
     each of its config, its tokenizer and its weights (``load_gguf_checkpoint`` opens its own
-    ``gguf.GGUFReader``: ~5 s each for the default model's 49k tokens and merges), so a reader
-    asked for this file is the one parsed already (a split model's parts are parsed as before).
-    Its weight-name mapping builds gguf's name table for every module of the model, recursively
-    (~10 s for the default model), so that table is kept per architecture and depth."""
+    ``gguf.GGUFReader``), so a reader asked for this file is the one parsed already, and any other
+    (a split model's parts) is a ``FastGGUFReader`` (gguf-py's took ~5 s for the default model's
+    49k tokens and merges). Its weight-name mapping builds gguf's name table for every module of
+    the model, recursively (~10 s for the default model), so that table is kept per architecture
+    and depth."""
     import gguf
+
+    from kiln.models.gguf_reader import FastGGUFReader
 
     opened, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
     path = os.path.realpath(gguf_path)
 
     def reader_for(p, *args, **kwargs):
-        if type(reader) is opened and not args and not kwargs and os.path.realpath(p) == path:
+        if isinstance(reader, opened) and not args and not kwargs and os.path.realpath(p) == path:
             return reader
-        return opened(p, *args, **kwargs)
+        return FastGGUFReader(p, *args, **kwargs)
 
     gguf.GGUFReader, gguf.get_tensor_name_map = reader_for, functools.cache(name_map)
     try:

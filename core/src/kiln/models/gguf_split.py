@@ -67,12 +67,12 @@ def read_model(files: list[str]):
     """A ``GGUFReader`` of the model in ``files`` (``model_files``'s list), checked against the
     ``split.*`` fields: a first file that says it is one of several whose others are not named
     as its parts, parts out of order, or tensors missing, are errors."""
-    from gguf import GGUFReader
+    from kiln.models.gguf_reader import FastGGUFReader
 
     readers = []
     for i, path in enumerate(files):
         try:
-            readers.append(GGUFReader(path))
+            readers.append(FastGGUFReader(path))
         except Exception as exc:  # a part cut short or damaged: name the part, not the model
             if len(files) == 1:
                 raise

@@ -75,13 +75,14 @@ def gguf_tokenizer(gguf_path: str, fast_only: bool = False, reader=None):
     ``fast_only``: build it without reading the model's config (``PreTrainedTokenizerFast``), for
     architectures whose config transformers cannot read. ``reader``: the file's ``GGUFReader``,
     where the caller has one."""
-    from gguf import GGUFReader
     from tokenizers import Regex, normalizers, pre_tokenizers
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+    from kiln.models.gguf_reader import FastGGUFReader
+
     folder, name = os.path.split(gguf_path)
     tokenizer = (PreTrainedTokenizerFast if fast_only else AutoTokenizer).from_pretrained(folder, gguf_file=name)
-    reader = reader or GGUFReader(gguf_path)
+    reader = reader or FastGGUFReader(gguf_path)
 
     def field(key: str, default=None):
         return gguf_field(reader, f"tokenizer.ggml.{key}", default)

@@ -210,11 +210,12 @@ def requantized_gguf(src: str, dst: str, quant_type: str, overrides: dict[str, s
     super-blocks: other tensors stay), or to ``overrides[suffix]`` for tensors whose names end
     in a suffix there (a mix of types, as llama.cpp's Q4_K_M); the metadata and every other
     tensor as they were; returns ``dst``."""
-    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, dequantize, quantize
+    from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter, dequantize, quantize
 
+    from kiln.models.gguf_reader import FastGGUFReader
     from kiln.testing.kquants import KQUANTS, QK_K, quantize_kquant
 
-    reader = GGUFReader(src)
+    reader = FastGGUFReader(src)
     writer = GGUFWriter(dst, reader.fields["general.architecture"].contents())
     for field in reader.fields.values():
         if field.name == "general.architecture" or field.name.startswith("GGUF."):
@@ -293,12 +294,11 @@ def _deepseek2_fields(writer, cfg: dict, split_kv_b: bool) -> None:
 @functools.cache
 def _default_tokenizer_fields() -> list[tuple[str, object, list]]:
     """The default model GGUF's ``tokenizer.*`` fields as (name, value, types): read once per
-    process (parsing its 49k tokens and merges takes seconds)."""
-    from gguf import GGUFReader
-
+    process (its 49k tokens and merges)."""
+    from kiln.models.gguf_reader import FastGGUFReader
     from kiln.models.loader import default_model_path
 
-    fields = GGUFReader(default_model_path()).fields.values()
+    fields = FastGGUFReader(default_model_path()).fields.values()
     return [(f.name, f.contents(), list(f.types)) for f in fields if f.name.startswith("tokenizer.")]
 
 
