@@ -70,22 +70,31 @@ def _scaled_codes(
     code k of ``tries`` for which d = (its value of largest magnitude) / k gives every value a
     whole code in range; with ``neighbours``, failing d, the fp32 next to it away from zero, then
     the one towards zero (the value was rounded when a checkpoint's scale was not a whole fraction
-    of it)."""
-    blocks = w.view(w.shape[0], -1, size)
-    top = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True))  # (rows, blocks, 1)
-    d, codes = torch.zeros_like(top), torch.zeros_like(blocks)
-    found = top == 0  # an all-zero block: d 0, codes 0
+    of it). The first try sees every block; each later one only the blocks none fitted yet."""
+    blocks = w.reshape(-1, size)
+    top = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True))  # (blocks, 1)
+    live = top[:, 0] != 0  # an all-zero block: d 0, codes 0
+    d, codes, todo = torch.zeros_like(top), torch.zeros_like(blocks), None
+
+    def attempt(rest: torch.Tensor, near: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        trial = near if i == 0 else torch.nextafter(near, near * 2 if i == 1 else torch.zeros_like(near))
+        c = (rest / trial).round()
+        return trial, c, ((c * trial == rest) & (c >= lo) & (c <= hi)).all(-1)
+
     for k in tries:
-        near = top / k
-        trials = (near, torch.nextafter(near, near * 2), torch.nextafter(near, torch.zeros_like(near)))
-        for trial in trials if neighbours else trials[:1]:
-            c = (blocks / trial).round()
-            fits = ~found & (c * trial == blocks).all(-1, keepdim=True) & (c >= lo).all(-1, keepdim=True)
-            fits &= (c <= hi).all(-1, keepdim=True)
-            d, codes, found = torch.where(fits, trial, d), torch.where(fits, c, codes), found | fits
-        if found.all():
+        for i in range(3 if neighbours else 1):
+            if todo is None:  # every block, in place
+                trial, c, fits = attempt(blocks, top / k, i)
+                fits &= live
+                d, codes = torch.where(fits[:, None], trial, d), torch.where(fits[:, None], c, codes)
+                todo = (live & ~fits).nonzero()[:, 0]
+            elif todo.numel():
+                trial, c, fits = attempt(blocks[todo], top[todo] / k, i)
+                d[todo[fits]], codes[todo[fits]] = trial[fits], c[fits]
+                todo = todo[~fits]
+        if todo.numel() == 0:
             break
-    return d.squeeze(-1), codes.clamp(lo, hi).to(torch.int8).view(w.shape)
+    return d.view(w.shape[0], -1), codes.clamp(lo, hi).to(torch.int8).view(w.shape)
 
 
 def _signed(w: torch.Tensor, half: int, size: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,22 +134,34 @@ def _affine(w: torch.Tensor, levels: int) -> Blocks:
     the K-quants' (Q4_K, Q5_K: a 6-bit multiple of the super-block's fp16 scale, so a block's
     codes need not span 0..levels-1), and Q5_1's. Each block takes its smallest value as the
     min and the first step (max - min) / n, for spans n = levels-1, levels-2..., that gives
-    every value a whole code with code * step exact."""
-    blocks = w.view(w.shape[0], -1, BLOCK)
+    every value a whole code with code * step exact: the first span tried on every block, each
+    later one on the blocks none fitted yet."""
+    blocks = w.reshape(-1, BLOCK)
     low, high = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
-    scale, codes = torch.zeros_like(low), torch.zeros_like(blocks)
-    found = low == high  # a constant block: scale 0, every code 0
-    for span in range(levels - 1, 0, -1):
-        step = (high - low) / span
-        c = ((blocks - low) / step).round()
+    live = (low != high)[:, 0]  # a constant block: scale 0, every code 0
+    scale, codes, todo = torch.zeros_like(low), torch.zeros_like(blocks), None
+
+    def attempt(rest: torch.Tensor, rest_low: torch.Tensor, rest_high: torch.Tensor, span: int):
+        step = (rest_high - rest_low) / span
+        c = ((rest - rest_low) / step).round()
         product = c * step
-        fits = ~found & (product + low == blocks).all(-1, keepdim=True)
-        fits &= (product.double() == c.double() * step.double()).all(-1, keepdim=True)
-        scale, codes, found = torch.where(fits, step, scale), torch.where(fits, c, codes), found | fits
-        if found.all():
+        exact = (product.double() == c.double() * step.double()).all(-1)
+        return step, c, (product + rest_low == rest).all(-1) & exact
+
+    for span in range(levels - 1, 0, -1):
+        if todo is None:  # every block, in place
+            step, c, fits = attempt(blocks, low, high, span)
+            fits &= live
+            scale, codes = torch.where(fits[:, None], step, scale), torch.where(fits[:, None], c, codes)
+            todo = (live & ~fits).nonzero()[:, 0]
+        else:
+            step, c, fits = attempt(blocks[todo], low[todo], high[todo], span)
+            scale[todo[fits]], codes[todo[fits]] = step[fits], c[fits]
+            todo = todo[~fits]
+        if todo.numel() == 0:
             break
     codes = codes.clamp(0, levels - 1).to(torch.int8).view(w.shape)
-    return Blocks(4 if levels == 16 else 8, codes, scale.squeeze(-1), low.squeeze(-1))
+    return Blocks(4 if levels == 16 else 8, codes, scale.view(w.shape[0], -1), low.view(w.shape[0], -1))
 
 
 def _q4_k(w: torch.Tensor) -> Blocks:
@@ -165,14 +186,25 @@ def _int8_rows(w: torch.Tensor) -> Blocks:
 _RECOVERIES: tuple[Recovery, ...] = (_q4_1, _q4_0, _q8_0, _q5_0, _q4_k, _q5, _q6_k, _iq4, _int8_rows)
 
 
-def _exact(recover: Recovery, rows: torch.Tensor) -> Blocks | None:
+def _fitting_rows(recover: Recovery, rows: torch.Tensor) -> tuple[Blocks, torch.Tensor]:
+    """``recover``'s blocks of ``rows``, and which rows they widen back to bit for bit."""
     blocks = recover(rows)
-    return blocks if torch.equal(blocks.values(), rows) else None
+    values = blocks.values()
+    if torch.equal(values, rows):  # the usual answer, without a comparison per value kept
+        return blocks, torch.ones(rows.shape[0], dtype=torch.bool)
+    return blocks, (values == rows).all(-1)
+
+
+def _rows(blocks: Blocks, start: int, stop: int) -> Blocks:
+    low = None if blocks.min is None else blocks.min[start:stop]
+    return Blocks(blocks.fmt, blocks.codes[start:stop], blocks.scale[start:stop], low)
 
 
 def _concat(parts: list[Blocks]) -> Blocks:
     """Row ranges as one ``Blocks``: as they are when all share a format, else int8 codes with
     a scale per 16 values if any part has one (Q6_K), and a min wherever one has a min."""
+    if len(parts) == 1:
+        return parts[0]
     fmt = parts[0].fmt if len({p.fmt for p in parts}) == 1 else (6 if any(p.fmt == 6 for p in parts) else 8)
     scales = [p.scale.repeat_interleave(2, dim=1) if fmt == 6 and p.fmt != 6 else p.scale for p in parts]
     low = None
@@ -183,22 +215,39 @@ def _concat(parts: list[Blocks]) -> Blocks:
 
 
 def _ranges(rows: torch.Tensor, order: tuple[Recovery, ...], step: int) -> list[tuple[Recovery, Blocks]] | None:
-    """``rows`` in ranges of one type each, with the recovery that fits each: the whole if one
-    type fits, else halves, split down to ``step`` rows. Each type is tried on the range's first
-    rows before the whole range; when no type fits those, neither can any split."""
-    probe, fitted = rows[:_PROBE_ROWS], False
+    """``rows`` in runs of ``step`` rows, each recovered by the first of ``order`` that fits all
+    of its rows, or None when one fits no type. A type is tried on the first row of each run
+    left before the runs themselves: a run it fails there it cannot fit."""
+    count = (rows.shape[0] + step - 1) // step
+    left = torch.ones(count, dtype=torch.bool)
+    found: list[tuple[Recovery, Blocks, int, int] | None] = [None] * count  # a run's recovery, its rows in that
     for recover in order:
-        if rows.shape[0] > _PROBE_ROWS and _exact(recover, probe) is None:
+        runs = left.nonzero()[:, 0]
+        if runs.numel() == 0:
+            break
+        tried = runs[_fitting_rows(recover, rows[runs * step])[1]]
+        if tried.numel() == 0:
             continue
-        fitted = True
-        if (blocks := _exact(recover, rows)) is not None:
-            return [(recover, blocks)]
-    if not fitted or rows.shape[0] <= step:
+        if tried.numel() == count:
+            taken = rows
+        else:
+            picked = (tried[:, None] * step + torch.arange(step)).flatten()
+            taken = rows[picked[picked < rows.shape[0]]]
+        blocks, fits = _fitting_rows(recover, taken)
+        fits = torch.cat([fits, fits.new_ones(tried.numel() * step - fits.numel())])  # the last run may be short
+        ok = fits.view(-1, step).all(-1)  # per tried run, the i-th at rows i * step.. of blocks
+        left[tried[ok]] = False
+        for i, run in zip(ok.nonzero()[:, 0].tolist(), tried[ok].tolist(), strict=True):
+            found[run] = (recover, blocks, i * step, min(i * step + step, taken.shape[0]))
+    if left.any():
         return None
-    half = (rows.shape[0] // 2 + step - 1) // step * step
-    first = _ranges(rows[:half], order, step)
-    second = None if first is None else _ranges(rows[half:], _last_first(order, first[-1][0]), step)
-    return None if second is None else first + second
+    merged: list[tuple[Recovery, Blocks, int, int]] = []
+    for recover, blocks, start, stop in found:
+        if merged and merged[-1][1] is blocks and merged[-1][3] == start:  # runs next to each other in one recovery
+            merged[-1] = (recover, blocks, merged[-1][2], stop)
+        else:
+            merged.append((recover, blocks, start, stop))
+    return [(recover, _rows(blocks, start, stop)) for recover, blocks, start, stop in merged]
 
 
 def _last_first(order: tuple[Recovery, ...], last: Recovery) -> tuple[Recovery, ...]:
@@ -207,8 +256,8 @@ def _last_first(order: tuple[Recovery, ...], last: Recovery) -> tuple[Recovery, 
 
 def recover_blocks(weight: torch.Tensor, step: int = _PROBE_ROWS) -> Blocks | None:
     """The blocks fp32 ``weight`` (N, K; K a multiple of 32) was widened from, or None: chunk
-    by chunk, each in ranges (multiples of ``step`` rows) of one GGUF type, the type found last
-    tried first. A weight of one type comes out in that type's form."""
+    by chunk, in runs of ``step`` rows of one GGUF type each, the type found last tried first.
+    A weight of one type comes out in that type's form."""
     order, parts = _RECOVERIES, []
     for start in range(0, weight.shape[0], CHUNK_ROWS):
         found = _ranges(weight[start : start + CHUNK_ROWS], order, step)
