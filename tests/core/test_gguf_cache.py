@@ -85,10 +85,10 @@ def test_an_unreadable_index_is_rebuilt(tmp_path):
 def test_weights_written_tensor_by_tensor_are_transformers_conversion(tmp_path):
     by_tensor, whole = tmp_path / "by_tensor", tmp_path / "whole"
     by_tensor.mkdir(), whole.mkdir()
-    assert gguf_cache._write_by_tensor(
-        default_model_path(), str(by_tensor), FastGGUFReader(default_model_path())
-    )  # the default model: Llama
-    gguf_cache._write_whole(default_model_path(), str(whole))
+    reader = FastGGUFReader(default_model_path())
+    with gguf_cache._parsed_once(default_model_path(), reader):  # as the conversion calls them
+        assert gguf_cache._write_by_tensor(default_model_path(), str(by_tensor), reader)  # the default model: Llama
+        gguf_cache._write_whole(default_model_path(), str(whole))
     ours, theirs = load_file(by_tensor / "model.safetensors"), load_file(whole / "model.safetensors")
     assert ours.keys() == theirs.keys() and len(ours) == 272
     assert all(ours[k].dtype == torch.float32 and torch.equal(ours[k], theirs[k]) for k in ours)
