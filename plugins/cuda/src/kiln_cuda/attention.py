@@ -94,10 +94,12 @@ class TritonAttentionBackend(AttentionBackend):
         tokens = q.shape[0]
         block_d = triton.next_power_of_2(self.head_dim)
         if tokens:
-            kernels.reshape_and_cache_kernel[(tokens,)](
-                k, v, kv_cache, metadata.slot_mapping, k.stride(0), v.stride(0), kv_cache.stride(0),
-                1.0 / self.k_scale, 1.0 / self.v_scale, KVN=self.num_kv_heads,
-                BLOCK_H=triton.next_power_of_2(self.num_kv_heads), D=self.head_dim, BLOCK_D=block_d,
+            block_h = triton.next_power_of_2(self.num_kv_heads)
+            per = kernels.rows_per_program(block_h * block_d)
+            kernels.reshape_and_cache_kernel[(triton.cdiv(tokens, per),)](
+                k, v, kv_cache, metadata.slot_mapping, tokens, k.stride(0), v.stride(0), kv_cache.stride(0),
+                1.0 / self.k_scale, 1.0 / self.v_scale,
+                KVN=self.num_kv_heads, BLOCK_H=block_h, D=self.head_dim, BLOCK_D=block_d, TOKENS=per,
             )  # fmt: skip
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if tokens:

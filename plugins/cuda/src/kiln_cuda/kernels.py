@@ -8,23 +8,30 @@ import triton
 import triton.language as tl
 
 
+def rows_per_program(width: int) -> int:
+    """Rows a program of the row-wise kernels below takes: up to 4096 values in all (one row of a
+    large model's hidden size; 16 of a small one's, fewer programs for the same work), a power of two."""
+    return max(1, min(16, 4096 // triton.next_power_of_2(width)))
+
+
 @triton.jit
 def reshape_and_cache_kernel(
-    k_ptr, v_ptr, cache_ptr, slot_ptr, k_stride, v_stride, plane_stride, inv_k_scale, inv_v_scale,
-    KVN: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    k_ptr, v_ptr, cache_ptr, slot_ptr, tokens, k_stride, v_stride, plane_stride, inv_k_scale, inv_v_scale,
+    KVN: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, TOKENS: tl.constexpr,
 ):  # fmt: skip
-    """Grid (tokens,): each KV head's K and V row of token t into slot ``slot_ptr[t]``; slot < 0 is
-    padding. The cache is (2, blocks, block_size, kv_heads, D): slot s, head h is row ``s * KVN + h``.
-    Values are stored as ``k * inv_k_scale`` in the cache's dtype (fp8 caches; 1.0 otherwise)."""
-    t = tl.program_id(0)
-    slot = tl.load(slot_ptr + t)
-    h = tl.arange(0, BLOCK_H)[:, None]
+    """Grid (cdiv(tokens, TOKENS),): each KV head's K and V row of TOKENS tokens t into slot
+    ``slot_ptr[t]``; slot < 0 is padding. The cache is (2, blocks, block_size, kv_heads, D): slot
+    s, head h is row ``s * KVN + h``. Values are stored as ``k * inv_k_scale`` in the cache's
+    dtype (fp8 caches; 1.0 otherwise). A block row is (token, head)."""
+    r = tl.arange(0, TOKENS * BLOCK_H)
+    t = tl.program_id(0) * TOKENS + r // BLOCK_H
+    h = (r % BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
-    slots = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.int64) + slot  # per lane: the interpreter masks need a block
-    mask = (h < KVN) & (d < D) & (slots >= 0)
-    row = tl.where(slots >= 0, slots, 0) * KVN + h
-    k = tl.load(k_ptr + t * k_stride + h * D + d, mask=mask)
-    v = tl.load(v_ptr + t * v_stride + h * D + d, mask=mask)
+    slot = tl.load(slot_ptr + t, mask=t < tokens, other=-1).to(tl.int64)[:, None]
+    mask = (h < KVN) & (d < D) & (slot >= 0)
+    row = tl.where(slot >= 0, slot, 0) * KVN + h
+    k = tl.load(k_ptr + t[:, None] * k_stride + h * D + d, mask=mask)
+    v = tl.load(v_ptr + t[:, None] * v_stride + h * D + d, mask=mask)
     dtype = cache_ptr.dtype.element_ty
     tl.store(cache_ptr + row * D + d, (k.to(tl.float32) * inv_k_scale).to(dtype), mask=mask)
     tl.store(cache_ptr + plane_stride + row * D + d, (v.to(tl.float32) * inv_v_scale).to(dtype), mask=mask)
@@ -160,46 +167,49 @@ def encoder_attention_kernel(
 
 @triton.jit
 def rms_norm_kernel(
-    x_ptr, residual_ptr, w_ptr, out_ptr, x_stride, dim, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr, residual_ptr, w_ptr, out_ptr, rows, x_stride, dim, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
-    """Grid (rows,): out = w * round(x * rsqrt(mean(x^2) + eps)); with a residual, first
-    residual = round(x + residual) (stored back) and that is normalised."""
-    row = tl.program_id(0)
-    c = tl.arange(0, BLOCK)
-    mask = c < dim
+    """Grid (cdiv(rows, ROWS),): out = w * round(x * rsqrt(mean(x^2) + eps)) for ROWS rows; with a
+    residual, first residual = round(x + residual) (stored back) and that is normalised."""
+    row = (tl.program_id(0) * ROWS + tl.arange(0, ROWS))[:, None]
+    c = tl.arange(0, BLOCK)[None, :]
+    mask = (row < rows) & (c < dim)
     x = tl.load(x_ptr + row * x_stride + c, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * dim + c, mask=mask, other=0.0).to(tl.float32)
         x = (x + r).to(residual_ptr.dtype.element_ty)
         tl.store(residual_ptr + row * dim + c, x, mask=mask)
         x = x.to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / dim + eps)
-    y = (x * inv).to(out_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + c, mask=mask, other=0.0).to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / dim + eps)
+    y = (x * inv[:, None]).to(out_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + c, mask=c < dim, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * dim + c, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def rotary_kernel(
-    pos_ptr, x_ptr, cache_ptr, x_stride_t, x_stride_h, heads,
+    pos_ptr, x_ptr, cache_ptr, tokens, x_stride_t, x_stride_h, heads,
     D: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, BLOCK_H: tl.constexpr, NEOX: tl.constexpr,
+    TOKENS: tl.constexpr,
 ):  # fmt: skip
-    """Grid (tokens,), in place on every head of the token. NeoX pairs i with i + D/2; GPT-J pairs
-    2i with 2i + 1. The cache row of a position is cos (D/2) then sin (D/2), fp32."""
-    t = tl.program_id(0)
-    pos = tl.load(pos_ptr + t)
-    i = tl.arange(0, BLOCK)
-    h = tl.arange(0, BLOCK_H)
-    mask = i < HALF
-    cos = tl.load(cache_ptr + pos * D + i, mask=mask, other=0.0)[None, :]
-    sin = tl.load(cache_ptr + pos * D + HALF + i, mask=mask, other=0.0)[None, :]
-    base = x_ptr + t * x_stride_t + h[:, None] * x_stride_h
+    """Grid (cdiv(tokens, TOKENS),), in place on every head of TOKENS tokens (a block row is
+    (token, head)). NeoX pairs i with i + D/2; GPT-J pairs 2i with 2i + 1. The cache row of a
+    position is cos (D/2) then sin (D/2), fp32."""
+    r = tl.arange(0, TOKENS * BLOCK_H)
+    t = tl.program_id(0) * TOKENS + r // BLOCK_H
+    h = (r % BLOCK_H)[:, None]
+    i = tl.arange(0, BLOCK)[None, :]
+    live = t < tokens
+    pos = tl.load(pos_ptr + t, mask=live, other=0)[:, None]
+    mask = live[:, None] & (h < heads) & (i < HALF)
+    cos = tl.load(cache_ptr + pos * D + i, mask=mask, other=0.0)
+    sin = tl.load(cache_ptr + pos * D + HALF + i, mask=mask, other=0.0)
+    base = x_ptr + t[:, None] * x_stride_t + h * x_stride_h
     if NEOX:
-        first, second = base + i[None, :], base + HALF + i[None, :]
+        first, second = base + i, base + HALF + i
     else:
-        first, second = base + 2 * i[None, :], base + 2 * i[None, :] + 1
-    mask = (h[:, None] < heads) & mask[None, :]
+        first, second = base + 2 * i, base + 2 * i + 1
     x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(second, mask=mask, other=0.0).to(tl.float32)
     tl.store(first, (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty), mask=mask)
@@ -207,11 +217,11 @@ def rotary_kernel(
 
 
 @triton.jit
-def silu_and_mul_kernel(x_ptr, out_ptr, d, BLOCK: tl.constexpr):
-    """Grid (rows, cdiv(d, BLOCK)): out = round(silu(gate)) * up, with x = [gate | up]."""
-    row = tl.program_id(0)
-    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = c < d
+def silu_and_mul_kernel(x_ptr, out_ptr, rows, d, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    """Grid (cdiv(rows, ROWS), cdiv(d, BLOCK)): out = round(silu(gate)) * up, with x = [gate | up]."""
+    row = (tl.program_id(0) * ROWS + tl.arange(0, ROWS))[:, None]
+    c = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))[None, :]
+    mask = (row < rows) & (c < d)
     gate = tl.load(x_ptr + row * 2 * d + c, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * 2 * d + d + c, mask=mask, other=0.0).to(tl.float32)
     silu = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)

@@ -18,10 +18,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    if x2.shape[0]:
-        kernels.rms_norm_kernel[(x2.shape[0],)](
-            x2, x2, weight, out, x2.stride(0), dim, eps, HAS_RESIDUAL=False, BLOCK=triton.next_power_of_2(dim)
-        )
+    rows, per = x2.shape[0], kernels.rows_per_program(dim)
+    if rows:
+        kernels.rms_norm_kernel[(triton.cdiv(rows, per),)](
+            x2, x2, weight, out, rows, x2.stride(0), dim, eps,
+            HAS_RESIDUAL=False, BLOCK=triton.next_power_of_2(dim), ROWS=per,
+        )  # fmt: skip
     return out.view(x.shape)
 
 
@@ -33,8 +35,9 @@ def fused_add_rms_norm(
     rows = x.numel() // dim
     x, residual = x.contiguous(), residual.contiguous()
     if rows:
-        kernels.rms_norm_kernel[(rows,)](
-            x, residual, weight, x, dim, dim, eps, HAS_RESIDUAL=True, BLOCK=triton.next_power_of_2(dim)
+        per = kernels.rows_per_program(dim)
+        kernels.rms_norm_kernel[(triton.cdiv(rows, per),)](
+            x, residual, weight, x, rows, dim, dim, eps, HAS_RESIDUAL=True, BLOCK=triton.next_power_of_2(dim), ROWS=per
         )
     return x, residual
 
@@ -46,10 +49,11 @@ def rotary_embedding(
     tokens, _, dim = q.shape
     for x in (q, k):
         if tokens and x.stride(2) == 1:
-            kernels.rotary_kernel[(tokens,)](
-                positions, x, cos_sin_cache, x.stride(0), x.stride(1), x.shape[1],
-                D=dim, HALF=dim // 2, BLOCK=triton.next_power_of_2(dim // 2),
-                BLOCK_H=triton.next_power_of_2(x.shape[1]), NEOX=neox,
+            block_h = triton.next_power_of_2(x.shape[1])
+            per = kernels.rows_per_program(block_h * dim)
+            kernels.rotary_kernel[(triton.cdiv(tokens, per),)](
+                positions, x, cos_sin_cache, tokens, x.stride(0), x.stride(1), x.shape[1],
+                D=dim, HALF=dim // 2, BLOCK=triton.next_power_of_2(dim // 2), BLOCK_H=block_h, NEOX=neox, TOKENS=per,
             )  # fmt: skip
         elif tokens:
             raise ValueError("rotary_embedding: head_dim must be contiguous")
@@ -60,9 +64,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     d = x.shape[-1] // 2
     x2 = x.reshape(-1, 2 * d).contiguous()
     out = torch.empty((x2.shape[0], d), dtype=x.dtype, device=x.device)
-    block = min(1024, triton.next_power_of_2(d))
-    if x2.shape[0]:
-        kernels.silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](x2, out, d, BLOCK=block)
+    block, rows = min(1024, triton.next_power_of_2(d)), x2.shape[0]
+    per = kernels.rows_per_program(block)
+    if rows:
+        kernels.silu_and_mul_kernel[(triton.cdiv(rows, per), triton.cdiv(d, block))](
+            x2, out, rows, d, BLOCK=block, ROWS=per
+        )
     return out.view(*x.shape[:-1], d)
 
 
