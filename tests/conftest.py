@@ -23,6 +23,24 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     torch.set_num_threads(int(share))
 
 
+# Files that take minutes, collected first: `make test` hands whole files to the workers in
+# collection order (`--dist loadfile --no-loadscope-reorder`; xdist's default order is by test
+# count, which put the longest file, with 6 tests, last: it then ran alone for minutes).
+LONG_FILES = (
+    "tests/quantization/test_quant_accuracy.py",
+    "tests/cuda/test_triton_ops.py",
+    "tests/ascend/test_ascend.py",
+    "tests/cpu/test_int8_linear.py",
+    "tests/core/test_lora.py",
+    "tests/core/test_spec_decode.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {path: i for i, path in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(LONG_FILES)))  # stable: the rest as they were
+
+
 @pytest.fixture(scope="session")
 def varied_prompts() -> list[list[int]]:
     """Mixed lengths: shorter than a block, exactly blocks, several blocks plus a tail."""
