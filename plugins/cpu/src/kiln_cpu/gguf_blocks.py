@@ -26,7 +26,7 @@ logger = logging.getLogger("kiln.cpu")
 
 BLOCK = 32  # values per scale (Q6_K's per 16)
 CHUNK_ROWS = 1024  # rows recovered and checked at a time: bounds the temporary copies
-_PROBE_ROWS = 16
+_RUN_ROWS = 16  # rows recovered as one type at least (the tiled kernels pass their tile height)
 
 
 @dataclass(slots=True, eq=False)
@@ -254,7 +254,7 @@ def _last_first(order: tuple[Recovery, ...], last: Recovery) -> tuple[Recovery, 
     return (last, *(r for r in order if r is not last))
 
 
-def recover_blocks(weight: torch.Tensor, step: int = _PROBE_ROWS) -> Blocks | None:
+def recover_blocks(weight: torch.Tensor, step: int = _RUN_ROWS) -> Blocks | None:
     """The blocks fp32 ``weight`` (N, K; K a multiple of 32) was widened from, or None: chunk
     by chunk, in runs of ``step`` rows of one GGUF type each, the type found last tried first.
     A weight of one type comes out in that type's form."""
