@@ -13,6 +13,7 @@ import psutil
 import torch
 
 from kiln.interfaces.platform import Platform
+from kiln_cpu import form_cache
 from kiln_cpu.module_swap import replace_linears
 from kiln_cpu.native import has_amx_bf16
 from kiln_cpu.packed_linear import kernel_works
@@ -151,6 +152,7 @@ class CpuPlatform(Platform):
         from kiln_cpu.fused_decode import use_fused_decode
 
         self._repack(model, config)
+        form_cache.trim()  # once a load: the forms it kept may have taken the folder past its limit
         swapped, gguf = self._repacked
         self._repacked = [0, 0]
         # counted here: a quantized checkpoint's experts are packed by its linear method

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from kiln_cpu import native
+from kiln_cpu import form_cache, native
 from kiln_cpu.gguf_blocks import BLOCK, CHUNK_ROWS, Blocks, recover_blocks
 from kiln_cpu.module_swap import child_slots
 
@@ -105,25 +105,41 @@ def _tileable(weight: torch.Tensor) -> bool:
     )
 
 
-def find_gguf_form(weight: torch.Tensor) -> TiledWeight | None:
-    """The blocks ``weight`` (fp32, 2-D) was widened from (``gguf_blocks``) in tiles, or None if
-    it holds other values: Q4_1 and Q8_0 as they are, Q4_0 and Q4_K as 4-bit codes with a min,
-    Q5_0 as 8-bit codes, Q5_1 and Q5_K as 8-bit codes with a min, Q3_K and Q6_K as 8-bit codes
-    with a scale per 16 values, rows of several types as 8-bit codes with a min."""
-    if not _tileable(weight) or weight.shape[1] % BLOCK:
-        return None
-    weight = weight.detach()
-    blocks = recover_blocks(weight, TILE)
-    if blocks is None:
-        return None
-    form = _tiles(blocks)
-    for start in range(0, weight.shape[0], CHUNK_ROWS):  # the kernels' own widening gives every value back
+def _widens_to(form: TiledWeight, weight: torch.Tensor) -> bool:
+    """Whether the kernels' own widening of ``form`` gives every value of ``weight`` back."""
+    for start in range(0, weight.shape[0], CHUNK_ROWS):
         tiles = slice(start // TILE, (start + CHUNK_ROWS) // TILE)
         low = None if form.min is None else form.min[tiles]
         if not torch.equal(
             TiledWeight(form.fmt, form.scale[tiles], low, form.q[tiles]).unpack(), weight[start : start + CHUNK_ROWS]
         ):
-            return None
+            return False
+    return True
+
+
+def find_gguf_form(weight: torch.Tensor) -> TiledWeight | None:
+    """The blocks ``weight`` (fp32, 2-D) was widened from (``gguf_blocks``) in tiles, or None if
+    it holds other values: Q4_1 and Q8_0 as they are, Q4_0 and Q4_K as 4-bit codes with a min,
+    Q5_0 as 8-bit codes, Q5_1 and Q5_K as 8-bit codes with a min, Q3_K and Q6_K as 8-bit codes
+    with a scale per 16 values, rows of several types as 8-bit codes with a min. A large
+    weight's form is kept on disk (``form_cache``) and taken from there when it fits."""
+    if not _tileable(weight) or weight.shape[1] % BLOCK:
+        return None
+    weight = weight.detach()
+    name = form_cache.fingerprint(weight)
+    kept = None if name is None else form_cache.load(name)
+    if kept is not None:
+        form = TiledWeight(*kept)
+        if form.shape == tuple(weight.shape) and _widens_to(form, weight):
+            return form
+    blocks = recover_blocks(weight, TILE)
+    if blocks is None:
+        return None
+    form = _tiles(blocks)
+    if not _widens_to(form, weight):
+        return None
+    if name is not None:
+        form_cache.store(name, form.fmt, form.scale, form.min, form.q)
     return form
 
 
