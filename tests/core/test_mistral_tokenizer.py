@@ -162,6 +162,23 @@ def client(model_dir):
         yield c
 
 
+def test_embedding_a_conversation_keeps_the_tail_of_its_ids(model_dir):
+    """``messages`` with ``truncate_prompt_tokens`` under mistral_common: its ids come from the
+    conversation, so they are cut as token ids are (their last k, as vLLM does), not refused."""
+    engine = LLMEngine(EngineConfig.create(
+        model=model_dir, tokenizer_mode="mistral", task="embed", max_model_len=256, dtype="float32"
+    ))  # fmt: skip
+    ids = engine.model_info.tokenizer.apply_chat_template(HELLO, tokenize=True, return_dict=False)
+    with TestClient(build_app(AsyncEngine(engine, log_stats_interval=None), ServerOptions(["tekken"]), serve_args([]))) as c:
+        cut = c.post("/v1/embeddings", json={"messages": HELLO, "truncate_prompt_tokens": 3})
+        assert cut.status_code == 200, cut.text
+        assert cut.json()["usage"]["prompt_tokens"] == 3 < len(ids)
+        tail = c.post("/v1/embeddings", json={"input": ids[-3:]}).json()["data"][0]["embedding"]
+        assert cut.json()["data"][0]["embedding"] == tail
+        whole = c.post("/v1/embeddings", json={"messages": HELLO}).json()
+        assert whole["usage"]["prompt_tokens"] == len(ids) and whole["data"][0]["embedding"] != tail
+
+
 def test_server_chat_tokenize_and_guided_json(client, llm):
     tok = llm.get_tokenizer()
     expected = tok.apply_chat_template(HELLO, tokenize=True, return_dict=False)

@@ -154,13 +154,10 @@ class PoolingServing(OpenAIServing):
             raise APIError("give exactly one of input and messages", param="input")
         if messages is not None:
             prompt = self.chat.render(req, bool(req.add_special_tokens))
-            if truncation_limit(truncate, limit) is None:
+            if truncation_limit(truncate, limit) is None or is_mistral(self.tokenizer):
+                # mistral_common's ids come from the conversation, not from a text to cut: the engine
+                # keeps their tail, as it does any token ids (and as vLLM does).
                 return [prompt]
-            if is_mistral(self.tokenizer):  # its ids come from the conversation, not from a text to cut
-                raise APIError(
-                    "truncate_prompt_tokens: not supported for messages with a mistral_common tokenizer",
-                    param="truncate_prompt_tokens",
-                )
             return [
                 Prompt(
                     prompt.text, encode_text(self.tokenizer, prompt.text, truncate, limit, bool(req.add_special_tokens))
