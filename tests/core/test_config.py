@@ -102,3 +102,28 @@ def test_fp8_kv_cache_where_the_platform_has_none(tiny_model_dir):
         ValueError, match=r"--kv-cache-dtype: fp8 is not supported on cpu; choose one of \['auto', 'bfloat16'\]"
     ):
         LLM(tiny_model_dir("llama"), device="cpu", kv_cache_dtype="fp8")
+
+
+@pytest.mark.parametrize(
+    "value, limits",
+    [('{"image": 0, "video": 0}', {"image": 0, "video": 0}), ("image=0", {"image": 0}),
+     ({"video": {"count": 0, "num_frames": 8}}, {"video": 0})],
+)  # fmt: skip
+def test_media_limits_of_zero_are_text_only(value, limits):
+    """``--limit-mm-per-prompt`` as vLLM users pass it to serve a multimodal release as text."""
+    assert EngineConfig.create(limit_mm_per_prompt=value).limit_mm_per_prompt == limits
+
+
+def test_a_text_model_serves_with_media_limits_of_zero(tiny_model_dir):
+    llm = LLM(tiny_model_dir("llama"), dtype="float32", limit_mm_per_prompt='{"image": 0}')
+    assert len(llm.generate([[5, 6, 7]])[0].outputs[0].token_ids) > 0
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [('{"image": 2}', "Kiln serves text only \\('image' inputs"), ("image=1,video=0", "'image' inputs"),
+     ({"video": {"count": 1}}, "'video' inputs"), ("images", "give a JSON object")],
+)  # fmt: skip
+def test_media_limits_above_zero_are_refused(value, message):
+    with pytest.raises(ValueError, match=f"--limit-mm-per-prompt: .*{message}"):
+        EngineConfig.create(limit_mm_per_prompt=value)

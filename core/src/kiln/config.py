@@ -136,6 +136,9 @@ class EngineConfig(SpeculativeFlags):
     override_pooler_config: dict[str, Any] | None = Field(
         None, description='JSON pooling over the model\'s, e.g. \'{"pooling_type": "MEAN", "normalize": true}\''
     )
+    limit_mm_per_prompt: dict[str, int] | None = Field(
+        None, description="JSON images/videos/audios per prompt, e.g. '{\"image\": 0}': Kiln serves text, so 0 only"
+    )
 
     @field_validator("quantization")
     @classmethod
@@ -162,6 +165,28 @@ class EngineConfig(SpeculativeFlags):
                 raise ValueError(f"not valid JSON ({exc})") from None
         if value is not None and not isinstance(value, (dict, BaseModel)):  # BaseModel: a SpeculativeConfig
             raise ValueError("must be a JSON object")
+        return value
+
+    @field_validator("limit_mm_per_prompt", mode="before")
+    @classmethod
+    def _text_only(cls, value: object) -> object:
+        if isinstance(value, str):  # JSON, or vLLM's older image=2,video=1
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError:
+                pairs = [item.partition("=") for item in value.split(",")]
+                if not all(sep and key.strip() for key, sep, _ in pairs):
+                    raise ValueError("give a JSON object such as '{\"image\": 0}' (or image=0)") from None
+                value = {key.strip(): number.strip() for key, _, number in pairs}
+        if isinstance(value, dict):
+            # vLLM's newer form gives a medium options: {"video": {"count": 1, "num_frames": 32}}
+            media = [k for k, v in value.items() if str(v.get("count") if isinstance(v, dict) else v).strip() != "0"]
+            if media:
+                raise ValueError(
+                    f"Kiln serves text only ({', '.join(map(repr, media))} inputs are not supported): a multimodal "
+                    "release serves its text model, so every limit must be 0"
+                )
+            value = {k: 0 for k in value}
         return value
 
     @field_validator("num_scheduler_steps")
