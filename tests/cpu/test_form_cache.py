@@ -75,3 +75,18 @@ def test_the_least_recently_used_go_first(folder, monkeypatch):
     form_cache.trim()
     kept = {f.name for f in folder.iterdir()}
     assert kept == {f"{form_cache.fingerprint(w)}.safetensors" for w in (weights[0], weights[2])}
+
+
+@pytest.mark.parametrize("part", ["scale", "q"])
+def test_a_kept_form_of_another_layout_is_not_used(folder, monkeypatch, part):
+    """Tensors of the wrong shape (the kernels would read past their end) are a miss, never unpacked."""
+    w = gguf_weight(ROWS, COLS, GGMLQuantizationType.Q4_1)
+    form = find_gguf_form(w)
+    name = form_cache.fingerprint(w)
+    parts = {"scale": form.scale, "min": form.min, "q": form.q}
+    parts[part] = parts[part][:-1].clone()
+    form_cache.store(name, form.fmt, parts["scale"], parts["min"], parts["q"])
+    unpacked = []
+    monkeypatch.setattr(tiled_weights.TiledWeight, "unpack", lambda self, rows=None: unpacked.append(self) or w)
+    monkeypatch.setattr(tiled_weights, "recover_blocks", lambda *a: None)
+    assert find_gguf_form(w) is None and not unpacked  # the file's form refused; recovery (stubbed) asked

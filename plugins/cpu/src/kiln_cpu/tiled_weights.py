@@ -117,6 +117,20 @@ def _widens_to(form: TiledWeight, weight: torch.Tensor) -> bool:
     return True
 
 
+def _laid_out_for(fmt: int, scale, low, q, shape: tuple[int, int]) -> bool:
+    """Whether tensors read back from disk have the layout of an (N, K) ``fmt`` form (the kernels
+    trust the shapes: a mismatch would read past the end)."""
+    tiles, blocks = shape[0] // TILE, shape[1] // BLOCK
+    codes = {4: torch.uint8, 6: torch.int8, 8: torch.int8}
+    return (
+        fmt in codes
+        and (q.dtype, tuple(q.shape)) == (codes[fmt], (tiles, blocks, 4 if fmt == 4 else 8, TILE, 4))
+        and scale is not None
+        and (scale.dtype, tuple(scale.shape)) == (torch.float32, (tiles, blocks * (2 if fmt == 6 else 1), TILE))
+        and (low is None or (low.dtype, tuple(low.shape)) == (torch.float32, (tiles, blocks, TILE)))
+    )
+
+
 def find_gguf_form(weight: torch.Tensor) -> TiledWeight | None:
     """The blocks ``weight`` (fp32, 2-D) was widened from (``gguf_blocks``) in tiles, or None if
     it holds other values: Q4_1 and Q8_0 as they are, Q4_0 and Q4_K as 4-bit codes with a min,
@@ -128,9 +142,9 @@ def find_gguf_form(weight: torch.Tensor) -> TiledWeight | None:
     weight = weight.detach()
     name = form_cache.fingerprint(weight)
     kept = None if name is None else form_cache.load(name)
-    if kept is not None:
+    if kept is not None and _laid_out_for(*kept, tuple(weight.shape)):
         form = TiledWeight(*kept)
-        if form.shape == tuple(weight.shape) and _widens_to(form, weight):
+        if _widens_to(form, weight):
             return form
     blocks = recover_blocks(weight, TILE)
     if blocks is None:
