@@ -19,6 +19,7 @@ BLOCK = 128  # columns updated together (lazy batch updates)
 DAMP = 0.01
 MAXQ = 15
 SHRINKS = [1 - i / 100 for i in range(21)]
+CHUNK_ROWS = 512  # rows whose grids _group_params searches at a time
 
 
 class Hessian:
@@ -56,6 +57,9 @@ def _group_params(w: torch.Tensor, sym: bool, col_weight: torch.Tensor) -> tuple
     calibration tokens): perplexity +9.6 % over fp32 with no search, +8.1 % with it, +7.3 % with
     the columns weighted, +6.8 % with static groups; searching up to 50 % chose the same grids.
     (+7.19 % on an AVX2-only EPYC, 2026-11-29, with linears that share inputs quantized as one.)"""
+    if w.shape[0] > CHUNK_ROWS:  # row by row the same; a chunk's temporaries stay in cache (~2x faster)
+        parts = [_group_params(w[i : i + CHUNK_ROWS], sym, col_weight) for i in range(0, w.shape[0], CHUNK_ROWS)]
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
     low, high = w.amin(dim=-1), w.amax(dim=-1)
     best, scale, zero = torch.full_like(low, float("inf")), torch.zeros_like(low), torch.zeros_like(low)
     for shrink in SHRINKS:  # the first (no shrinking) is always taken, then only a smaller error
