@@ -169,7 +169,9 @@ def test_embedding_a_conversation_keeps_the_tail_of_its_ids(model_dir):
         model=model_dir, tokenizer_mode="mistral", task="embed", max_model_len=256, dtype="float32"
     ))  # fmt: skip
     ids = engine.model_info.tokenizer.apply_chat_template(HELLO, tokenize=True, return_dict=False)
-    with TestClient(build_app(AsyncEngine(engine, log_stats_interval=None), ServerOptions(["tekken"]), serve_args([]))) as c:
+    with TestClient(
+        build_app(AsyncEngine(engine, log_stats_interval=None), ServerOptions(["tekken"]), serve_args([]))
+    ) as c:
         cut = c.post("/v1/embeddings", json={"messages": HELLO, "truncate_prompt_tokens": 3})
         assert cut.status_code == 200, cut.text
         assert cut.json()["usage"]["prompt_tokens"] == 3 < len(ids)
