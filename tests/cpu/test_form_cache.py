@@ -58,10 +58,15 @@ def test_a_kept_form_of_other_values_is_not_used(folder):
 
 
 def test_a_damaged_file_is_a_miss(folder):
+    from safetensors.torch import save_file
+
     w = gguf_weight(ROWS, COLS, GGMLQuantizationType.Q8_0)
+    path = folder / f"{form_cache.fingerprint(w)}.safetensors"
     folder.mkdir(parents=True)
-    (folder / f"{form_cache.fingerprint(w)}.safetensors").write_bytes(b"not a safetensors file")
+    path.write_bytes(b"not a safetensors file")
     assert torch.equal(find_gguf_form(w).unpack(), w)
+    save_file({"scale": torch.zeros(1)}, str(path), metadata={"fmt": "8"})  # no codes
+    assert form_cache.load(path.stem) is None
 
 
 def test_the_least_recently_used_go_first(folder, monkeypatch):

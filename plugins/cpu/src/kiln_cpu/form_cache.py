@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from kiln.models.loader import cache_dir
+
 logger = logging.getLogger("kiln.cpu")
 
 MIN_VALUES = 1 << 18  # smaller weights recover in milliseconds: not worth a file each
@@ -33,8 +35,7 @@ def _limit_bytes() -> int:
 
 
 def _folder() -> Path:
-    root = os.environ.get("KILN_CACHE_DIR") or Path.home() / ".cache" / "kiln"
-    return Path(root) / "cpu-forms"
+    return cache_dir() / "cpu-forms"
 
 
 @cache
@@ -66,12 +67,13 @@ def load(name: str) -> tuple[int, torch.Tensor | None, torch.Tensor | None, torc
         with safe_open(str(path), "pt") as f:
             fmt = int(f.metadata()["fmt"])
             tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is no mapping)
+        form = fmt, tensors.get("scale"), tensors.get("min"), tensors["q"]
         os.utime(path)  # recently used: the last to be trimmed
     except (OSError, KeyError, ValueError, SafetensorError) as e:  # absent, or trimmed or cut short by another process
         if not isinstance(e, FileNotFoundError):
             logger.debug("cached form %s unreadable: %s", name, e)
         return None
-    return fmt, tensors.get("scale"), tensors.get("min"), tensors["q"]
+    return form
 
 
 def store(name: str, fmt: int, scale: torch.Tensor | None, low: torch.Tensor | None, q: torch.Tensor) -> None:

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from kiln.models.loader import cache_dir
+
 logger = logging.getLogger("kiln.cpu")
 
 CSRC = Path(__file__).parent / "csrc"
@@ -57,11 +59,6 @@ def has_amx_bf16() -> bool:
     return "amx_bf16" in _cpu_flags().split()
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("KILN_CACHE_DIR") or Path.home() / ".cache" / "kiln"
-    return Path(root) / "cpu-kernels"
-
-
 @cache
 def load_kernels() -> ctypes.CDLL | None:
     """The compiled library, or None when native kernels are off or cannot be built."""
@@ -76,7 +73,7 @@ def load_kernels() -> ctypes.CDLL | None:
     flags = [*FLAGS, f"-march={os.environ.get('KILN_CPU_MARCH') or 'native'}"]
     sources = b"".join(p.read_bytes() for p in [*SOURCES, *sorted(CSRC.glob("*.h"))])
     key = hashlib.sha256(sources + " ".join(flags).encode() + _cpu_flags().encode())
-    target = _cache_dir() / f"kiln-cpu-{key.hexdigest()[:16]}.so"
+    target = cache_dir() / "cpu-kernels" / f"kiln-cpu-{key.hexdigest()[:16]}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
