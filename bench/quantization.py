@@ -47,7 +47,7 @@ def checkpoint(name: str, fp32_path: str) -> str:
     """The model folder a system serves, quantizing it on first use."""
     if name.startswith("fp32"):
         return fp32_path
-    from kiln.models.loader import cache_dir
+    from kiln.interfaces.platform import cache_dir
 
     args = METHODS[name]
     # keyed by what made it: the source model, the arguments and the quantization code

@@ -8,8 +8,10 @@ here. ``kiln.testing.contracts.PlatformContract`` checks an implementation.
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -191,3 +193,10 @@ def measure_peak_memory(device_module, fn: Callable[[], object]) -> int:
     peak = device_module.max_memory_allocated() - before
     device_module.empty_cache()  # hand the step's blocks back before free memory is measured
     return peak
+
+
+def cache_dir() -> Path:
+    """Kiln's cache folder (``$KILN_CACHE_DIR``, else ``~/.cache/kiln``): converted models
+    live under ``models/``; a platform keeps what it builds or derives in a subfolder of
+    its own."""
+    return Path(os.environ.get("KILN_CACHE_DIR") or Path.home() / ".cache" / "kiln")

@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from kiln.interfaces.platform import cache_dir
 from kiln.models import mistral_format
 from kiln.models.gguf_cache import convert_gguf
 from kiln.models.rope import rope_settings
@@ -56,10 +57,6 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 class ModelFiles:
     path: str  # a Hugging Face folder: config.json, tokenizer, maybe safetensors
     name: str  # what to call the model (served model name)
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("KILN_CACHE_DIR") or Path.home() / ".cache" / "kiln")
 
 
 def default_model_path() -> str:

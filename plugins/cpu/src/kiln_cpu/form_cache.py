@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from kiln.models.loader import cache_dir
+from kiln.interfaces.platform import cache_dir
 
 logger = logging.getLogger("kiln.cpu")
 
