@@ -27,6 +27,7 @@ logger = logging.getLogger("kiln.cpu")
 BLOCK = 32  # values per scale (Q6_K's per 16)
 CHUNK_ROWS = 1024  # rows recovered and checked at a time: bounds the temporary copies
 _RUN_ROWS = 16  # rows recovered as one type at least (the tiled kernels pass their tile height)
+_TRIAL_VALUES = 1 << 22  # values one batch of trials computes: bounds the temporaries
 
 
 @dataclass(slots=True, eq=False)
@@ -63,6 +64,29 @@ def _q8_0(w: torch.Tensor) -> Blocks:
     return Blocks(8, q.round().clamp(-127, 127).to(torch.int8).view(w.shape), scale, None)
 
 
+def _first_fit(
+    live: torch.Tensor, size: int, attempt: Callable[[torch.Tensor | None, list], tuple], params: list
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per block, the scale and codes of the first of ``params`` that fits it (zeros where none
+    does or the block is not ``live``). ``attempt(index, params)`` tries ``params`` on the blocks
+    at ``index`` (every block when None): scales (params, blocks, 1), codes (params, blocks,
+    size) and fits (params, blocks). The first param sees every block, in place; the rest go in
+    batches over the blocks left (a weight of other values fails them all: one param at a time
+    would be dozens of small steps per weight)."""
+    scale, codes, fits = attempt(None, params[:1])
+    fits = fits[0] & live
+    scale, codes = torch.where(fits[:, None], scale[0], 0.0), torch.where(fits[:, None], codes[0], 0.0)
+    todo, start = (live & ~fits).nonzero()[:, 0], 1
+    while start < len(params) and todo.numel():
+        count = max(1, _TRIAL_VALUES // (todo.numel() * size))
+        s, c, fits = attempt(todo, params[start : start + count])
+        hit = fits.any(0)
+        first, at = fits.byte().argmax(0)[hit], hit.nonzero()[:, 0]  # argmax: the first fitting param
+        scale[todo[hit]], codes[todo[hit]] = s[first, at], c[first, at]
+        todo, start = todo[~hit], start + count
+    return scale, codes
+
+
 def _scaled_codes(
     w: torch.Tensor, tries: list[int], lo: int, hi: int, size: int = BLOCK, neighbours: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,30 +94,22 @@ def _scaled_codes(
     code k of ``tries`` for which d = (its value of largest magnitude) / k gives every value a
     whole code in range; with ``neighbours``, failing d, the fp32 next to it away from zero, then
     the one towards zero (the value was rounded when a checkpoint's scale was not a whole fraction
-    of it). The first try sees every block; each later one only the blocks none fitted yet."""
+    of it)."""
     blocks = w.reshape(-1, size)
     top = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True))  # (blocks, 1)
     live = top[:, 0] != 0  # an all-zero block: d 0, codes 0
-    d, codes, todo = torch.zeros_like(top), torch.zeros_like(blocks), None
 
-    def attempt(rest: torch.Tensor, near: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        trial = near if i == 0 else torch.nextafter(near, near * 2 if i == 1 else torch.zeros_like(near))
+    def attempt(index: torch.Tensor | None, trials: list[tuple[int, int]]) -> tuple:
+        rest, near = (blocks, top) if index is None else (blocks[index], top[index])
+        near = near / torch.tensor([float(k) for k, _ in trials]).view(-1, 1, 1)
+        which = torch.tensor([i for _, i in trials]).view(-1, 1, 1)
+        away, towards = torch.nextafter(near, near * 2), torch.nextafter(near, torch.zeros_like(near))
+        trial = torch.where(which == 0, near, torch.where(which == 1, away, towards))
         c = (rest / trial).round()
         return trial, c, ((c * trial == rest) & (c >= lo) & (c <= hi)).all(-1)
 
-    for k in tries:
-        for i in range(3 if neighbours else 1):
-            if todo is None:  # every block, in place
-                trial, c, fits = attempt(blocks, top / k, i)
-                fits &= live
-                d, codes = torch.where(fits[:, None], trial, d), torch.where(fits[:, None], c, codes)
-                todo = (live & ~fits).nonzero()[:, 0]
-            elif todo.numel():
-                trial, c, fits = attempt(blocks[todo], top[todo] / k, i)
-                d[todo[fits]], codes[todo[fits]] = trial[fits], c[fits]
-                todo = todo[~fits]
-        if todo.numel() == 0:
-            break
+    trials = [(k, i) for k in tries for i in range(3 if neighbours else 1)]
+    d, codes = _first_fit(live, size, attempt, trials)
     return d.view(w.shape[0], -1), codes.clamp(lo, hi).to(torch.int8).view(w.shape)
 
 
@@ -139,27 +155,16 @@ def _affine(w: torch.Tensor, levels: int) -> Blocks:
     blocks = w.reshape(-1, BLOCK)
     low, high = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
     live = (low != high)[:, 0]  # a constant block: scale 0, every code 0
-    scale, codes, todo = torch.zeros_like(low), torch.zeros_like(blocks), None
 
-    def attempt(rest: torch.Tensor, rest_low: torch.Tensor, rest_high: torch.Tensor, span: int):
-        step = (rest_high - rest_low) / span
+    def attempt(index: torch.Tensor | None, spans: list[int]) -> tuple:
+        rest, rest_low, rest_high = (blocks, low, high) if index is None else (blocks[index], low[index], high[index])
+        step = (rest_high - rest_low) / torch.tensor([float(n) for n in spans]).view(-1, 1, 1)
         c = ((rest - rest_low) / step).round()
         product = c * step
         exact = (product.double() == c.double() * step.double()).all(-1)
         return step, c, (product + rest_low == rest).all(-1) & exact
 
-    for span in range(levels - 1, 0, -1):
-        if todo is None:  # every block, in place
-            step, c, fits = attempt(blocks, low, high, span)
-            fits &= live
-            scale, codes = torch.where(fits[:, None], step, scale), torch.where(fits[:, None], c, codes)
-            todo = (live & ~fits).nonzero()[:, 0]
-        else:
-            step, c, fits = attempt(blocks[todo], low[todo], high[todo], span)
-            scale[todo[fits]], codes[todo[fits]] = step[fits], c[fits]
-            todo = todo[~fits]
-        if todo.numel() == 0:
-            break
+    scale, codes = _first_fit(live, BLOCK, attempt, list(range(levels - 1, 0, -1)))
     codes = codes.clamp(0, levels - 1).to(torch.int8).view(w.shape)
     return Blocks(4 if levels == 16 else 8, codes, scale.view(w.shape[0], -1), low.view(w.shape[0], -1))
 
