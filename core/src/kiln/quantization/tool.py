@@ -118,26 +118,31 @@ def check_args(ns: argparse.Namespace, hf_config) -> None:
 def first_layer_inputs(model, samples: torch.Tensor) -> tuple[list[torch.Tensor], list[list[dict]]]:
     """The hidden states entering decoder layer 0 (a chunk of samples each), and the keyword
     arguments each decoder layer is called with for each chunk (masks and ropes are per chunk, and
-    Gemma 3's differ by layer type), from one pass of the model over the samples."""
+    Gemma 3's differ by layer type), from one pass of the model over the samples in which every
+    decoder layer records its call and hands its input on: the masks and ropes come from the
+    token ids alone, so computing the layers would be wasted."""
     layers = model.model.layers
     captured: list[torch.Tensor] = []
     kwargs: list[list[dict]] = [[] for _ in layers]
 
-    def keep(i):
-        def hook(module, args, kw):
+    def record(i):
+        def forward(*args, **kw):
+            hidden = args[0] if args else kw["hidden_states"]
             if i == 0:
-                captured.append(args[0] if args else kw["hidden_states"])
+                captured.append(hidden)
             kwargs[i].append({k: v for k, v in kw.items() if k != "hidden_states"})
+            return hidden
 
-        return hook
+        return forward
 
-    handles = [layer.register_forward_pre_hook(keep(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    for i, layer in enumerate(layers):
+        layer.forward = record(i)  # an instance attribute over the class's forward, deleted below
     try:
         for chunk in samples.split(CHUNK):
             model.model(chunk, use_cache=False)  # the decoder only: no logits over the vocabulary
     finally:
-        for handle in handles:
-            handle.remove()
+        for layer in layers:
+            del layer.forward
     return captured, kwargs
 
 
