@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+from collections import OrderedDict
+from pathlib import Path
 
 import psutil
 import pytest
@@ -39,6 +43,41 @@ LONG_FILES = (
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank = {path: i for i, path in enumerate(LONG_FILES)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(LONG_FILES)))  # stable: the rest as they were
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_tokenizers():
+    """Engines built in one pytest process share each tokenizer, loaded by Kiln's own loader the
+    first time: loading SmolLM2's (49k tokens, which the tiny test models copy) takes ~0.3 s, a
+    fifth of a typical tiny-model test. The key is the folder's tokenizer files by content (each
+    tiny model has a copy) and the model type, which picks the tokenizer class; the tests of the
+    loader call it directly."""
+    from kiln.engine import llm_engine
+    from kiln.engine.tokenizer import load_tokenizer
+
+    loaded: OrderedDict[tuple, object] = OrderedDict()
+
+    def load(path: str, mode: str, trust_remote_code: bool = False):
+        folder = Path(path)
+        if not folder.is_dir():
+            return load_tokenizer(path, mode, trust_remote_code)
+        digest = hashlib.sha256()
+        for f in sorted(folder.iterdir()):
+            if f.is_file() and f.name != "config.json" and f.suffix not in (".safetensors", ".bin", ".gguf", ".pt"):
+                digest.update(f.name.encode() + b"\0" + f.read_bytes())
+        config = folder / "config.json"
+        model_type = json.loads(config.read_text()).get("model_type") if config.exists() else None
+        key = (digest.hexdigest(), model_type, mode, trust_remote_code)
+        if key not in loaded:
+            loaded[key] = load_tokenizer(path, mode, trust_remote_code)
+            if len(loaded) > 8:
+                loaded.popitem(last=False)
+        loaded.move_to_end(key)
+        return loaded[key]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(llm_engine, "load_tokenizer", load)
+        yield
 
 
 @pytest.fixture(scope="session")
