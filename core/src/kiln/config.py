@@ -170,14 +170,12 @@ class EngineConfig(SpeculativeFlags):
     @field_validator("limit_mm_per_prompt", mode="before")
     @classmethod
     def _text_only(cls, value: object) -> object:
-        if isinstance(value, str):  # JSON, or vLLM's older image=2,video=1
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError:
-                pairs = [item.partition("=") for item in value.split(",")]
-                if not all(sep and key.strip() for key, sep, _ in pairs):
-                    raise ValueError("give a JSON object such as '{\"image\": 0}' (or image=0)") from None
-                value = {key.strip(): number.strip() for key, _, number in pairs}
+        if isinstance(value, str) and not value.lstrip().startswith("{"):  # vLLM's older image=2,video=1
+            pairs = [item.partition("=") for item in value.split(",")]
+            if not all(sep and key.strip() for key, sep, _ in pairs):
+                raise ValueError("give a JSON object such as '{\"image\": 0}' (or image=0)")
+            value = {key.strip(): number.strip() for key, _, number in pairs}
+        value = cls._json_object(value)
         if isinstance(value, dict):
             # vLLM's newer form gives a medium options: {"video": {"count": 1, "num_frames": 32}}
             media = [k for k, v in value.items() if str(v.get("count") if isinstance(v, dict) else v).strip() != "0"]
