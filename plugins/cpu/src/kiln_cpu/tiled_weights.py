@@ -118,19 +118,17 @@ def _widens_to(form: TiledWeight, weight: torch.Tensor) -> bool:
 
 
 def _laid_out_for(fmt: int, scale, low, q, shape: tuple[int, int]) -> bool:
-    """Whether tensors read back from disk have the layout ``_tiles`` gives an (N, K) ``fmt`` form
-    (the kernels trust the shapes: a mismatch would read past the end)."""
-    if fmt not in (4, 6, 8) or scale is None:
-        return False
-    rows, cols = shape
-
-    def meta(width: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return torch.empty(rows, width, dtype=dtype, device="meta")
-
-    per_scale = 16 if fmt == 6 else BLOCK
-    want = _tiles(Blocks(fmt, meta(cols, torch.int8), meta(cols // per_scale), meta(cols // BLOCK)))
-    pairs = [(q, want.q), (scale, want.scale)] + ([] if low is None else [(low, want.min)])
-    return all((got.dtype, got.shape) == (expected.dtype, expected.shape) for got, expected in pairs)
+    """Whether tensors read back from disk have the layout of an (N, K) ``fmt`` form (the kernels
+    trust the shapes: a mismatch would read past the end)."""
+    tiles, blocks = shape[0] // TILE, shape[1] // BLOCK
+    codes = {4: torch.uint8, 6: torch.int8, 8: torch.int8}
+    return (
+        fmt in codes
+        and (q.dtype, tuple(q.shape)) == (codes[fmt], (tiles, blocks, 4 if fmt == 4 else 8, TILE, 4))
+        and scale is not None
+        and (scale.dtype, tuple(scale.shape)) == (torch.float32, (tiles, blocks * (2 if fmt == 6 else 1), TILE))
+        and (low is None or (low.dtype, tuple(low.shape)) == (torch.float32, (tiles, blocks, TILE)))
+    )
 
 
 def find_gguf_form(weight: torch.Tensor) -> TiledWeight | None:
