@@ -119,7 +119,8 @@ def _widens_to(form: TiledWeight, weight: torch.Tensor) -> bool:
 
 def _laid_out_for(fmt: int, scale, low, q, shape: tuple[int, int]) -> bool:
     """Whether tensors read back from disk have the layout of an (N, K) ``fmt`` form (the kernels
-    trust the shapes: a mismatch would read past the end)."""
+    trust the shapes: a mismatch would read past the end). The packers' shapes are spelled out:
+    running them on meta tensors imports torch._dynamo, ~2 s of a server's start."""
     tiles, blocks = shape[0] // TILE, shape[1] // BLOCK
     codes = {4: torch.uint8, 6: torch.int8, 8: torch.int8}
     return (
