@@ -86,6 +86,8 @@ def test_longrope_positions_past_the_original_context_take_the_long_factors(tiny
         ("phi3", dict(sliding_window=None), [None] * 4),
         ("gemma2", dict(sliding_window=64), [64, None, 64, None]),
         ("gemma3_text", dict(sliding_window=64, sliding_window_pattern=2), [64, None, 64, None]),
+        ("ministral", dict(sliding_window=64), [64] * 4),
+        ("ministral", dict(sliding_window=64, layer_types=["full_attention", "sliding_attention"] * 2), [None, 64] * 2),
     ],
 )
 def test_layer_windows_follow_transformers(model_type, overrides, windows):

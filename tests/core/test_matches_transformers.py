@@ -27,7 +27,7 @@ ENGINE_VARIANTS = {
 }
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "mistral"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "mistral", "ministral"])
 def tiny_reference(request, tiny_model_dir, varied_prompts):
     path = tiny_model_dir(request.param)
     return path, hf_greedy(path, varied_prompts, NEW_TOKENS)

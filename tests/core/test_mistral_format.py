@@ -97,7 +97,62 @@ def test_unknown_params_are_named(tiny_model_dir, tmp_path):
         LLM(str(folder), max_model_len=128)
 
 
-def test_a_window_per_layer_is_refused_with_the_way_out(tiny_model_dir, tmp_path):
-    folder = mistral_layout(tiny_model_dir("mistral"), tmp_path / "ministral", sliding_window=[16, 16, 64])
-    with pytest.raises(ValueError, match="sliding window per layer.*--config-format hf"):
+def hf_folder(hf_dir: str, out: Path, **config) -> str:
+    """A copy of ``hf_dir`` (its weights linked) whose config.json takes ``config``'s entries."""
+    out.mkdir()
+    for f in Path(hf_dir).iterdir():
+        if f.name != "config.json":
+            (out / f.name).symlink_to(f)
+    original = json.loads((Path(hf_dir) / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(original | config))
+    return str(out)
+
+
+def served(folder: Path) -> list[list[int]]:
+    params = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0)
+    llm = LLM(str(folder), dtype="float32", max_model_len=128)
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
+
+
+def test_a_window_per_layer_serves_as_transformers_ministral(tiny_model_dir, tmp_path):
+    """params.json's window per layer (a pattern; None is full attention) is transformers'
+    Ministral: the 35-token prompt reaches past the 8-token window of the first layer only."""
+    hf_dir = tiny_model_dir("mistral")
+    folder = mistral_layout(hf_dir, tmp_path / "ministral", sliding_window=[8, None])
+    ministral = hf_folder(
+        hf_dir, tmp_path / "hf", model_type="ministral", architectures=["MinistralForCausalLM"], sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+    )  # fmt: skip
+    expected = hf_greedy(ministral, PROMPTS, NEW_TOKENS)
+    assert expected != hf_greedy(hf_dir, PROMPTS, NEW_TOKENS)  # the window changes the tokens
+    assert served(folder) == expected
+
+
+@pytest.mark.parametrize("apply_scale", [True, False])
+def test_yarn_serves_as_transformers_reads_it(tiny_model_dir, tmp_path, apply_scale):
+    """params.json's yarn section as vLLM reads it: beta is transformers' beta_fast, alpha its
+    beta_slow, and apply_scale false an attention factor of 1."""
+    hf_dir = tiny_model_dir("mistral")
+    yarn = {"factor": 4.0, "original_max_position_embeddings": 16, "beta": 8.0, "alpha": 2.0}
+    folder = mistral_layout(hf_dir, tmp_path / "yarn", yarn=yarn | {"apply_scale": apply_scale})
+    theta = json.loads((Path(hf_dir) / "config.json").read_text())["rope_parameters"]["rope_theta"]
+    rope = {"rope_type": "yarn", "rope_theta": theta, "factor": 4.0, "original_max_position_embeddings": 16,
+            "beta_fast": 8.0, "beta_slow": 2.0} | ({} if apply_scale else {"attention_factor": 1.0})  # fmt: skip
+    expected = hf_greedy(hf_folder(hf_dir, tmp_path / "hf", rope_parameters=rope), PROMPTS, NEW_TOKENS)
+    assert expected != hf_greedy(hf_dir, PROMPTS, NEW_TOKENS)
+    assert served(folder) == expected
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (dict(sliding_window=[8, 16]), r"sliding_window \[8, 16\] is not one window size"),
+        (dict(sliding_window=[8, None, None]), "in a pattern that repeats over its 2 layers"),
+        (dict(yarn={"factor": 4.0}), r"yarn lacks \['original_max_position_embeddings'\]"),
+        (dict(yarn={"factor": 4.0, "original_max_position_embeddings": 16, "mscale": 1}), r"yarn has \['mscale'\]"),
+    ],
+)
+def test_windows_and_yarn_kiln_cannot_read_are_named(tiny_model_dir, tmp_path, extra, message):
+    folder = mistral_layout(tiny_model_dir("mistral"), tmp_path / "odd", **extra)
+    with pytest.raises(ValueError, match=message):
         LLM(str(folder), max_model_len=128)

@@ -39,7 +39,7 @@ def register_attention_backends(register):
 
 @hookimpl
 def register_models(register):
-    for family in ("Llama", "Mistral", "Qwen2", "Qwen3"):
+    for family in ("Llama", "Mistral", "Ministral", "Qwen2", "Qwen3"):
         register(f"{family}ForCausalLM", LLAMA)
         register(f"{family}Model", "kiln.models.llama:LlamaModel")
     register("EagleLlamaForCausalLM", "kiln.models.eagle:EagleLlamaForCausalLM")  # --speculative-config eagle

@@ -28,8 +28,9 @@ PARAMS = "params.json"
 KNOWN = frozenset({
     "dim", "n_layers", "head_dim", "hidden_dim", "n_heads", "n_kv_heads", "norm_eps", "vocab_size", "rope_theta",
     "sliding_window", "tied_embeddings", "max_position_embeddings", "max_seq_len", "moe", "vision_encoder",
-    "model_type", "lora",
+    "model_type", "lora", "yarn",
 })  # fmt: skip
+YARN = frozenset({"factor", "original_max_position_embeddings", "beta", "alpha", "apply_scale"})
 VISION = ("vision_encoder.", "vision_language_adapter.", "patch_merger.", "pre_mm_projector_norm.")
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 _PER_LAYER = {
@@ -76,27 +77,28 @@ def read_params(path: str) -> dict:
 
 def hf_config(path: str):
     """The Hugging Face config of the model in ``path``'s ``params.json``."""
-    from transformers import MistralConfig, MixtralConfig
+    from transformers import MinistralConfig, MistralConfig, MixtralConfig
 
     p = read_params(path)
     if p.get("vision_encoder"):
         logger.info("%s: a multimodal release; Kiln serves its text model, without the vision encoder", path)
-    if isinstance(p.get("sliding_window"), list):  # a window per layer (Ministral's interleaved pattern)
-        raise ValueError(
-            f"model: {path}/{PARAMS} gives a sliding window per layer, which Kiln's Mistral does not read; serve "
-            "the repo's Hugging Face config.json and weights (--config-format hf --load-format auto)"
-        )
     heads = p["n_heads"]
     config = dict(
         hidden_size=p["dim"], num_hidden_layers=p["n_layers"], intermediate_size=p["hidden_dim"],
         num_attention_heads=heads, num_key_value_heads=p.get("n_kv_heads", heads),
         head_dim=p.get("head_dim", p["dim"] // heads), rms_norm_eps=p["norm_eps"], vocab_size=p["vocab_size"],
-        rope_theta=p.get("rope_theta", 10000.0), sliding_window=p.get("sliding_window"),
+        rope_parameters=_rope(path, p), sliding_window=p.get("sliding_window"),
         tie_word_embeddings=p.get("tied_embeddings", False),
         # params.json rarely says: vLLM's reading of it assumes 128k, as Mistral's recent models have
         max_position_embeddings=p.get("max_position_embeddings") or p.get("max_seq_len") or 128_000,
         bos_token_id=1, eos_token_id=2,
     )  # fmt: skip
+    if isinstance(p.get("sliding_window"), list):  # a window per layer (Ministral's interleaved pattern)
+        if p.get("moe"):
+            raise ValueError(f"model: {path}/{PARAMS} gives a mixture of experts a sliding window per layer")
+        out = MinistralConfig(**{**config, **_layer_windows(path, p)})
+        out.architectures = ["MinistralForCausalLM"]
+        return out
     if moe := p.get("moe"):
         out = MixtralConfig(
             **config, num_local_experts=moe["num_experts"], num_experts_per_tok=moe["num_experts_per_tok"]
@@ -106,6 +108,43 @@ def hf_config(path: str):
         out = MistralConfig(**config)
         out.architectures = ["MistralForCausalLM"]
     return out
+
+
+def _rope(path: str, p: dict) -> dict:
+    """transformers' ``rope_parameters`` for params.json's ``rope_theta`` and ``yarn`` section
+    (renamed as vLLM reads them: ``beta`` is transformers' ``beta_fast``, ``alpha`` its
+    ``beta_slow``; ``apply_scale: false`` leaves the attention unscaled)."""
+    rope = {"rope_type": "default", "rope_theta": p.get("rope_theta", 10000.0)}
+    yarn = p.get("yarn")
+    if not yarn:
+        return rope
+    if unknown := sorted(set(yarn) - YARN):
+        raise ValueError(f"model: {path}/{PARAMS}'s yarn has {unknown}, which Kiln does not read")
+    if missing := [k for k in ("factor", "original_max_position_embeddings") if k not in yarn]:
+        raise ValueError(f"model: {path}/{PARAMS}'s yarn lacks {missing}")
+    rope.update(rope_type="yarn", factor=float(yarn["factor"]))
+    rope["original_max_position_embeddings"] = int(yarn["original_max_position_embeddings"])
+    if "beta" in yarn:
+        rope["beta_fast"] = float(yarn["beta"])
+    if "alpha" in yarn:
+        rope["beta_slow"] = float(yarn["alpha"])
+    if not yarn.get("apply_scale", True):
+        rope["attention_factor"] = 1.0
+    return rope
+
+
+def _layer_windows(path: str, p: dict) -> dict:
+    """params.json's window per layer (None: full attention), a pattern repeated over the layers,
+    as transformers' Ministral config gives it: one window size and each layer's kind."""
+    pattern, layers = p["sliding_window"], p["n_layers"]
+    sizes = sorted({w for w in pattern if w is not None})
+    if not pattern or layers % len(pattern) or len(sizes) > 1:
+        raise ValueError(
+            f"model: {path}/{PARAMS}'s sliding_window {pattern} is not one window size in a pattern that repeats "
+            f"over its {layers} layers, which is all Kiln reads"
+        )
+    kinds = ["full_attention" if w is None else "sliding_attention" for w in pattern]
+    return dict(sliding_window=sizes[0] if sizes else None, layer_types=kinds * (layers // len(pattern)))
 
 
 def rotary_halves(weight: torch.Tensor, heads: int) -> torch.Tensor:

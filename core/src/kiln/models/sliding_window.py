@@ -8,8 +8,8 @@ Follows transformers' reading of each family's config:
 * ``qwen2`` / ``qwen3`` / ``qwen2_moe``: only with ``use_sliding_window``, and only the layers
   ``layer_types`` marks ``"sliding_attention"`` (by default those from
   ``max_window_layers`` on).
-* ``gemma2`` / ``gemma3_text``: the layers ``layer_types`` marks (Gemma 2 every other one,
-  Gemma 3 five of every six).
+* ``gemma2`` / ``gemma3_text`` / ``ministral``: the layers ``layer_types`` marks (Gemma 2 every
+  other one, Gemma 3 five of every six; Ministral's config says, every layer by default).
 * ``llama`` and anything else: full attention (transformers ignores the key there).
 
 A query at position p then sees keys at positions k with ``p - k < window``.
@@ -20,7 +20,7 @@ from __future__ import annotations
 EVERY_LAYER = ("mistral", "mixtral", "phi3", "qwen3_moe")
 # Families whose config picks sliding layers by use_sliding_window / layer_types.
 LAYER_TYPED = ("qwen2", "qwen3", "qwen2_moe")
-ALWAYS_LAYER_TYPED = ("gemma2", "gemma3_text")  # layer_types alone
+ALWAYS_LAYER_TYPED = ("gemma2", "gemma3_text", "ministral")  # layer_types alone
 SLIDING = "sliding_attention"
 
 

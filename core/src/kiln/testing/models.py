@@ -21,6 +21,14 @@ TINY_CONFIGS: dict[str, dict] = {
     "qwen2": dict(num_attention_heads=4, num_key_value_heads=2),
     "qwen3": dict(num_attention_heads=4, num_key_value_heads=1, head_dim=64),
     "mistral": dict(num_attention_heads=4, num_key_value_heads=4, head_dim=64),
+    # Ministral: Mistral with a window on the layers layer_types marks (Ministral-8B's interleaving)
+    "ministral": dict(
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+    ),
     # The other dense families: fused checkpoint projections, partial and interleaved rotaries,
     # GeGLU, norms after each sublayer, soft caps, and two kinds of layer with their own rope.
     "phi3": dict(num_attention_heads=4, num_key_value_heads=2),
