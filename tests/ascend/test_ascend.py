@@ -344,7 +344,7 @@ def test_sliding_window_on_the_ascend_path(tiny_model_dir, npu_plugins, eager):
 
 
 @pytest.mark.parametrize("eager", [False, True], ids=["graph", "eager"])
-@pytest.mark.parametrize("model_type", ["phi3", "glm", "glm4", "gemma", "gemma3_text"])
+@pytest.mark.parametrize("model_type", ["phi3", "glm", "glm4", "gemma", "gemma3_text", "ministral"])
 def test_dense_families_on_the_ascend_path(tiny_model_dir, npu_plugins, model_type, eager):
     """GLM-4 (half of each head rotating in adjacent pairs, reordered at load for the rotary op;
     q/k/v biases; norms after each sublayer) and Gemma 3 (GeGLU, q/k norms, an 8-token window on

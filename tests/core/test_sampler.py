@@ -148,6 +148,19 @@ def test_top_k_keeps_only_the_k_most_likely_tokens_per_row():
     assert len(set(tokens[n:]) - top3) > 5
 
 
+def test_rows_of_several_top_ks_each_keep_their_own():
+    """top_k 2, 5 and one past the vocabulary in one batch: each row samples its own k most likely
+    tokens, all of them (the k-th largest logit is taken per row from one top-k of the largest k)."""
+    row = torch.randn(32, generator=torch.Generator().manual_seed(1)).tolist()
+    n = 300
+    reqs = [make_req(f"k{k}-{i}", temperature=10.0, top_k=k) for k in (2, 5, 40) for i in range(n)]
+    tokens = Sampler(0)(rows(*[row] * (3 * n)), reqs).token_ids
+    best = torch.tensor(row).argsort(descending=True).tolist()
+    assert set(tokens[:n]) == set(best[:2])
+    assert set(tokens[n : 2 * n]) == set(best[:5])
+    assert len(set(tokens[2 * n :])) > 15  # no cut: the whole vocabulary of 32
+
+
 def test_top_k_one_is_greedy():
     """top_k=1 leaves only the argmax, whatever the temperature."""
     assert set(sample_many(peaked(top=7), n=100, temperature=2.0, top_k=1)) == {7}

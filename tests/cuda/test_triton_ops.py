@@ -240,8 +240,9 @@ def test_a_16_bit_part_of_a_fused_fp8_layer_is_rounded_to_fp8(tiny_model_dir, ki
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the interpreter path on CPU")
 @pytest.mark.parametrize(
     "model_type",
-    ["phi3", "glm", "glm4", "gemma", "gemma2", "gemma3_text", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2"],
-)
+    ["phi3", "glm", "glm4", "gemma", "gemma2", "gemma3_text", "ministral", "mixtral", "qwen2_moe", "qwen3_moe",
+     "deepseek_v2"],
+)  # fmt: skip
 def test_model_families_through_triton_kernels_match_the_cpu_plugin(tiny_model_dir, kiln_plugins, model_type):
     """GLM-4's reordered partial rotary, Gemma 2's soft caps (low enough to bite on tiny logits),
     Gemma 3's windowed layer, q/k norms and two ropes,
