@@ -127,7 +127,7 @@ class Sampler:
             rows = torch.tensor([row for row, _ in cut], device=device)
             k = torch.tensor([k for _, k in cut], device=device)
             kth = torch.full((logits.shape[0], 1), float("-inf"), device=device)  # -inf: a row left whole
-            kth[rows] = logits[rows].topk(int(k.max()), dim=-1).values.gather(1, (k - 1).unsqueeze(1))
+            kth[rows] = logits[rows].topk(max(top for _, top in cut), dim=-1).values.gather(1, (k - 1).unsqueeze(1))
             logits.masked_fill_(logits < kth, float("-inf"))
         probs = logits.softmax(-1)
         top_p = [p.top_p for p in params]
