@@ -177,6 +177,18 @@ def test_top_p_samples_only_the_nucleus():
     assert full - {0, 1, 2}
 
 
+def test_a_nucleus_past_the_candidates_sorts_its_row_whole(monkeypatch):
+    """With 2 candidate tokens per row: top_p=0.8 needs 3 tokens, so its row is sorted whole, while
+    the top_p=0.5 rows in the same batch find their 2 tokens among the candidates."""
+    import kiln.worker.sampler as sampler
+
+    monkeypatch.setattr(sampler, "NUCLEUS_CANDIDATES", 2)
+    row = probs_row([0.4, 0.3, 0.2, 0.05])
+    wide, narrow, full = sample_mixed(row, [{"top_p": 0.8}, {"top_p": 0.5}, {"top_p": 1.0}])
+    assert (wide, narrow) == ({0, 1, 2}, {0, 1})
+    assert full - {0, 1, 2}
+
+
 def test_min_p_drops_tokens_below_a_fraction_of_the_top_probability():
     """With p_max=0.4: min_p=0.4 drops tokens under 0.16 (keeps 0-2), min_p=0.6 drops under 0.24
     (keeps 0-1), min_p=0 keeps the tail; all in one batch."""

@@ -33,6 +33,8 @@ from kiln.engine.request import Request, TopLogprobs
 from kiln.interfaces.guided import allocate_bitmask, apply_token_bitmask
 from kiln.interfaces.model import argmax as reference_argmax
 
+NUCLEUS_CANDIDATES = 1024  # the most likely tokens of a row a top-p nucleus is looked for among first
+
 # Sets the logits of the given rows to -inf where the bitmask disallows a token, in place.
 BitmaskKernel = Callable[[torch.Tensor, torch.Tensor, list[int]], None]
 
@@ -130,12 +132,7 @@ class Sampler:
             kth[rows] = logits[rows].topk(max(top for _, top in cut), dim=-1).values.gather(1, (k - 1).unsqueeze(1))
             logits.masked_fill_(logits < kth, float("-inf"))
         probs = logits.softmax(-1)
-        top_p = [p.top_p for p in params]
-        if any(p < 1.0 for p in top_p):
-            sorted_p, order = probs.sort(dim=-1, descending=True)
-            # Drop a token when the mass strictly before it already reaches top_p.
-            drop = (sorted_p.cumsum(-1) - sorted_p) >= torch.tensor(top_p, device=device).unsqueeze(1)
-            probs.scatter_(1, order, sorted_p.masked_fill(drop, 0.0))
+        _keep_nucleus(probs, [p.top_p for p in params])
         min_p = [p.min_p for p in params]
         if any(min_p):
             floor = probs.max(-1, keepdim=True).values * torch.tensor(min_p, device=device).unsqueeze(1)
@@ -146,6 +143,31 @@ class Sampler:
             if generator is not None:
                 q[row] = torch.empty(probs.shape[1], dtype=probs.dtype).exponential_(generator=generator)
         return (probs / q).argmax(-1)
+
+
+def _keep_nucleus(probs: torch.Tensor, top_p: list[float]) -> None:
+    """Zero each row's tokens outside its nucleus: in descending order, a token is dropped when the
+    mass strictly before it already reaches the row's ``top_p`` (rows of 1 stay whole). The nucleus
+    is looked for among a row's ``NUCLEUS_CANDIDATES`` most likely tokens, and a row sorted whole
+    only where those do not reach its ``top_p`` (a sort per row was ~5 ms over 49k tokens)."""
+    rows = [i for i, p in enumerate(top_p) if p < 1.0]
+    if not rows:
+        return
+    index = torch.tensor(rows, device=probs.device)
+    part = probs[index]
+    limit = torch.tensor([top_p[i] for i in rows], device=probs.device).unsqueeze(1)
+
+    def nucleus(values: torch.Tensor, order: torch.Tensor, limit: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        mass = values.cumsum(-1)
+        return values.masked_fill(mass - values >= limit, 0.0), order, mass[:, -1] < limit[:, 0]
+
+    kept, order, short = nucleus(*part.topk(min(part.shape[1], NUCLEUS_CANDIDATES), dim=-1), limit)
+    out = torch.zeros_like(part).scatter_(1, order, kept)
+    if kept.shape[1] < part.shape[1] and bool(short.any()):  # a nucleus past the candidates
+        whole = short.nonzero()[:, 0]
+        kept, order, _ = nucleus(*part[whole].sort(dim=-1, descending=True), limit[whole])
+        out[whole] = torch.zeros_like(kept).scatter_(1, order, kept)
+    probs[index] = out
 
 
 def _beam_candidates(logits: torch.Tensor, reqs: Sequence[Request], rows: list[int]) -> dict[int, BeamCandidates]:
