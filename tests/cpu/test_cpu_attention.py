@@ -65,11 +65,10 @@ def test_prefills_take_the_native_kernels():
     assert CpuAttentionBackend(6, 2, 64, torch.bfloat16).native_prefill == expected
     assert CpuAttentionBackend(6, 2, 64, torch.float32).native_prefill == built
     assert CpuAttentionBackend(6, 2, 64, torch.float32, cache_dtype=torch.bfloat16).native_prefill == built
-    # Phi-3's head size 96 and Gemma's 256: the fp32 prefill kernel and every decode kernel; the bf16
-    # prefill one's tiles stop at 128
+    # Phi-3's head size 96 and Gemma's 256 too
     for head_dim in (96, 256):
         assert CpuAttentionBackend(4, 2, head_dim, torch.float32).native_prefill == built
-        assert not CpuAttentionBackend(4, 2, head_dim, torch.bfloat16).native_prefill
+        assert CpuAttentionBackend(4, 2, head_dim, torch.bfloat16).native_prefill == expected
         assert all((CpuAttentionBackend(4, 2, head_dim, dtype, cache).native is not None) == built
                    for dtype, cache in [(torch.float32, None), (torch.bfloat16, None), (torch.float32, torch.bfloat16)])  # fmt: skip
 

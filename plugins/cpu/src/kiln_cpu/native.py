@@ -250,10 +250,8 @@ def write_kv_cache(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slo
     )  # fmt: skip
 
 
-# Head sizes the C attention kernels take: decode and fp32 prefill (96 is Phi-3's, 256 Gemma 2/3's);
-# the bf16 prefill kernel's tiles hold 128 dims at most.
+# Head sizes the C attention kernels take, decode and prefill (96 is Phi-3's, 256 Gemma 2/3's).
 HEAD_SIZES = (64, 96, 128, 256)
-BF16_PREFILL_HEAD_SIZES = (64, 128)
 
 
 def supports(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
@@ -267,8 +265,7 @@ def supports_prefill(num_heads: int, num_kv_heads: int, head_dim: int, dtype: to
     """Whether ``prefill_attention`` runs here: fp32 queries (fp32 or bf16 cache), or bf16 ones
     and cache on a CPU with AVX512-BF16 but no AMX (others use torch's flash kernel, which oneDNN
     runs on AMX tiles where there are some: the bf16 kernel has not been measured against that)."""
-    sizes = HEAD_SIZES if dtype == torch.float32 else BF16_PREFILL_HEAD_SIZES
-    shapes_ok = head_dim in sizes and num_heads % num_kv_heads == 0
+    shapes_ok = head_dim in HEAD_SIZES and num_heads % num_kv_heads == 0
     lib = load_kernels() if shapes_ok and cache_dtype in (dtype, torch.bfloat16) else None
     if lib is None or dtype not in _PREFILL_KERNELS:
         return False

@@ -37,6 +37,7 @@
 #define KEYS 64   /* keys per online-softmax step */
 #define CHUNK 128 /* query positions per work item */
 #define KB 8      /* keys per register block of the score product */
+#define MAX_D 256 /* head sizes: multiples of 32 up to Gemma's 256 */
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t i16 __attribute__((vector_size(64)));
@@ -100,15 +101,36 @@ static int gather_item(Buffers *b, const uint16_t *k_cache, const uint16_t *v_ca
     return 0;
 }
 
+/* O[r0..r0+3][d0..d0+16V) = alpha * O + P V over the step's nb keys: V vectors of 16 dims
+ * (a constant at each call, so the loops unroll into registers). */
+static inline __attribute__((always_inline)) void accumulate_pv(float *o, const float *alpha, const uint32_t *p,
+                                                                const uint32_t *vb, int64_t r0, int64_t d0,
+                                                                int64_t nb, int64_t D, const int V) {
+    __m512 acc[4][4];
+    for (int i = 0; i < 4; i++)
+        for (int v = 0; v < V; v++)
+            acc[i][v] = _mm512_mul_ps(_mm512_load_ps(o + (r0 + i) * D + d0 + 16 * v), _mm512_set1_ps(alpha[r0 + i]));
+    for (int64_t j = 0; j < nb / 2; j++) {
+        __m512bh w[4];
+        for (int v = 0; v < V; v++) w[v] = (__m512bh)_mm512_loadu_si512(vb + j * D + d0 + 16 * v);
+        for (int i = 0; i < 4; i++) {
+            const __m512bh pr = (__m512bh)_mm512_set1_epi32(p[j * ROWS + r0 + i]);
+            for (int v = 0; v < V; v++) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], pr, w[v]);
+        }
+    }
+    for (int i = 0; i < 4; i++)
+        for (int v = 0; v < V; v++) _mm512_store_ps(o + (r0 + i) * D + d0 + 16 * v, acc[i][v]);
+}
+
 /* One tile: `rows` (<= ROWS) query positions pos0.. of one head, strided by q_stride,
  * against the item's gathered keys key0.. (those before a row's window are masked). */
 static void tile(uint16_t *out, int64_t out_stride, const uint16_t *q, int64_t q_stride, int64_t rows,
                  int64_t pos0, const Buffers *b, int64_t key0, int64_t end, int64_t window, float scale,
                  int64_t D) {
-    uint32_t qt[64 * ROWS] __attribute__((aligned(64)));     /* (dim pair, row) */
+    uint32_t qt[MAX_D / 2 * ROWS] __attribute__((aligned(64))); /* (dim pair, row) */
     float s[KEYS * ROWS] __attribute__((aligned(64)));       /* (key, row) */
     uint32_t p[KEYS / 2 * ROWS] __attribute__((aligned(64))); /* (key pair, row) bf16 pairs */
-    float o[ROWS * 128] __attribute__((aligned(64)));        /* (row, dim) */
+    float o[ROWS * MAX_D] __attribute__((aligned(64)));      /* (row, dim) */
     float alpha[ROWS] __attribute__((aligned(64)));
     const int64_t pairs = D / 2;
     for (int64_t r = 0; r < ROWS; r++) {
@@ -170,24 +192,11 @@ static void tile(uint16_t *out, int64_t out_stride, const uint16_t *q, int64_t q
             }
         }
         const uint32_t *vb = b->values + (k0 - key0) / 2 * D;
-        for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-            for (int64_t d0 = 0; d0 < D; d0 += 64) {
-                __m512 acc[4][4];
-                for (int i = 0; i < 4; i++)
-                    for (int v = 0; v < 4; v++)
-                        acc[i][v] = _mm512_mul_ps(_mm512_load_ps(o + (r0 + i) * D + d0 + 16 * v), _mm512_set1_ps(alpha[r0 + i]));
-                for (int64_t j = 0; j < nb / 2; j++) {
-                    __m512bh w[4];
-                    for (int v = 0; v < 4; v++) w[v] = (__m512bh)_mm512_loadu_si512(vb + j * D + d0 + 16 * v);
-                    for (int i = 0; i < 4; i++) {
-                        const __m512bh pr = (__m512bh)_mm512_set1_epi32(p[j * ROWS + r0 + i]);
-                        for (int v = 0; v < 4; v++) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], pr, w[v]);
-                    }
-                }
-                for (int i = 0; i < 4; i++)
-                    for (int v = 0; v < 4; v++) _mm512_store_ps(o + (r0 + i) * D + d0 + 16 * v, acc[i][v]);
+        for (int64_t r0 = 0; r0 < rows; r0 += 4)
+            for (int64_t d0 = 0; d0 < D; d0 += 64) { /* 64 dims a block; a last one of 32 where D % 64 is */
+                if (D - d0 >= 64) accumulate_pv(o, alpha, p, vb, r0, d0, nb, D, 4);
+                else accumulate_pv(o, alpha, p, vb, r0, d0, nb, D, 2);
             }
-        }
     }
     float inv[ROWS] __attribute__((aligned(64)));
     _mm512_store_ps(inv, (__m512)(splat16(1.0f) / l[0]));
@@ -203,7 +212,7 @@ int prefill_attention_bf16(uint16_t *out, int64_t out_stride, const uint16_t *q,
                            int64_t table_stride, const int64_t *seqs, int64_t num_seqs, int64_t num_heads,
                            int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window) {
     const int64_t group = num_heads / num_kv_heads;
-    if ((head_dim != 64 && head_dim != 128) || group * num_kv_heads != num_heads) return -1;
+    if (head_dim % 32 != 0 || head_dim > MAX_D || group * num_kv_heads != num_heads) return -1;
     int64_t items;
     int64_t *item = prefill_items(seqs, num_seqs, num_kv_heads, CHUNK, &items);
     if (item == NULL) return -2;
