@@ -15,7 +15,9 @@ from safetensors.torch import load_file, save_file
 
 from kiln import LLM, SamplingParams
 from kiln.models.mistral_format import rotary_halves
+from kiln.quantization.fp8 import widen
 from kiln.testing.models import hf_greedy
+from kiln.testing.quantization import fp8_quantize
 
 PROMPTS = [[1, 5, 9, 200, 31, 7], list(range(40, 75))]
 NEW_TOKENS = 10
@@ -34,9 +36,9 @@ def interleaved(weight: torch.Tensor, heads: int) -> torch.Tensor:
     return out
 
 
-def mistral_layout(hf_dir: str, out: Path, **extra_params) -> Path:
-    """``hf_dir``'s model as Mistral publishes its own: params.json, consolidated.safetensors and the
-    tokenizer files, no config.json."""
+def mistral_layout(hf_dir: str, out: Path, tensors: dict | None = None, **extra_params) -> Path:
+    """``hf_dir``'s model (or its config with ``tensors``, Hugging Face's names) as Mistral publishes
+    its own: params.json, consolidated.safetensors and the tokenizer files, no config.json."""
     config = json.loads((Path(hf_dir) / "config.json").read_text())
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     params = {
@@ -52,7 +54,8 @@ def mistral_layout(hf_dir: str, out: Path, **extra_params) -> Path:
             "num_experts_per_tok": config["num_experts_per_tok"],
         }
     weights = {}
-    for name, tensor in load_file(str(Path(hf_dir) / "model.safetensors")).items():
+    scales = {"weight": "weight", "weight_scale": "qscale_weight", "input_scale": "qscale_act"}
+    for name, tensor in (tensors or load_file(str(Path(hf_dir) / "model.safetensors"))).items():
         top = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
                "lm_head.weight": "output.weight"}  # fmt: skip
         if name in top:
@@ -63,9 +66,10 @@ def mistral_layout(hf_dir: str, out: Path, **extra_params) -> Path:
         if module.startswith("block_sparse_moe."):  # Mixtral's checkpoint names: experts.E.w1..w3 and gate
             weights[f"layers.{layer}.feed_forward.{module.removeprefix('block_sparse_moe.')}.{kind}"] = tensor
             continue
-        if module in ("self_attn.q_proj", "self_attn.k_proj"):
-            tensor = interleaved(tensor, heads if module.endswith("q_proj") else kv_heads)
-        weights[f"layers.{layer}.{TO_MISTRAL[module]}.{kind}"] = tensor.contiguous()
+        if module in ("self_attn.q_proj", "self_attn.k_proj") and tensor.numel() > 1:  # weights; scales per row
+            rows = interleaved(tensor.reshape(tensor.shape[0], -1), heads if module.endswith("q_proj") else kv_heads)
+            tensor = rows.reshape(tensor.shape)
+        weights[f"layers.{layer}.{TO_MISTRAL[module]}.{scales[kind]}"] = tensor.contiguous()
     out.mkdir()
     (out / "params.json").write_text(json.dumps(params))
     save_file(weights, str(out / "consolidated.safetensors"))
@@ -92,8 +96,45 @@ def test_mistral_layout_serves_the_hugging_face_models_tokens(tiny_model_dir, tm
 
 
 def test_unknown_params_are_named(tiny_model_dir, tmp_path):
-    folder = mistral_layout(tiny_model_dir("mistral"), tmp_path / "quantized", quantization={"qformat_weight": "fp8"})
-    with pytest.raises(ValueError, match=r"params.json has \['quantization'\], which Kiln does not read"):
+    folder = mistral_layout(tiny_model_dir("mistral"), tmp_path / "odd", moe_router="sinkhorn")
+    with pytest.raises(ValueError, match=r"params.json has \['moe_router'\], which Kiln does not read"):
+        LLM(str(folder), max_model_len=128)
+
+
+@pytest.mark.parametrize("per_row", [False, True], ids=["per tensor, static", "per row, dynamic"])
+def test_fp8_releases_serve_as_their_widened_weights(tiny_model_dir, tmp_path, per_row):
+    """params.json's fp8 quantization: every projection in float8 e4m3 with its qscale_weight, one per
+    tensor, or one per row (reordered with wq's and wk's rows), and under a static activation scheme
+    the (unused) qscale_act of its input and of the KV cache's quantizer, as Mistral's fp8 releases
+    carry them; served as transformers serves the widened weights."""
+    hf_dir = tiny_model_dir("mistral")
+    fp8, widened = {}, {}
+    for name, tensor in load_file(str(Path(hf_dir) / "model.safetensors")).items():
+        if not name.endswith("_proj.weight"):
+            fp8[name] = widened[name] = tensor
+            continue
+        q, scale = fp8_quantize(tensor.float(), None, per_row=per_row)
+        layer = name.removesuffix(".weight")
+        fp8[name], fp8[f"{layer}.weight_scale"], widened[name] = q, scale.reshape(-1), widen(q, scale, None)
+        if not per_row:
+            fp8[f"{layer}.input_scale"] = torch.tensor(0.02)
+    quantization = {"qformat_weight": "fp8_e4m3", "qscheme_act": "NO_SCALES" if per_row else "TENSOR"}
+    folder = mistral_layout(hf_dir, tmp_path / "fp8", fp8, quantization=quantization)
+    if not per_row:
+        stored = load_file(str(folder / "consolidated.safetensors"))
+        save_file(stored | {"layers.0.attention.kv_fake_quantizer.qscale_act": torch.tensor(0.1)},
+                  str(folder / "consolidated.safetensors"))  # fmt: skip
+    reference = Path(hf_folder(hf_dir, tmp_path / "widened"))
+    (reference / "model.safetensors").unlink()
+    save_file(widened, str(reference / "model.safetensors"))
+    expected = hf_greedy(str(reference), PROMPTS, NEW_TOKENS)
+    assert expected != hf_greedy(hf_dir, PROMPTS, NEW_TOKENS)  # fp8 moved the outputs
+    assert served(folder) == expected
+
+
+def test_quantization_kiln_cannot_read_is_named(tiny_model_dir, tmp_path):
+    folder = mistral_layout(tiny_model_dir("mistral"), tmp_path / "fp4", quantization={"qformat_weight": "nvfp4"})
+    with pytest.raises(ValueError, match=r"params.json's quantization \{'qformat_weight': 'nvfp4'\} is not one"):
         LLM(str(folder), max_model_len=128)
 
 

@@ -6,6 +6,10 @@ model cards serve them (``--tokenizer-mode mistral --config-format mistral --loa
 weights get Hugging Face's names, and their q/k projections Hugging Face's rotary layout: Mistral
 keeps each head's rotated pairs interleaved (as Meta's Llama did), transformers rotates its
 halves, so the rows of ``wq`` and ``wk`` are reordered per head as the conversion reorders them.
+An fp8 release (``quantization: {qformat_weight: fp8_e4m3}``) becomes an fp8 ``quantization_config``
+(``kiln.quantization.fp8``), its ``qscale_weight`` the weights' ``weight_scale`` (reordered with
+``wq``'s and ``wk``'s rows where it has one per row) and its activation and KV-cache ``qscale_act``
+the scales an fp8 checkpoint carries and Kiln drops.
 A text model's vision encoder (Pixtral-style multimodal releases) is left out: Kiln serves text.
 """
 
@@ -28,7 +32,7 @@ PARAMS = "params.json"
 KNOWN = frozenset({
     "dim", "n_layers", "head_dim", "hidden_dim", "n_heads", "n_kv_heads", "norm_eps", "vocab_size", "rope_theta",
     "sliding_window", "tied_embeddings", "max_position_embeddings", "max_seq_len", "moe", "vision_encoder",
-    "model_type", "lora", "yarn",
+    "model_type", "lora", "yarn", "quantization",
 })  # fmt: skip
 YARN = frozenset({"factor", "original_max_position_embeddings", "beta", "alpha", "apply_scale"})
 VISION = ("vision_encoder.", "vision_language_adapter.", "patch_merger.", "pre_mm_projector_norm.")
@@ -46,6 +50,10 @@ _PER_LAYER = {
     "feed_forward.gate.weight": "mlp.gate.weight",
 }
 _EXPERT = re.compile(r"feed_forward\.experts\.(\d+)\.w([123])\.weight")
+# fp8 releases' scales: a weight's, and its input's (unused by Kiln, as an fp8 checkpoint's input_scale)
+_SCALES = {"qscale_weight": "weight_scale", "qscale_act": "input_scale"}
+# the attention's fp8 KV-cache quantizers -> the scale names an fp8 checkpoint's loader drops
+_KV_QUANTIZERS = {f"attention.{p}_fake_quantizer.qscale_act": f"self_attn.{p}_scale" for p in ("q", "k", "v", "kv")}
 _TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight"}  # fmt: skip
 
@@ -98,8 +106,7 @@ def hf_config(path: str):
             raise ValueError(f"model: {path}/{PARAMS} gives a mixture of experts a sliding window per layer")
         out = MinistralConfig(**{**config, **_layer_windows(path, p)})
         out.architectures = ["MinistralForCausalLM"]
-        return out
-    if moe := p.get("moe"):
+    elif moe := p.get("moe"):
         out = MixtralConfig(
             **config, num_local_experts=moe["num_experts"], num_experts_per_tok=moe["num_experts_per_tok"]
         )
@@ -107,7 +114,24 @@ def hf_config(path: str):
     else:
         out = MistralConfig(**config)
         out.architectures = ["MistralForCausalLM"]
+    if p.get("quantization"):
+        out.quantization_config = _quantization(path, p["quantization"])
     return out
+
+
+def _quantization(path: str, q: dict) -> dict:
+    """The ``quantization_config`` of params.json's ``quantization`` section, as vLLM reads it: fp8
+    weights with a scale per tensor (or row), activations scaled statically (``qscheme_act``
+    ``TENSOR``, the default) or per token (``NO_SCALES``)."""
+    act = q.get("qscheme_act")
+    if set(q) - {"qformat_weight", "qscheme_act"} or q.get("qformat_weight") != "fp8_e4m3" or act not in (
+        "TENSOR", "NO_SCALES", None
+    ):  # fmt: skip
+        raise ValueError(
+            f"model: {path}/{PARAMS}'s quantization {q} is not one Kiln reads (qformat_weight fp8_e4m3, "
+            "qscheme_act TENSOR or NO_SCALES)"
+        )
+    return {"quant_method": "fp8", "activation_scheme": "dynamic" if act == "NO_SCALES" else "static"}
 
 
 def _rope(path: str, p: dict) -> dict:
@@ -148,10 +172,11 @@ def _layer_windows(path: str, p: dict) -> dict:
 
 
 def rotary_halves(weight: torch.Tensor, heads: int) -> torch.Tensor:
-    """A q/k projection's rows from Mistral's rotary layout (each head's pairs interleaved) to
-    Hugging Face's (each head's two halves), as transformers' conversion reorders them."""
-    rows, cols = weight.shape
-    return weight.view(heads, rows // heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+    """A q/k projection's rows (of its weight, or of its scales where it has one per row) from
+    Mistral's rotary layout (each head's pairs interleaved) to Hugging Face's (each head's two
+    halves), as transformers' conversion reorders them."""
+    rows = weight.shape[0]
+    return weight.reshape(heads, rows // heads // 2, 2, -1).transpose(1, 2).reshape(weight.shape)
 
 
 def hf_weights(path: str, weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -162,14 +187,23 @@ def hf_weights(path: str, weights: Iterator[tuple[str, torch.Tensor]]) -> Iterat
     for name, tensor in weights:
         if name.startswith(VISION):
             continue
-        layer = _LAYER.fullmatch(name)
-        if layer is None:
-            yield _TOP.get(name, name), tensor
+        base, _, leaf = name.rpartition(".")
+        scale = None if base.endswith("_fake_quantizer") else _SCALES.get(leaf)
+        if scale is None:
+            yield _hf_weight(name, tensor, heads)
             continue
-        index, rest = layer.groups()
-        if expert := _EXPERT.fullmatch(rest):
-            yield expert_weight_name(index, expert[1], {"1": "gate", "2": "down", "3": "up"}[expert[2]]), tensor
-            continue
-        if rest in heads:
-            tensor = rotary_halves(tensor, heads[rest])
-        yield f"model.layers.{index}.{_PER_LAYER.get(rest, rest)}", tensor
+        name, tensor = _hf_weight(f"{base}.weight", tensor, heads)  # a weight's scales: named and ordered as it
+        yield f"{name.removesuffix('.weight')}.{scale}", tensor
+
+
+def _hf_weight(name: str, tensor: torch.Tensor, heads: dict[str, int]) -> tuple[str, torch.Tensor]:
+    """One consolidated tensor under its Hugging Face name, q/k rows in Hugging Face's order."""
+    layer = _LAYER.fullmatch(name)
+    if layer is None:
+        return _TOP.get(name, name), tensor
+    index, rest = layer.groups()
+    if expert := _EXPERT.fullmatch(rest):
+        return expert_weight_name(index, expert[1], {"1": "gate", "2": "down", "3": "up"}[expert[2]]), tensor
+    if rest in heads and tensor.numel() > 1:  # (a scale per tensor has no rows to reorder)
+        tensor = rotary_halves(tensor, heads[rest])
+    return f"model.layers.{index}.{_PER_LAYER.get(rest) or _KV_QUANTIZERS.get(rest, rest)}", tensor
