@@ -192,7 +192,8 @@ def hf_weights(path: str, weights: Iterator[tuple[str, torch.Tensor]]) -> Iterat
         if scale is None:
             yield _hf_weight(name, tensor, heads)
             continue
-        name, tensor = _hf_weight(f"{base}.weight", tensor, heads)  # a weight's scales: named and ordered as it
+        # named as the weight, and its scales per row (not its input's) reordered as its rows
+        name, tensor = _hf_weight(f"{base}.weight", tensor, heads if scale == "weight_scale" else {})
         yield f"{name.removesuffix('.weight')}.{scale}", tensor
 
 
