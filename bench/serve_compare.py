@@ -246,8 +246,12 @@ def machine() -> dict:
     return info
 
 
+# the CPU flags that pick Kiln's kernels (and oneDNN's), named in the run's header line
+SIMD_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile", "amx_bf16")
+
+
 def describe(info: dict) -> str:
-    simd = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16") if f in info["flags"]]
+    simd = [f for f in SIMD_FLAGS if f in info["flags"]]
     load = " ".join(f"{x:.2f}" for x in info["loadavg_start"])
     cpu = f"{info.get('model_name', '?')}, {info['cores']} cores, {' '.join(simd)}"
     return f"{cpu}; load {load}; kiln {info['kiln_commit']}"
