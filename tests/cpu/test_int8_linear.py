@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType
 from test_tiled_weights import gguf_weight
 
 from kiln_cpu import native
-from kiln_cpu.tiled_weights import INT8_PER_BLOCK, TiledLinear, tiled_form, tiled_matmul
+from kiln_cpu.tiled_weights import INT8_PER_BLOCK, INT8_PER_ROW, TiledLinear, TiledWeight, tiled_form, tiled_matmul
 
 pytestmark = pytest.mark.skipif(native.load_kernels() is None, reason="no C compiler for the CPU kernels")
 
@@ -52,6 +52,25 @@ def test_products_are_the_quantized_rows_times_the_weight(kind, rows):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=5e-5)  # fp32 sums of 8 blocks
     exact = F.linear(x, w, bias)
     assert 0 < (got - exact).abs().max() < 0.02 * exact.abs().max()  # quantized, and close
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fp16_scales_give_the_same_products_bit_for_bit(kind):
+    """Forms whose scales and mins fp16 holds exactly (GGUF's Q4_0/Q4_1/Q5_x/Q8_0 keep them in fp16)
+    read them as fp16 (``narrow_scales``): the same outputs as from fp32 arrays, bit for bit, in
+    the integer and the fp32 products, the embedding rows and the unpacked weight."""
+    w, bias = gguf_weight(208, 256, KINDS[kind], seed=3), torch.randn(208)
+    form = tiled_form(w)
+    fp32 = TiledWeight(form.fmt, form.scale.float(), None if form.min is None else form.min.float(), form.q)
+    assert form.scale.dtype == torch.float16 or kind not in ("q4_1", "q8_0")  # the default model's types
+    if form.scale.dtype != torch.float16:
+        pytest.skip(f"{kind}: its scales are not all fp16 values")
+    for rows in (1, 5, 16, 70):
+        x = activations(rows, 256, seed=rows)
+        for mode in (INT8_PER_BLOCK, INT8_PER_ROW, 0):
+            assert torch.equal(tiled_matmul(form, x, bias, mode), tiled_matmul(fp32, x, bias, mode))
+    ids = torch.tensor([207, 0, 16, 5])
+    assert torch.equal(form.unpack(ids), w[ids]) and torch.equal(form.unpack(), w)
 
 
 def several_types(seed: int) -> torch.Tensor:

@@ -31,6 +31,7 @@ from kiln_cpu.gguf_blocks import BLOCK, CHUNK_ROWS, Blocks, recover_blocks
 from kiln_cpu.module_swap import child_slots
 
 TILE = 16  # output features the kernel computes together
+F16_SCALES = 0x100  # kernel_args' fmt flag: scale and min arrays in fp16 (csrc/vec.h)
 
 
 @dataclass(slots=True, eq=False)
@@ -43,7 +44,7 @@ class TiledWeight:
     A tile's block of 32 inputs lies as (group of 4 inputs, feature, input): the layout of
     integer dot products (``csrc/int8_linear.c``); a 4-bit byte holds input 4g + i low and
     16 + 4g + i high. ``scale`` and ``min``: (N/16, K/32, 16) fp32, per 32 inputs per feature
-    (fmt 6's scale: (N/16, K/16, 16))."""
+    (fmt 6's scale: (N/16, K/16, 16)), or fp16 where fp16 holds them exactly (``narrow_scales``)."""
 
     fmt: int
     scale: torch.Tensor | None
@@ -54,7 +55,8 @@ class TiledWeight:
 
     def __post_init__(self) -> None:
         self.shape = self.q.shape[0] * TILE, self.q.shape[1] * (1 if self.fmt in (16, 32) else BLOCK)
-        self.kernel_args = (self.fmt, *(None if t is None else t.data_ptr() for t in (self.scale, self.min, self.q)))
+        fmt = self.fmt | (F16_SCALES if self.scale is not None and self.scale.dtype == torch.float16 else 0)
+        self.kernel_args = (fmt, *(None if t is None else t.data_ptr() for t in (self.scale, self.min, self.q)))
 
     def unpack(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The fp32 rows ``rows`` (ids), or the whole weight."""
@@ -132,12 +134,24 @@ def _laid_out_for(fmt: int, scale, low, q, shape: tuple[int, int]) -> bool:
     )
 
 
+def narrow_scales(form: TiledWeight) -> TiledWeight:
+    """``form`` with its scales and mins in fp16 where fp16 holds every one exactly, as GGUF's own
+    (Q4_0/Q4_1/Q8_0/Q5_x keep them in fp16; K-quants' are products, which it often does not): the
+    same values, and a Q4_1 block reads 320 bytes instead of 384. A decode step of the default
+    model reads ~13 MB less."""
+    parts = [t for t in (form.scale, form.min) if t is not None]
+    if not all(torch.equal(t.half().float(), t) for t in parts):
+        return form
+    return TiledWeight(form.fmt, form.scale.half(), None if form.min is None else form.min.half(), form.q)
+
+
 def find_gguf_form(weight: torch.Tensor) -> TiledWeight | None:
     """The blocks ``weight`` (fp32, 2-D) was widened from (``gguf_blocks``) in tiles, or None if
     it holds other values: Q4_1 and Q8_0 as they are, Q4_0 and Q4_K as 4-bit codes with a min,
     Q5_0 as 8-bit codes, Q5_1 and Q5_K as 8-bit codes with a min, Q3_K and Q6_K as 8-bit codes
     with a scale per 16 values, rows of several types as 8-bit codes with a min. A large
-    weight's form is kept on disk (``form_cache``) and taken from there when it fits."""
+    weight's form is kept on disk (``form_cache``) and taken from there when it fits; its scales and
+    mins go to fp16 where that holds them exactly (``narrow_scales``)."""
     if not _tileable(weight) or weight.shape[1] % BLOCK:
         return None
     weight = weight.detach()
@@ -146,7 +160,7 @@ def find_gguf_form(weight: torch.Tensor) -> TiledWeight | None:
     if kept is not None and _laid_out_for(*kept, tuple(weight.shape)):
         form = TiledWeight(*kept)
         if _widens_to(form, weight):
-            return form
+            return narrow_scales(form)
     blocks = recover_blocks(weight, TILE)
     if blocks is None:
         return None
@@ -155,7 +169,7 @@ def find_gguf_form(weight: torch.Tensor) -> TiledWeight | None:
         return None
     if name is not None:
         form_cache.store(name, form.fmt, form.scale, form.min, form.q)
-    return form
+    return narrow_scales(form)
 
 
 def _bf16_form(weight: torch.Tensor) -> TiledWeight | None:

@@ -174,8 +174,9 @@ static inline __attribute__((always_inline)) void rows_times_tile(float *out, in
                                                                   int R, int fmt, const float *scale,
                                                                   const float *min, const void *q, int64_t t,
                                                                   int64_t K, const float *bias) {
+    const int subs = scales_per_block(fmt), f16 = fmt & F16_SCALES;
+    fmt = block_fmt(fmt);
     const int64_t nb = K / 32, bytes = fmt == 4 ? 256 : 512;
-    const int subs = scales_per_block(fmt);
     /* The fp32 sums stay in L1, read and written once a block: the 16 ymm registers hold the
      * block's integer sums, the weights and the broadcast activations (with the fp32 sums in
      * registers too the compiler spilled the integer ones inside the product loop). */
@@ -195,13 +196,14 @@ static inline __attribute__((always_inline)) void rows_times_tile(float *out, in
                     block_q8(acc, (const int8_t *)w, h, xr, R, 4 * sub, 4);
                 else
                     block_q8(acc, (const int8_t *)w, h, xr, R, 0, 8);
-                const __m256 dw = _mm256_loadu_ps(scale + at + 8 * h);
+                const __m256 dw = (__m256)load8_scale(scale, at + 8 * h, f16);
                 /* a min per 32 inputs, in every format */
-                const float *m = min && sub == 0 ? min + (t * nb + b) * TILE + 8 * h : NULL;
+                const int has_min = min && sub == 0;
+                const __m256 m = has_min ? (__m256)load8_scale(min, (t * nb + b) * TILE + 8 * h, f16) : dw;
                 for (int i = 0; i < R; i++) {
                     const __m256 dd = _mm256_mul_ps(dw, _mm256_set1_ps(xd[(r + i) * nb + b]));
                     __m256 f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i]), dd, _mm256_load_ps(sums[i] + 8 * h));
-                    if (m) f = _mm256_fmadd_ps(_mm256_loadu_ps(m), _mm256_set1_ps(xs[(r + i) * nb + b]), f);
+                    if (has_min) f = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[(r + i) * nb + b]), f);
                     _mm256_store_ps(sums[i] + 8 * h, f);
                 }
             }
@@ -224,13 +226,19 @@ static inline __attribute__((always_inline)) void rows_times_tile(float *out, in
  * lane for lane, so both give the same outputs bit for bit. */
 #define AVX512_VNNI 1
 
+/* Values i..i+15 of a scale or min array (see vec.h's load8_scale). */
+static inline __m512 load16_scale(const float *p, int64_t i, int f16) {
+    return f16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i))) : _mm512_loadu_ps(p + i);
+}
+
 static inline __attribute__((always_inline)) void rows_times_tile_512(float *out, int64_t N, const int8_t *xq,
                                                                       const float *xd, const float *xs, int64_t r,
                                                                       int R, int fmt, const float *scale,
                                                                       const float *min, const void *q, int64_t t,
                                                                       int64_t K, const float *bias) {
+    const int subs = scales_per_block(fmt), groups = 8 / subs, f16 = fmt & F16_SCALES; /* groups: Q8's per scale */
+    fmt = block_fmt(fmt);
     const int64_t nb = K / 32, bytes = fmt == 4 ? 256 : 512;
-    const int subs = scales_per_block(fmt), groups = 8 / subs; /* Q8 groups per scale */
     const __m512i low = _mm512_set1_epi8(15), ones = _mm512_set1_epi8(1);
     __m512 f[ROWS];
     for (int i = 0; i < R; i++) f[i] = _mm512_setzero_ps();
@@ -261,13 +269,13 @@ static inline __attribute__((always_inline)) void rows_times_tile_512(float *out
                 for (int i = 0; i < R; i++) acc[i] = _mm512_sub_epi32(acc[i], offset);
             }
             const int64_t at = ((t * nb + b) * subs + sub) * TILE;
-            const __m512 dw = _mm512_loadu_ps(scale + at);
+            const __m512 dw = load16_scale(scale, at, f16);
             for (int i = 0; i < R; i++) {
                 const __m512 dd = _mm512_mul_ps(dw, _mm512_set1_ps(xd[(r + i) * nb + b]));
                 f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i]), dd, f[i]);
             }
             if (min && sub == 0) { /* a min per 32 inputs, in every format */
-                const __m512 m = _mm512_loadu_ps(min + (t * nb + b) * TILE);
+                const __m512 m = load16_scale(min, (t * nb + b) * TILE, f16);
                 for (int i = 0; i < R; i++) f[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[(r + i) * nb + b]), f[i]);
             }
         }
@@ -284,14 +292,14 @@ static inline __attribute__((always_inline)) void rows_times_tile_512(float *out
 static void tile_rows(float *out, int64_t N, const int8_t *xq, const float *xd, const float *xs, int64_t r0,
                       int64_t r1, int fmt, const float *scale, const float *min, const void *q, int64_t t, int64_t K,
                       const float *bias) {
-    const int64_t nb = K / 32, bytes = fmt == 4 ? 256 : 512;
+    const int64_t nb = K / 32, bytes = block_fmt(fmt) == 4 ? 256 : 512;
     if (t + 1 < N / TILE) { /* the next tile's weights, while this one computes */
         const char *next = (const char *)q + (t + 1) * nb * bytes;
         for (int64_t i = 0; i < nb * bytes; i += 64) __builtin_prefetch(next + i);
-        const int64_t scales = nb * TILE * scales_per_block(fmt); /* of a tile */
-        for (int64_t i = 0; i < scales * 4; i += 64) __builtin_prefetch((const char *)(scale + (t + 1) * scales) + i);
-        for (int64_t i = 0; min && i < nb * TILE * 4; i += 64)
-            __builtin_prefetch((const char *)(min + (t + 1) * nb * TILE) + i);
+        const int64_t size = fmt & F16_SCALES ? 2 : 4, scales = nb * TILE * scales_per_block(fmt); /* of a tile */
+        for (int64_t i = 0; i < scales * size; i += 64) __builtin_prefetch((const char *)scale + (t + 1) * scales * size + i);
+        for (int64_t i = 0; min && i < nb * TILE * size; i += 64)
+            __builtin_prefetch((const char *)min + (t + 1) * nb * TILE * size + i);
     }
     int64_t r = r0;
     for (; r + ROWS <= r1; r += ROWS) ROWS_TIMES_TILE(out, N, xq, xd, xs, r, ROWS, fmt, scale, min, q, t, K, bias);
@@ -332,7 +340,8 @@ static void tile_rows(float *out, int64_t N, const int8_t *xq, const float *xd, 
                       int64_t r1, int fmt, const float *scale, const float *min, const void *q, int64_t t, int64_t K,
                       const float *bias) {
     const int64_t nb = K / 32;
-    const int subs = scales_per_block(fmt);
+    const int subs = scales_per_block(fmt), f16 = fmt & F16_SCALES;
+    fmt = block_fmt(fmt);
     for (int64_t r = r0; r < r1; r++)
         for (int f = 0; f < TILE; f++) {
             float acc = 0.0f;
@@ -340,8 +349,8 @@ static void tile_rows(float *out, int64_t N, const int8_t *xq, const float *xd, 
                 for (int sub = 0; sub < subs; sub++) {
                     const int64_t at = ((t * nb + b) * subs + sub) * TILE + f;
                     const int32_t dot = block_dot(fmt, q, t, nb, b, f, xq + r * K + b * 32, sub * 32 / subs, 32 / subs);
-                    acc += (float)dot * (scale[at] * xd[r * nb + b]);
-                    if (min && sub == 0) acc += min[(t * nb + b) * TILE + f] * xs[r * nb + b];
+                    acc += (float)dot * (scale_at(scale, at, f16) * xd[r * nb + b]);
+                    if (min && sub == 0) acc += scale_at(min, (t * nb + b) * TILE + f, f16) * xs[r * nb + b];
                 }
             out[r * N + t * TILE + f] = acc + (bias ? bias[t * TILE + f] : 0.0f);
         }
@@ -357,7 +366,8 @@ int tiled_linear(float *, const float *, int64_t, int64_t, int, const float *, c
  * multiply and go to tiled_linear. Nonzero when out of memory. */
 int int8_linear(float *out, const float *x, int64_t rows, int64_t x_stride, int fmt, const float *scale,
                 const float *min, const void *q, const float *bias, int64_t K, int64_t N, int per_row) {
-    if (fmt != 4 && fmt != 6 && fmt != 8) return tiled_linear(out, x, rows, x_stride, fmt, scale, min, q, bias, K, N);
+    const int base = block_fmt(fmt);
+    if (base != 4 && base != 6 && base != 8) return tiled_linear(out, x, rows, x_stride, fmt, scale, min, q, bias, K, N);
     const int64_t nb = K / 32;
     int8_t *xq = malloc(rows * K);
     float *xd = malloc(rows * nb * sizeof(float)), *xs = malloc(rows * nb * sizeof(float));
@@ -370,7 +380,7 @@ int int8_linear(float *out, const float *x, int64_t rows, int64_t x_stride, int 
         {
             quantize_row(x + r * x_stride, K, per_row, xq + r * K, xd + r * nb, xs + r * nb);
 #if defined(AVX512_VNNI) && AVX512_VNNI
-            if (fmt != 4) /* Q8's activations as vpdpbusd's unsigned operand: qx + 128 */
+            if (base != 4) /* Q8's activations as vpdpbusd's unsigned operand: qx + 128 */
                 for (int64_t i = 0; i < K; i++) xq[r * K + i] ^= (int8_t)0x80;
 #endif
         }

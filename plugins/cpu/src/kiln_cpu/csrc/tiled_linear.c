@@ -15,7 +15,8 @@
  *           (Q8_0), + min where there is one (Q5_1, Q5_K); fmt 6: fmt 8 with a scale per
  *           16 inputs (Q6_K); their bytes lie as int8_linear.c describes.
  *   scale, min: (N/16, K/32, 16) fp32, one per 32 input positions per feature (fmt 6's
- *           scale: (N/16, K/16, 16); fmt 6 with a min: rows of mixed types, see gguf_blocks.py).
+ *           scale: (N/16, K/16, 16); fmt 6 with a min: rows of mixed types, see gguf_blocks.py);
+ *           fp16 where fmt has F16_SCALES (vec.h).
  * Needs N % 16 == 0, and K % 32 == 0 for the block formats (the caller checks).
  */
 #include <stdint.h>
@@ -31,13 +32,15 @@
 static void widen_tile(float *tile, int fmt, const float *scale, const float *min, const void *q, int64_t t,
                        int64_t K) {
     const int64_t nb = K / 32;
-    const int subs = scales_per_block(fmt);
+    const int subs = scales_per_block(fmt), f16 = fmt & F16_SCALES;
+    fmt = block_fmt(fmt);
     for (int64_t b = 0; b < nb; b++) {
         float *blk = tile + b * 32 * TILE;
         for (int h = 0; h < 2; h++) {
             for (int g = 0; g < (fmt == 4 ? 4 : 8); g++) {
                 const int64_t at = ((t * nb + b) * subs + g * subs / 8) * TILE + 8 * h;
-                const v8 d = load8_f32(scale + at), m = min ? load8_f32(min + (t * nb + b) * TILE + 8 * h) : splat(0.0f);
+                const v8 d = load8_scale(scale, at, f16);
+                const v8 m = min ? load8_scale(min, (t * nb + b) * TILE + 8 * h, f16) : splat(0.0f);
                 i8 lanes;
                 memcpy(&lanes, (const uint8_t *)q + (t * nb + b) * (fmt == 4 ? 256 : 512) + g * 64 + h * 32, 32);
                 for (int i = 0; i < 4; i++) {
@@ -196,17 +199,17 @@ void tiled_gather_rows(float *out, const int64_t *row_ids, int64_t n, int fmt, c
             for (int64_t c = 0; c < K; c++) row[c] = from_bf16(v[c * TILE]);
             continue;
         }
-        const int subs = scales_per_block(fmt);
+        const int subs = scales_per_block(fmt), f16 = fmt & F16_SCALES;
         for (int64_t c = 0; c < K; c++) {
             const int64_t b = c / 32, in = c % 32, at = ((t * nb + b) * subs + in * subs / 32) * TILE + j;
-            const float m = min ? min[(t * nb + b) * TILE + j] : 0.0f;
-            if (fmt == 4) {
+            const float m = min ? scale_at(min, (t * nb + b) * TILE + j, f16) : 0.0f, d = scale_at(scale, at, f16);
+            if (block_fmt(fmt) == 4) {
                 const int64_t g = (in % 16) / 4;
                 const uint8_t byte = ((const uint8_t *)q)[(t * nb + b) * 256 + (g * TILE + j) * 4 + in % 4];
-                row[c] = (float)(in < 16 ? byte & 15 : byte >> 4) * scale[at] + m;
+                row[c] = (float)(in < 16 ? byte & 15 : byte >> 4) * d + m;
             } else {
                 const int8_t v = ((const int8_t *)q)[(t * nb + b) * 512 + (in / 4 * TILE + j) * 4 + in % 4];
-                row[c] = (float)v * scale[at] + m;
+                row[c] = (float)v * d + m;
             }
         }
     }

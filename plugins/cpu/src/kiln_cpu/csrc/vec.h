@@ -13,9 +13,16 @@ typedef int32_t i8 __attribute__((vector_size(32)));
 typedef uint16_t u16x8 __attribute__((vector_size(16)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
 
+/* A block format's fmt (4, 6, 8) with F16_SCALES set: its scale and min arrays hold fp16, not
+ * fp32 (kiln_cpu.tiled_weights narrows them where fp16 holds every value exactly, as GGUF's own
+ * are): the same values from fewer bytes beside the codes. The kernels take the arrays as
+ * `const float *` and read them through scale_at / load8_scale. */
+#define F16_SCALES 0x100
+static inline int block_fmt(int fmt) { return fmt & ~F16_SCALES; }
+
 /* Scales per 32-input block of a tiled weight's format: two for fmt 6 (Q6_K's, one per 16
  * inputs), else one. */
-static inline int scales_per_block(int fmt) { return fmt == 6 ? 2 : 1; }
+static inline int scales_per_block(int fmt) { return block_fmt(fmt) == 6 ? 2 : 1; }
 
 static inline v8 splat(float x) { return (v8){x, x, x, x, x, x, x, x}; }
 
@@ -23,6 +30,29 @@ static inline v8 load8_f32(const float *p) {
     v8 v;
     memcpy(&v, p, sizeof v);
     return v;
+}
+
+/* Value i of a scale or min array: fp32, or fp16 with f16 (exact widening either way). */
+static inline float scale_at(const float *p, int64_t i, int f16) {
+    if (!f16) return p[i];
+    _Float16 h;
+    memcpy(&h, (const uint16_t *)p + i, sizeof h);
+    return (float)h;
+}
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+/* Values i..i+7 of a scale or min array. */
+static inline v8 load8_scale(const float *p, int64_t i, int f16) {
+    if (!f16) return load8_f32(p + i);
+#if defined(__F16C__)
+    return (v8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
+#else
+    v8 v;
+    for (int k = 0; k < 8; k++) v[k] = scale_at(p, i + k, 1);
+    return v;
+#endif
 }
 
 /* A bf16 is the top half of an fp32: widen by shifting into place. */
