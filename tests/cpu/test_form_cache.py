@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 from gguf import GGMLQuantizationType
+from safetensors.torch import load_file
 from test_tiled_weights import gguf_weight
 
 from kiln_cpu import form_cache, native, tiled_weights
@@ -27,9 +28,16 @@ def _no_recovery(*args):
     raise AssertionError("recovered the blocks again")
 
 
-def test_a_kept_form_is_taken_instead_of_recovering(folder, monkeypatch):
-    w = gguf_weight(ROWS, COLS, GGMLQuantizationType.Q4_K)
+@pytest.mark.parametrize("kind", [GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q4_1])  # fp32 and fp16 scales
+def test_a_kept_form_is_taken_instead_of_recovering(folder, monkeypatch, kind):
+    w = gguf_weight(ROWS, COLS, kind)
     first = find_gguf_form(w)
+    stored = load_file(str(next(folder.iterdir())))
+    assert (
+        stored["scale"].dtype
+        == first.scale.dtype
+        == (torch.float16 if kind == GGMLQuantizationType.Q4_1 else torch.float32)
+    )
     assert first is not None and len(list(folder.iterdir())) == 1
     monkeypatch.setattr(tiled_weights, "recover_blocks", _no_recovery)
     again = find_gguf_form(w.clone())
@@ -88,7 +96,7 @@ def test_a_kept_form_of_another_layout_is_not_used(folder, monkeypatch, part):
     w = gguf_weight(ROWS, COLS, GGMLQuantizationType.Q4_1)
     form = find_gguf_form(w)
     name = form_cache.fingerprint(w)
-    parts = {"scale": form.scale.float(), "min": form.min.float(), "q": form.q}  # as stored: fp32
+    parts = {"scale": form.scale, "min": form.min, "q": form.q}
     parts[part] = parts[part][:-1].clone()
     form_cache.store(name, form.fmt, parts["scale"], parts["min"], parts["q"])
     unpacked = []

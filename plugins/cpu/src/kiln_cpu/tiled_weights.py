@@ -129,8 +129,9 @@ def _laid_out_for(fmt: int, scale, low, q, shape: tuple[int, int]) -> bool:
         fmt in codes
         and (q.dtype, tuple(q.shape)) == (codes[fmt], (tiles, blocks, 4 if fmt == 4 else 8, TILE, 4))
         and scale is not None
-        and (scale.dtype, tuple(scale.shape)) == (torch.float32, (tiles, blocks * (2 if fmt == 6 else 1), TILE))
-        and (low is None or (low.dtype, tuple(low.shape)) == (torch.float32, (tiles, blocks, TILE)))
+        and scale.dtype in (torch.float32, torch.float16)  # fp16: narrowed (min too: one flag reads both)
+        and tuple(scale.shape) == (tiles, blocks * (2 if fmt == 6 else 1), TILE)
+        and (low is None or (low.dtype, tuple(low.shape)) == (scale.dtype, (tiles, blocks, TILE)))
     )
 
 
@@ -158,18 +159,18 @@ def find_gguf_form(weight: torch.Tensor) -> TiledWeight | None:
     name = form_cache.fingerprint(weight)
     kept = None if name is None else form_cache.load(name)
     if kept is not None and _laid_out_for(*kept, tuple(weight.shape)):
-        form = TiledWeight(*kept)
+        form = narrow_scales(TiledWeight(*kept))
         if _widens_to(form, weight):
-            return narrow_scales(form)
+            return form
     blocks = recover_blocks(weight, TILE)
     if blocks is None:
         return None
-    form = _tiles(blocks)
+    form = narrow_scales(_tiles(blocks))  # kept so too: a cached start never holds the fp32 arrays
     if not _widens_to(form, weight):
         return None
     if name is not None:
         form_cache.store(name, form.fmt, form.scale, form.min, form.q)
-    return narrow_scales(form)
+    return form
 
 
 def _bf16_form(weight: torch.Tensor) -> TiledWeight | None:
