@@ -157,15 +157,18 @@ def _keep_nucleus(probs: torch.Tensor, top_p: list[float]) -> None:
     part = probs[index]
     limit = torch.tensor([top_p[i] for i in rows], device=probs.device).unsqueeze(1)
 
-    def nucleus(values: torch.Tensor, order: torch.Tensor, limit: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def nucleus(values: torch.Tensor, limit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Descending ``values`` with those past the nucleus zeroed, and which rows' mass falls short."""
         mass = values.cumsum(-1)
-        return values.masked_fill(mass - values >= limit, 0.0), order, mass[:, -1] < limit[:, 0]
+        return values.masked_fill(mass - values >= limit, 0.0), mass[:, -1] < limit[:, 0]
 
-    kept, order, short = nucleus(*part.topk(min(part.shape[1], NUCLEUS_CANDIDATES), dim=-1), limit)
+    values, order = part.topk(min(part.shape[1], NUCLEUS_CANDIDATES), dim=-1)
+    kept, short = nucleus(values, limit)
     out = torch.zeros_like(part).scatter_(1, order, kept)
     if kept.shape[1] < part.shape[1] and bool(short.any()):  # a nucleus past the candidates
         whole = short.nonzero()[:, 0]
-        kept, order, _ = nucleus(*part[whole].sort(dim=-1, descending=True), limit[whole])
+        values, order = part[whole].sort(dim=-1, descending=True)
+        kept, _ = nucleus(values, limit[whole])
         out[whole] = torch.zeros_like(kept).scatter_(1, order, kept)
     probs[index] = out
 

@@ -140,6 +140,8 @@ def narrow_scales(form: TiledWeight) -> TiledWeight:
     (Q4_0/Q4_1/Q8_0/Q5_x keep them in fp16; K-quants' are products, which it often does not): the
     same values, and a Q4_1 block reads 320 bytes instead of 384. A decode step of the default
     model reads ~13 MB less."""
+    if form.scale.dtype == torch.float16:  # kept narrowed (a kept form's min shares its scale's dtype)
+        return form
     parts = [t for t in (form.scale, form.min) if t is not None]
     if not all(torch.equal(t.half().float(), t) for t in parts):
         return form
