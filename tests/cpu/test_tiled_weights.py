@@ -71,7 +71,8 @@ def test_weights_that_are_not_gguf_blocks():
     assert tiled_form(w).fmt == 32
 
 
-@pytest.mark.parametrize("rows", [1, 3, 6, 7, 13])  # bf16 read in place up to 6 rows, widened first past that
+# bf16 read in place for one pass (6 rows, 12 with AVX-512), widened first past that
+@pytest.mark.parametrize("rows", [1, 3, 6, 7, 12, 13, 25])
 def test_bf16_tiles_compute_what_fp32_tiles_compute(monkeypatch, rows):
     w, x = gguf_weight(64, 96, "bf16"), torch.randn(rows, 96)
     narrow = TiledLinear(tiled_form(w), None)
@@ -82,7 +83,8 @@ def test_bf16_tiles_compute_what_fp32_tiles_compute(monkeypatch, rows):
 
 
 @pytest.mark.parametrize("kind", FORMATS)
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 64, 127, 128, 300])  # the last pass over a tile: 1 to 6 rows
+# passes over a tile of 1 to 6 rows (AVX2) or 1 to 12 (AVX-512), even sizes: 300 = 25 x 12, 127 = 10 x 12 + 7
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 11, 16, 64, 127, 128, 300])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_matches_the_fp32_linear(kind, rows, bias):
     torch.manual_seed(rows)

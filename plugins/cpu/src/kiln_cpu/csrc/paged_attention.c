@@ -35,14 +35,6 @@
 
 typedef uint32_t vu __attribute__((vector_size(4 * VL)));
 
-static inline vf loadf(const float *p) {
-    vf v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline void storef(float *p, vf v) { memcpy(p, &v, sizeof v); }
-
 /* a vf's lanes folded into eight partial sums */
 static inline v8 fold8(vf a) {
 #if VL == 16

@@ -6,8 +6,12 @@
 #define KILN_TILED_H
 #include <stdint.h>
 
-#define TILE 16     /* output features per tile */
-#define TILE_ROWS 6 /* rows of x per pass over a tile */
+#include "vec.h"
+
+#define TILE 16 /* output features per tile */
+/* Rows of x per pass over a tile: a row's 16 sums are two ymm accumulators, or one zmm (AVX-512's
+ * 32 registers, and eight or more chains hide the FMA latency). */
+#define TILE_ROWS (VL == 16 ? 12 : 6)
 
 /* A tile of a weight, (K, 16) values, as rows_times_tile reads it: fp32, or bf16 widened as read. */
 typedef struct {
@@ -25,7 +29,7 @@ Tile tile_of(float *buf, int fmt, const float *scale, const float *min, const vo
              int64_t rows);
 
 /* out[r + i, n..n+16] (row stride N) = x[r + i] . tile (+ bias[n..]) for up to TILE_ROWS rows from
- * r of rows; needs r < rows. */
+ * r of rows; needs r < rows. Each output is summed over K in order, whatever the vector width. */
 void rows_times_tile(float *out, const float *x, int64_t rows, int64_t x_stride, int64_t r, Tile tile,
                      const float *bias, int64_t n, int64_t K, int64_t N);
 

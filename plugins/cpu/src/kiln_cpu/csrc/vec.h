@@ -130,7 +130,32 @@ static inline float silu1(float g) {
 typedef float vf __attribute__((vector_size(4 * VL)));
 typedef int32_t vi __attribute__((vector_size(4 * VL)));
 
-static inline vf splatf(float x) { return (vf){0} + x; }
+/* x in every lane: a broadcast (`(vf){0} + x` cost an add first, 0 + x not being x for -0). */
+static inline vf splatf(float x) {
+#if VL == 16
+    return (vf){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+#else
+    return (vf){x, x, x, x, x, x, x, x};
+#endif
+}
+
+static inline vf loadf(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void storef(float *p, vf v) { memcpy(p, &v, sizeof v); }
+
+/* VL bf16 values widened to fp32 (load8_bf16's shift, VL lanes at a time; GCC splits the generic
+ * 16-lane widening into halves, so AVX-512 says vpmovzxwd itself). */
+static inline vf loadf_bf16(const uint16_t *p) {
+#if VL == 16
+    return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+#else
+    return load8_bf16(p);
+#endif
+}
 
 /* fp32 -> bf16, round to nearest even (inputs are finite). */
 static inline uint16_t to_bf16(float x) {
