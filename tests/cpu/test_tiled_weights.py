@@ -71,7 +71,7 @@ def test_weights_that_are_not_gguf_blocks():
     assert tiled_form(w).fmt == 32
 
 
-# bf16 read in place for one pass (6 rows, 12 with AVX-512), widened first past that
+# bf16 read in place (any rows with AVX-512; with AVX2 up to two passes of 6), widened first past that
 @pytest.mark.parametrize("rows", [1, 3, 6, 7, 12, 13, 25])
 def test_bf16_tiles_compute_what_fp32_tiles_compute(monkeypatch, rows):
     w, x = gguf_weight(64, 96, "bf16"), torch.randn(rows, 96)

@@ -20,10 +20,10 @@ typedef struct {
     const void *ahead; /* or NULL: the tile read next, prefetched a line per input as this one is read */
 } Tile;
 
-/* Tile t of a weight for `rows` rows of x: in place for fmt 32; fmt 16 (bf16) in place for one
- * pass of TILE_ROWS rows or fewer (widening as it reads beats widening first there: a bf16
- * 1536x576 projection for one row took 36 us against 91), else widened to fp32 into buf (K * 16
- * floats), as the block formats always are. tile_widens says whether it needs buf. */
+/* Tile t of a weight for `rows` rows of x: in place for fmt 32; fmt 16 (bf16) in place for any
+ * rows with AVX-512, up to two passes of TILE_ROWS with AVX2 (widening as it reads beats widening
+ * first there: a bf16 1536x576 projection for one row took 36 us against 91), else widened to fp32
+ * into buf (K * 16 floats), as the block formats always are. tile_widens says whether it needs buf. */
 int tile_widens(int fmt, int64_t rows);
 Tile tile_of(float *buf, int fmt, const float *scale, const float *min, const void *q, int64_t t, int64_t K,
              int64_t rows);

@@ -58,7 +58,14 @@ static void widen_tile(float *tile, int fmt, const float *scale, const float *mi
     }
 }
 
-int tile_widens(int fmt, int64_t rows) { return fmt != 32 && !(fmt == 16 && rows <= ROWS); }
+/* bf16 tiles are read in place, widened as read, by passes of up to this many rows in all; more widen
+ * the tile into fp32 first. With AVX-512 (a widening of 16 values per 12 rows' FMAs) reading in place
+ * was faster at every row count tried on a 2-core Xeon (16 rows of a bf16 1536x576 projection: 0.13
+ * against 0.20 ms; 128: 0.82 against 0.93); with AVX2 (8 values per 6 rows' FMAs) for two passes and
+ * no more (64 rows: 0.87 against 0.69 ms). */
+#define BF16_IN_PLACE_ROWS (VL == 16 ? INT64_MAX : 2 * ROWS)
+
+int tile_widens(int fmt, int64_t rows) { return fmt != 32 && !(fmt == 16 && rows <= BF16_IN_PLACE_ROWS); }
 
 Tile tile_of(float *buf, int fmt, const float *scale, const float *min, const void *q, int64_t t, int64_t K,
              int64_t rows) {
@@ -150,11 +157,10 @@ struct linear_args {
 
 static void linear_tile(Tile tile, int64_t t, void *ctx) {
     const struct linear_args *a = ctx;
-    /* With more rows than one pass takes, the first pass over an fp32 tile (read in place; bf16
-     * ones are widened first at those row counts) also asks for the thread's next tile, so that
-     * its first pass does not wait on memory either: 16 rows of an fp32 49152x512 LM head took
-     * 4.1-4.5 ms, 6.0 without. One pass (a decode step of a few sequences) streams a tile once,
-     * and asking ahead only slowed it. */
+    /* With more rows than one pass takes, the first pass over an fp32 tile also asks for the
+     * thread's next tile, so that its first pass does not wait on memory either: 16 rows of an fp32
+     * 49152x512 LM head took 4.1-4.5 ms, 6.0 without. One pass (a decode step of a few sequences)
+     * streams a tile once, and asking ahead only slowed it; so did it for bf16 tiles read in place. */
     Tile first = tile;
     if (a->ahead && t + 1 < a->N / TILE) first.ahead = a->ahead + (t + 1) * a->K * TILE;
     /* passes of even sizes: 16 rows as 8 and 8, not 12 and 4 (four FMA chains wait on their latency) */
