@@ -66,13 +66,15 @@ def test_dtype_and_derived_values(tiny_model_dir):
 def test_auto_dtype_keeps_a_bf16_checkpoint_in_bf16_where_the_cpu_multiplies_bf16(
     quantization, tiny_model_dir, tmp_path
 ):
-    """With AVX512-BF16 (no AMX), ``auto`` serves a bf16 checkpoint in bf16, but a quantized
-    model in fp32, as everywhere without AMX (its layers' products take fp32 activations)."""
+    """With AVX512-BF16 (no AMX) whose bf16 products outrun fp32 FMAs, ``auto`` serves a bf16
+    checkpoint in bf16, but a quantized model in fp32, as everywhere without AMX (its layers'
+    products take fp32 activations)."""
     import json
     import shutil
 
     import torch
 
+    from kiln_cpu.native import bf16_dots_outrun_fma
     from kiln_cpu.packed_linear import kernel_works
     from kiln_cpu.platform import has_amx_bf16
 
@@ -81,7 +83,7 @@ def test_auto_dtype_keeps_a_bf16_checkpoint_in_bf16_where_the_cpu_multiplies_bf1
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
     llm = LLM(str(folder), max_model_len=128, quantization=quantization)
-    bf16 = has_amx_bf16() or (kernel_works() and quantization is None)
+    bf16 = has_amx_bf16() or (kernel_works() and bf16_dots_outrun_fma() and quantization is None)
     assert llm.engine.dtype is (torch.bfloat16 if bf16 else torch.float32)
     assert llm.generate("Hello", None)[0].outputs[0].token_ids
 

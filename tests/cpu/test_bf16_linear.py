@@ -90,3 +90,16 @@ def test_bf16_model_linears_take_the_layout_bf16_linear_picks(tiny_model_dir):
     kernel = {type(m) is Bf16Linear for m in layers if m.in_features * m.out_features <= KERNEL_MAX_ELEMENTS}
     assert kernel == {packed_linear.kernel_works()}  # the projections
     assert {type(m) for m in layers if m.in_features * m.out_features > KERNEL_MAX_ELEMENTS} == {PackedLinear}  # head
+
+
+def test_bf16_dot_speed_is_timed_where_the_build_has_vdpbf16ps():
+    """``bf16_dot_speed`` (which ``--dtype auto`` reads on AVX512-BF16 CPUs without AMX): the
+    ratio of vdpbf16ps's to FMAs' multiply-adds a second, 2 or 0.5 on the CPUs measured, and 0
+    where the library has no vdpbf16ps to time."""
+    lib = native.load_kernels()
+    speed = lib.bf16_dot_speed()
+    if lib.linear_bf16_native():
+        assert 0.1 < speed < 10
+        assert native.bf16_dots_outrun_fma() == (speed > 1.0)
+    else:
+        assert speed == 0.0 and not native.bf16_dots_outrun_fma()

@@ -15,7 +15,7 @@ import torch
 from kiln.interfaces.platform import Platform
 from kiln_cpu import form_cache
 from kiln_cpu.module_swap import replace_linears
-from kiln_cpu.native import has_amx_bf16
+from kiln_cpu.native import bf16_dots_outrun_fma, has_amx_bf16
 from kiln_cpu.packed_linear import kernel_works
 
 logger = logging.getLogger("kiln.cpu")
@@ -120,11 +120,13 @@ class CpuPlatform(Platform):
         super().update_config(config)
 
     def dtype_for(self, model_dtype: torch.dtype | None) -> torch.dtype:
-        # NOTE: with AVX512-BF16 but no AMX (AMD Zen 4 and 5), vdpbf16ps multiplies as many
-        # values a cycle as fp32 FMAs and a decode step reads half the bytes: a checkpoint
-        # stored in bf16 runs in bf16 (a random 16-layer Llama of hidden 1024 on a 2-core Zen 5:
-        # 91 against 52 output tok/s at one sequence, 380 against 143 at 16).
-        if model_dtype is torch.bfloat16 and kernel_works():
+        # NOTE: with AVX512-BF16 but no AMX (AMD Zen 4 and 5), vdpbf16ps multiplies twice as
+        # many values a cycle as fp32 FMAs: a checkpoint stored in bf16 runs in bf16 (a random
+        # 16-layer Llama of hidden 1024 on a 2-core Zen 5: 91 against 52 output tok/s at one
+        # sequence, 380 against 143 at 16). Where it multiplies fewer (a Xeon whose AMX the VM
+        # hides: half as many), fp32 on the bf16 tiles ran that Llama faster: 34-36 against
+        # 29-33 tok/s at one sequence, 142-143 against 120-131 at 16 (2026-11-29).
+        if model_dtype is torch.bfloat16 and kernel_works() and bf16_dots_outrun_fma():
             return torch.bfloat16
         return self.quantized_dtype_for(model_dtype)
 

@@ -48,6 +48,64 @@ int linear_bf16(uint16_t *out, const uint16_t *x, int64_t T, int64_t K, const ui
 /* What K must be a multiple of. */
 int linear_bf16_multiple(void) { return 2 * VL; }
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#include <time.h>
+
+static double seconds(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + 1e-9 * t.tv_nsec;
+}
+
+/* Seconds for n rounds of twelve independent chains of OP (enough to hide either instruction's
+ * latency), each from its own start (equal ones would be one chain to the compiler); the empty asm
+ * keeps each round's operands live, so no round folds away. */
+#define TIMED_CHAINS(OP, a, b)                                                                              \
+    do {                                                                                                    \
+        __m512 c0 = _mm512_set1_ps(0), c1 = _mm512_set1_ps(1), c2 = _mm512_set1_ps(2),                      \
+               c3 = _mm512_set1_ps(3), c4 = _mm512_set1_ps(4), c5 = _mm512_set1_ps(5),                      \
+               c6 = _mm512_set1_ps(6), c7 = _mm512_set1_ps(7), c8 = _mm512_set1_ps(8),                      \
+               c9 = _mm512_set1_ps(9), c10 = _mm512_set1_ps(10), c11 = _mm512_set1_ps(11);                  \
+        const double t0 = seconds();                                                                        \
+        for (int i = 0; i < n; i++) {                                                                       \
+            c0 = OP(c0, a, b), c1 = OP(c1, a, b), c2 = OP(c2, a, b), c3 = OP(c3, a, b);                     \
+            c4 = OP(c4, a, b), c5 = OP(c5, a, b), c6 = OP(c6, a, b), c7 = OP(c7, a, b);                     \
+            c8 = OP(c8, a, b), c9 = OP(c9, a, b), c10 = OP(c10, a, b), c11 = OP(c11, a, b);                 \
+            __asm__ volatile("" : "+v"(a), "+v"(b));                                                        \
+        }                                                                                                   \
+        elapsed = seconds() - t0;                                                                           \
+        __asm__ volatile("" ::"v"(c0), "v"(c1), "v"(c2), "v"(c3), "v"(c4), "v"(c5), "v"(c6), "v"(c7),     \
+                         "v"(c8), "v"(c9), "v"(c10), "v"(c11));                                             \
+    } while (0)
+
+static inline __m512 fma_op(__m512 c, __m512 a, __m512 b) { return _mm512_fmadd_ps(a, b, c); }
+static inline __m512 dot_op(__m512 c, __m512bh a, __m512bh b) { return _mm512_dpbf16_ps(c, a, b); }
+#endif
+
+/* Multiply-adds a second of vdpbf16ps (32 bf16 pairs an instruction) over those of fp32 FMAs (16),
+ * each the best of five short timed loops on the calling thread, alternated: 2 on AMD Zen 4 and 5,
+ * where both instructions issue at one rate; 0.5 on a 2-core Xeon whose AMX the VM hides (1.8
+ * vdpbf16ps a ns against 6.9 FMAs). The two differ by 4x, so a busy machine does not turn the
+ * answer around. 0 without AVX512-BF16. */
+double bf16_dot_speed(void) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    const int n = 4096;
+    double fma_best = 1e30, dot_best = 1e30, elapsed;
+    __m512 fa = _mm512_set1_ps(1.0f), fb = _mm512_set1_ps(0.5f);
+    __m512bh da = (__m512bh)_mm512_set1_epi16(0x3f80), db = da;
+    for (int round = 0; round < 5; round++) {
+        TIMED_CHAINS(fma_op, fa, fb);
+        fma_best = elapsed < fma_best ? elapsed : fma_best;
+        TIMED_CHAINS(dot_op, da, db);
+        dot_best = elapsed < dot_best ? elapsed : dot_best;
+    }
+    return (32.0 / dot_best) / (16.0 / fma_best);
+#else
+    return 0.0;
+#endif
+}
+
 /* Whether the products run on vdpbf16ps: only then is this kernel measured faster than oneDNN. */
 int linear_bf16_native(void) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
