@@ -99,13 +99,6 @@ def test_dummy_weights_need_no_checkpoint(tiny_model_dir, tmp_path):
     assert len(llm.generate("Hi")[0].outputs[0].token_ids) > 0
 
 
-def test_fp8_kv_cache_where_the_platform_has_none(tiny_model_dir):
-    with pytest.raises(
-        ValueError, match=r"--kv-cache-dtype: fp8 is not supported on cpu; choose one of \['auto', 'bfloat16'\]"
-    ):
-        LLM(tiny_model_dir("llama"), device="cpu", kv_cache_dtype="fp8")
-
-
 @pytest.mark.parametrize(
     "value, limits",
     [('{"image": 0, "video": 0}', {"image": 0, "video": 0}), ("image=0", {"image": 0}),

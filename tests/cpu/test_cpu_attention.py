@@ -124,6 +124,18 @@ class TestCpuAttentionBfloat16CacheTorchFallback(TestCpuAttentionBfloat16Cache):
     backend_cls = TorchOnlyBackend
 
 
+class TestCpuAttentionFp8E4m3Cache(AttentionBackendContract):
+    """``--kv-cache-dtype fp8`` (and ``fp8_e4m3``): K/V in a byte each, read through torch."""
+
+    backend_cls = CpuAttentionBackend
+    cache_dtype = torch.float8_e4m3fn
+
+
+class TestCpuAttentionFp8E5m2Cache(AttentionBackendContract):
+    backend_cls = CpuAttentionBackend
+    cache_dtype = torch.float8_e5m2
+
+
 def test_bfloat16_cache_halves_the_kv_memory_and_keeps_the_first_token(tiny_model_dir, varied_prompts):
     """The first token of each prompt comes from the prefill, which attends to the unrounded
     K/V: it matches the fp32 cache's; later ones read the bf16 cache through the C kernel."""
@@ -139,6 +151,24 @@ def test_bfloat16_cache_halves_the_kv_memory_and_keeps_the_first_token(tiny_mode
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in varied_prompts]
     got, expected = half.generate(prompts, params), full.generate(prompts, params)
+    assert [o.outputs[0].token_ids[0] for o in got] == [o.outputs[0].token_ids[0] for o in expected]
+    assert all(len(o.outputs[0].token_ids) == 6 for o in got)
+
+
+@pytest.mark.parametrize(("flag", "dtype"), [("fp8", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)])
+def test_fp8_cache_quarters_the_kv_memory_and_keeps_the_first_token(tiny_model_dir, varied_prompts, flag, dtype):
+    """As with bf16 above, the prefill attends to unrounded K/V; later tokens read the fp8 cache
+    (through torch: the C kernels take fp32 and bf16 caches only)."""
+    from kiln import LLM, SamplingParams
+
+    common = dict(model=tiny_model_dir("llama"), dtype="float32", max_model_len=256)
+    quarter, full = LLM(kv_cache_dtype=flag, **common), LLM(**common)
+    runner = quarter.engine.executor.runner
+    assert runner.kv_caches[0].dtype == dtype and runner.backend.native is None
+    assert 4 * runner.kv_block_bytes() == full.engine.executor.runner.kv_block_bytes()
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in varied_prompts]
+    got, expected = quarter.generate(prompts, params), full.generate(prompts, params)
     assert [o.outputs[0].token_ids[0] for o in got] == [o.outputs[0].token_ids[0] for o in expected]
     assert all(len(o.outputs[0].token_ids) == 6 for o in got)
 

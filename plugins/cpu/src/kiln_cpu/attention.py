@@ -8,7 +8,10 @@ through and that gathers turn straight into SDPA's (heads, len, dim) shape.
   C kernel of ``csrc/paged_attention.c``, which reads K/V in place through the
   block table. ``--kv-cache-dtype bfloat16`` stores an fp32 model's K/V in bf16
   (half the memory; values rounded once when written), computing in fp32.
-* Decodes otherwise (fp16, odd shapes, or no C compiler): one batched SDPA call per
+* ``--kv-cache-dtype fp8`` / ``fp8_e4m3`` / ``fp8_e5m2``: K/V stored in a byte each (a quarter of
+  an fp32 cache) at scale 1, as the engine sets no other, through the torch paths below: the C
+  kernels read fp32 and bf16 caches only, so this trades speed for memory.
+* Decodes otherwise (fp16, fp8 cache, odd shapes, or no C compiler): one batched SDPA call per
   layer over blocks gathered into a padded (reqs, kv_heads, len, dim) tensor,
   with a key-padding mask. GQA needs no K/V copies: the query heads sharing a KV
   head become that head's "query length".
@@ -75,7 +78,7 @@ class CpuMetadata:
 
 class CpuAttentionBackend(AttentionBackend):
     name = "cpu"
-    cache_dtypes = (torch.bfloat16,)
+    cache_dtypes = (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
     supports_sliding_window = True
     supports_logit_softcap = True
 
@@ -115,6 +118,8 @@ class CpuAttentionBackend(AttentionBackend):
     def forward(
         self, q, k, v, kv_cache, metadata: CpuMetadata, *, layer_idx, scale, sliding_window=None, logit_softcap=None
     ):
+        if self.k_scale != 1.0 or self.v_scale != 1.0:
+            raise NotImplementedError("the CPU attention stores K/V at scale 1 (no calibrated KV-cache scales)")
         if logit_softcap is not None:  # Gemma 2's soft-capped layers: the reference computation (no kernel has it)
             return paged_attention(q, k, v, self.reference_view(kv_cache), metadata.layout, scale, sliding_window,
                                    logit_softcap)  # fmt: skip
@@ -199,5 +204,7 @@ class CpuAttentionBackend(AttentionBackend):
         # Row of (block, head, offset) in the cache seen as (blocks * heads * block_size, dim).
         rows = ((slots // bs * heads)[:, None] + torch.arange(heads)) * bs + (slots % bs)[:, None]
         flat = kv_cache.view(2, -1, self.head_dim)
+        if flat.element_size() == 1:  # index_copy_ has no fp8 kernel on the CPU: copy the bytes
+            flat, k, v = flat.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
         flat[0].index_copy_(0, rows.flatten(), k.reshape(-1, self.head_dim))
         flat[1].index_copy_(0, rows.flatten(), v.reshape(-1, self.head_dim))
