@@ -102,7 +102,7 @@ def test_fp32_prefills_read_fused_qkv_rows_and_attend_their_own_keys_unrounded(w
 def test_kernels_built_for_older_instruction_sets_match_the_reference(march, march_cache_dir):
     """Their fp32 products on 8-float vectors, where an AVX-512 machine's build has 16."""
     env = {**os.environ, "KILN_CPU_MARCH": march, "KILN_CACHE_DIR": str(march_cache_dir)}
-    select = "(TestCpuAttentionNative or TestCpuAttentionBfloat16Cache or fused_qkv) and not Fallback"
+    select = "(TestCpuAttentionNative or TestCpuAttentionBfloat16Cache or Fp8E5m2 or fused_qkv) and not Fallback"
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", select],
                          env=env, capture_output=True, text=True)  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:]
@@ -157,14 +157,15 @@ def test_bfloat16_cache_halves_the_kv_memory_and_keeps_the_first_token(tiny_mode
 
 @pytest.mark.parametrize(("flag", "dtype"), [("fp8", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)])
 def test_fp8_cache_quarters_the_kv_memory_and_keeps_the_first_token(tiny_model_dir, varied_prompts, flag, dtype):
-    """As with bf16 above, the prefill attends to unrounded K/V; later tokens read the fp8 cache
-    (through torch: the C kernels take fp32 and bf16 caches only)."""
+    """As with bf16 above, the prefill attends to unrounded K/V; later tokens read the fp8 cache:
+    e5m2 through the C decode kernel, e4m3 through torch."""
     from kiln import LLM, SamplingParams
 
     common = dict(model=tiny_model_dir("llama"), dtype="float32", max_model_len=256)
     quarter, full = LLM(kv_cache_dtype=flag, **common), LLM(**common)
     runner = quarter.engine.executor.runner
-    assert runner.kv_caches[0].dtype == dtype and runner.backend.native is None
+    assert runner.kv_caches[0].dtype == dtype
+    assert (runner.backend.native is not None) == (dtype == torch.float8_e5m2 and native.load_kernels() is not None)
     assert 4 * runner.kv_block_bytes() == full.engine.executor.runner.kv_block_bytes()
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in varied_prompts]

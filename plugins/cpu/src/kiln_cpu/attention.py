@@ -9,9 +9,10 @@ through and that gathers turn straight into SDPA's (heads, len, dim) shape.
   block table. ``--kv-cache-dtype bfloat16`` stores an fp32 model's K/V in bf16
   (half the memory; values rounded once when written), computing in fp32.
 * ``--kv-cache-dtype fp8`` / ``fp8_e4m3`` / ``fp8_e5m2``: K/V stored in a byte each (a quarter of
-  an fp32 cache) at scale 1, as the engine sets no other, through the torch paths below: the C
-  kernels read fp32 and bf16 caches only, so this trades speed for memory.
-* Decodes otherwise (fp16, fp8 cache, odd shapes, or no C compiler): one batched SDPA call per
+  an fp32 cache) at scale 1, as the engine sets no other, written through torch (its rounding);
+  an fp32 model's decodes on an e5m2 cache run the C kernel (a byte widens to fp16 by a shift),
+  everything else on fp8 the torch paths below.
+* Decodes otherwise (fp16, e4m3 cache, odd shapes, or no C compiler): one batched SDPA call per
   layer over blocks gathered into a padded (reqs, kv_heads, len, dim) tensor,
   with a key-padding mask. GQA needs no K/V copies: the query heads sharing a KV
   head become that head's "query length".
@@ -194,7 +195,7 @@ class CpuAttentionBackend(AttentionBackend):
     def _write(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layout: BatchLayout) -> None:
         slots = layout.slot_mapping
         k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)  # rounded once, where the cache is narrower
-        if self.native is not None and k.stride(1) == v.stride(1) == self.head_dim:
+        if self.native is not None and kv_cache.element_size() > 1 and k.stride(1) == v.stride(1) == self.head_dim:
             native.write_kv_cache(kv_cache, k, v, slots, layout.block_size)
             return
         keep = slots >= 0

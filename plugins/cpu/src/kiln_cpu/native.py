@@ -96,7 +96,7 @@ def load_kernels() -> ctypes.CDLL | None:
         os.replace(tmp, target)
     lib = ctypes.CDLL(str(target))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    for fn in (lib.paged_decode_attention_f32, lib.paged_decode_attention_bf16, lib.paged_decode_attention_f32_bf16):
+    for fn in (getattr(lib, f"paged_decode_attention_{suffix}") for suffix in _ATTENTION_KERNELS.values()):
         fn.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float, i64]
         fn.restype = ctypes.c_int
     prefill_common = [ptr, i64, ptr, *[i64] * 5, ctypes.c_float, i64]  # block table .. window
@@ -152,6 +152,7 @@ _ATTENTION_KERNELS = {
     (torch.float32, torch.float32): "f32",
     (torch.bfloat16, torch.bfloat16): "bf16",
     (torch.float32, torch.bfloat16): "f32_bf16",
+    (torch.float32, torch.float8_e5m2): "f32_e5m2",  # read only: K/V are written through torch
 }
 
 

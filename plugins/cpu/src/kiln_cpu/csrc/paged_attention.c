@@ -103,6 +103,24 @@ static inline const float *widen_bf16(const uint16_t *src, float *tmp, int64_t n
     return tmp;
 }
 
+/* An fp8 e5m2 cache (--kv-cache-dtype fp8_e5m2): each byte is the top half of an fp16, so a
+ * shift makes it one and F16C widens it, in order (no permutation). */
+static inline const float *widen_e5m2(const uint8_t *src, float *tmp, int64_t n) {
+    for (int64_t i = 0; i < n; i += 8) {
+#if defined(__F16C__)
+        store8(tmp + i, (v8)_mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(src + i))), 8)));
+#else
+        for (int k = 0; k < 8; k++) {
+            const uint16_t bits = (uint16_t)(src[i + k] << 8);
+            _Float16 h;
+            memcpy(&h, &bits, sizeof h);
+            tmp[i + k] = (float)h;
+        }
+#endif
+    }
+    return tmp;
+}
+
 /* n floats (a multiple of 2 VL) into widen_bf16's order, or (back) out of it. */
 static void permute(float *x, int64_t n, int back) {
     float run[2 * VL];
@@ -255,3 +273,4 @@ static void permute(float *x, int64_t n, int back) {
 DEFINE_DECODE_ATTENTION(f32, float, load8_f32, store8, float, widen_f32, 0)
 DEFINE_DECODE_ATTENTION(bf16, uint16_t, load8_bf16, store8_bf16, uint16_t, widen_bf16, 1)
 DEFINE_DECODE_ATTENTION(f32_bf16, float, load8_f32, store8, uint16_t, widen_bf16, 1)
+DEFINE_DECODE_ATTENTION(f32_e5m2, float, load8_f32, store8, uint8_t, widen_e5m2, 0)
