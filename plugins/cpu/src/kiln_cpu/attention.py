@@ -195,7 +195,11 @@ class CpuAttentionBackend(AttentionBackend):
     def _write(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layout: BatchLayout) -> None:
         slots = layout.slot_mapping
         k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)  # rounded once, where the cache is narrower
-        if self.native is not None and kv_cache.element_size() > 1 and k.stride(1) == v.stride(1) == self.head_dim:
+        if (
+            self.native is not None
+            and kv_cache.dtype in native.KV_WRITERS
+            and k.stride(1) == v.stride(1) == self.head_dim
+        ):
             native.write_kv_cache(kv_cache, k, v, slots, layout.block_size)
             return
         keep = slots >= 0

@@ -116,7 +116,7 @@ def _fusable(layer: nn.Module) -> bool:
         and _norms_fit(layer, torch.float32)
         and isinstance(attn.backend, CpuAttentionBackend)
         and attn.backend.native is not None
-        and attn.backend.cache_dtype in (torch.float32, torch.bfloat16)  # the C layer writes these
+        and attn.backend.cache_dtype in native.KV_WRITERS  # the C layer writes the step's K/V
     )
 
 

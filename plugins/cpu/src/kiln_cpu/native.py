@@ -249,10 +249,14 @@ def _head_rows(x: torch.Tensor) -> bool:
     return x.stride(2) == 1 and (x.shape[1] == 1 or x.stride(1) == x.shape[2])
 
 
+# Cache dtypes the C code writes K/V into (write_kv_cache, and csrc/decode_layer.c): fp8 caches are
+# written through torch's rounding.
+KV_WRITERS = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
 def write_kv_cache(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, block_size: int):
     """Copy (tokens, kv_heads, dim) K/V rows (rows may be strided) into their slots; slot -1 is skipped."""
-    lib = load_kernels()
-    kernel = lib.write_kv_f32 if kv_cache.dtype == torch.float32 else lib.write_kv_bf16
+    kernel = getattr(load_kernels(), f"write_kv_{KV_WRITERS[kv_cache.dtype]}")
     slots = slots.to(torch.int64).contiguous()
     tokens, heads, dim = k.shape
     kernel(
