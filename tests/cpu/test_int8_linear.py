@@ -43,7 +43,7 @@ def int8_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 64, 65, 131])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 64, 65, 131])
 def test_products_are_the_quantized_rows_times_the_weight(kind, rows):
     w, bias = gguf_weight(208, 256, KINDS[kind], seed=rows), torch.randn(208)
     x = activations(rows, 256, seed=rows)
@@ -117,7 +117,7 @@ forms = {{kind: lambda rows, kind=kind: tiled_form(gguf_weight(48, 256, KINDS[ki
 forms["several"] = lambda rows: tiled_form(several_types(rows))
 forms["int8"] = lambda rows: TiledWeight(8, pack_tiles(torch.rand(48, 8, generator=g) / 50), None, pack_q8(codes))
 for kind, form in forms.items():
-    for rows in (1, 3, 4, 9):
+    for rows in (1, 3, 4, 6, 9, 70):
         for mode in (1, 2):  # int8 per block, per row
             out[f"{{kind}}-{{rows}}-{{mode}}"] = tiled_matmul(form(rows), activations(rows, 256, rows), None, mode).tolist()
 print(json.dumps(out))

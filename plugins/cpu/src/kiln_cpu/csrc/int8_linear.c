@@ -15,6 +15,11 @@
  *   fmt 8 and 6: 8 groups (512 bytes), int8.
  *   fmt 4: 4 groups (256 bytes): the low nibbles are inputs 4g..4g+3, the high
  *          ones 16+4g..16+4g+3.
+ * Quantized activations lie in panels of ROWS rows (the last one: the rows left, P): per
+ * 32-input block, its 8 groups of 4 inputs, each group's 4 bytes for the panel's rows side by
+ * side; the block's scales likewise, a float per row. A pass over a full panel then finds every
+ * broadcast at a fixed offset from one pointer (with a pointer per row, the row loops spilled
+ * and reloaded them from the stack), and a lone row's block is its 32 bytes in a row.
  * Instruction sets are chosen when the library is compiled (-march=native, on the
  * machine that runs it): AVX-VNNI or AVX-512 VNNI (vpdpbusd), AVX2 (vpmaddubsw),
  * else portable C. All give the same int32 block sums.
@@ -28,6 +33,7 @@
 #include "vec.h"
 
 #define TILE 16
+#define ROWS 8 /* rows of x per panel, and per pass over a tile's blocks */
 #define ROW_CHUNK 64 /* rows whose quantized values stay in cache while every tile passes */
 #define ROWS_PER_HANDOUT 8 /* rows from which tiles are handed out one at a time (int8_linear) */
 
@@ -51,12 +57,14 @@ static float absmax(const float *x, int64_t n) {
     return amax;
 }
 
-/* A row of x as int8 per 32-block: q (K), d (K/32) scales, s (K/32) = d * sum(q).
+/* A row of x as int8 per 32-block, into its lane of a panel: the block's group g of 4 values at
+ * q + (8 b + g) P 4 (P: the panel's rows), its scale d[b P] and s[b P] = d * sum(q). flip: each byte's top
+ * bit flipped (qx + 128 as unsigned, see int8_linear).
  * per_row 0: a scale per block, qx = round(x * 127 / amax_block) (llama.cpp's).
  * per_row 1: one scale for the row, qx = round(x / (max(amax_row, 1e-10) / 127)): the integers
  * of per-token quantization in torch (kiln.interfaces.quantization.quantize_per_token), so W8A8's
  * blocks sum exactly what its reference sums. */
-static void quantize_row(const float *x, int64_t K, int per_row, int8_t *q, float *d, float *s) {
+static void quantize_row(const float *x, int64_t K, int per_row, int flip, int P, int8_t *q, float *d, float *s) {
     const float row_scale = per_row ? fmaxf(absmax(x, K), 1e-10f) / 127.0f : 0.0f;
     for (int64_t b = 0; b < K / 32; b++) {
         const float *xb = x + b * 32;
@@ -75,7 +83,10 @@ static void quantize_row(const float *x, int64_t K, int per_row, int8_t *q, floa
             const __m256i v = _mm256_cvtps_epi32(scaled);
             total = _mm256_add_epi32(total, v);
             const __m128i v16 = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-            _mm_storel_epi64((__m128i *)(q + b * 32 + i), _mm_packs_epi16(v16, v16));
+            const __m128i v8 = _mm_xor_si128(_mm_packs_epi16(v16, v16), _mm_set1_epi8(flip ? (char)0x80 : 0));
+            const int32_t first = _mm_cvtsi128_si32(v8), second = _mm_extract_epi32(v8, 1);
+            memcpy(q + (b * 8 + i / 4) * P * 4, &first, 4);
+            memcpy(q + (b * 8 + i / 4 + 1) * P * 4, &second, 4);
         }
         int32_t lanes[8];
         _mm256_storeu_si256((__m256i *)lanes, total);
@@ -83,17 +94,32 @@ static void quantize_row(const float *x, int64_t K, int per_row, int8_t *q, floa
 #else
         for (int i = 0; i < 32; i++) {
             const int v = (int)nearbyintf(divide ? xb[i] / scale : xb[i] * mul); /* ties to even, as vcvtps2dq */
-            q[b * 32 + i] = (int8_t)v;
+            q[(b * 8 + i / 4) * P * 4 + i % 4] = (int8_t)(flip ? v ^ 0x80 : v);
             sum += v;
         }
 #endif
-        d[b] = scale, s[b] = scale * (float)sum;
+        d[b * P] = scale, s[b * P] = scale * (float)sum;
     }
 }
 
-#if defined(__AVX2__)
+/* The rows of row r's panel, of `rows` in all. */
+static inline int panel_rows(int64_t r, int64_t rows) {
+    return rows - (r - r % ROWS) < ROWS ? (int)(rows - (r - r % ROWS)) : ROWS;
+}
 
-#define ROWS 8 /* rows of x per pass over a tile's blocks */
+/* Where row r's lane of its panel starts: in the activations (K a row), in their scales. */
+static inline int64_t lane_at(int64_t r, int64_t K) { return (r - r % ROWS) * K + r % ROWS * 4; }
+static inline int64_t lane_scale_at(int64_t r, int64_t K) { return (r - r % ROWS) * (K / 32) + r % ROWS; }
+
+/* Moves xq, xd and xs (the panels' starts) to row r's lane. */
+static inline void row_lane(int64_t r, int64_t K, const int8_t **xq, const float **xd, const float **xs) {
+    *xq += lane_at(r, K), *xd += lane_scale_at(r, K), *xs += lane_scale_at(r, K);
+}
+
+/* The 4 activations of group g, row i, of a block x of a panel of P rows. */
+static inline const int8_t *group(const int8_t *x, int g, int i, int P) { return x + (g * P + i) * 4; }
+
+#if defined(__AVX2__)
 
 /* v, which the compiler must now hold: integer sums are associative, and GCC otherwise
  * regroups a block's products to add them last, computing (and spilling) all of them first. */
@@ -139,16 +165,16 @@ static inline __m256i q4_step(__m256i acc, __m256i lo, __m256i xl, __m256i hi, _
 #endif
 }
 
-/* acc[r] = int32 sums of a block for rows 0..R-1, features 8h..8h+7 (one half of the tile
- * at a time: R sums, two weight vectors and the broadcasts fit AVX2's 16 registers). */
-static inline __attribute__((always_inline)) void block_q4(__m256i acc[], const uint8_t *w, int h,
-                                                           const int8_t *const xq[], int R) {
+/* acc[r] = int32 sums of a block (x: its panel) for rows 0..R-1, features 8h..8h+7 (one half
+ * of the tile at a time: R sums, two weight vectors and the broadcasts fit AVX2's 16 registers). */
+static inline __attribute__((always_inline)) void block_q4(__m256i acc[], const uint8_t *w, int h, const int8_t *x,
+                                                           int R, int P) {
     const __m256i low = _mm256_set1_epi8(15);
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_si256();
     for (int g = 0; g < 4; g++) {
         const __m256i v = _mm256_loadu_si256((const __m256i *)(w + g * 64 + h * 32));
         const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-        for (int r = 0; r < R; r++) acc[r] = q4_step(acc[r], lo, bcast4(xq[r] + 4 * g), hi, bcast4(xq[r] + 16 + 4 * g));
+        for (int r = 0; r < R; r++) acc[r] = q4_step(acc[r], lo, bcast4(group(x, g, r, P)), hi, bcast4(group(x, 4 + g, r, P)));
     }
 #if !HAS_VNNI
     for (int r = 0; r < R; r++) acc[r] = _mm256_madd_epi16(acc[r], _mm256_set1_epi16(1));
@@ -157,53 +183,53 @@ static inline __attribute__((always_inline)) void block_q4(__m256i acc[], const 
 
 /* acc[r] = int32 sums of groups g0..g0+ng-1 of a Q8 block, features 8h..8h+7 (fmt 6: a
  * scale's inputs are 4 groups). */
-static inline __attribute__((always_inline)) void block_q8(__m256i acc[], const int8_t *w, int h,
-                                                           const int8_t *const xq[], int R, int g0, int ng) {
+static inline __attribute__((always_inline)) void block_q8(__m256i acc[], const int8_t *w, int h, const int8_t *x,
+                                                           int R, int P, int g0, int ng) {
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_si256();
     for (int g = g0; g < g0 + ng; g++) {
         /* u8 x s8 instructions: |w| times qx carrying w's sign (|qx| <= 127, so no overflow) */
         const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + g * 64 + h * 32));
         const __m256i aw = _mm256_abs_epi8(wv);
-        for (int r = 0; r < R; r++) acc[r] = dot4(acc[r], aw, _mm256_sign_epi8(bcast4(xq[r] + 4 * g), wv));
+        for (int r = 0; r < R; r++) acc[r] = dot4(acc[r], aw, _mm256_sign_epi8(bcast4(group(x, g, r, P)), wv));
     }
 }
 
 /* out[rows r..r+R) x features 16t..16t+15, over every block. */
 static inline __attribute__((always_inline)) void rows_times_tile(float *out, int64_t N, const int8_t *xq,
                                                                   const float *xd, const float *xs, int64_t r,
-                                                                  int R, int fmt, const float *scale,
+                                                                  int R, int P, int fmt, const float *scale,
                                                                   const float *min, const void *q, int64_t t,
                                                                   int64_t K, const float *bias) {
     const int subs = scales_per_block(fmt), f16 = fmt & F16_SCALES;
     fmt = block_fmt(fmt);
     const int64_t nb = K / 32, bytes = fmt == 4 ? 256 : 512;
+    row_lane(r, K, &xq, &xd, &xs);
     /* The fp32 sums stay in L1, read and written once a block: the 16 ymm registers hold the
      * block's integer sums, the weights and the broadcast activations (with the fp32 sums in
      * registers too the compiler spilled the integer ones inside the product loop). */
     float sums[ROWS][TILE] __attribute__((aligned(32)));
     for (int i = 0; i < R; i++) memset(sums[i], 0, sizeof sums[i]);
     for (int64_t b = 0; b < nb; b++) {
-        const int8_t *xr[ROWS];
-        for (int i = 0; i < R; i++) xr[i] = xq + (r + i) * K + b * 32;
+        const int8_t *x = xq + b * 32 * P;
         const uint8_t *w = (const uint8_t *)q + (t * nb + b) * bytes;
         for (int sub = 0; sub < subs; sub++) {
             const int64_t at = ((t * nb + b) * subs + sub) * TILE;
             for (int h = 0; h < 2; h++) {
                 __m256i acc[ROWS];
                 if (fmt == 4)
-                    block_q4(acc, w, h, xr, R);
+                    block_q4(acc, w, h, x, R, P);
                 else if (fmt == 6)
-                    block_q8(acc, (const int8_t *)w, h, xr, R, 4 * sub, 4);
+                    block_q8(acc, (const int8_t *)w, h, x, R, P, 4 * sub, 4);
                 else
-                    block_q8(acc, (const int8_t *)w, h, xr, R, 0, 8);
+                    block_q8(acc, (const int8_t *)w, h, x, R, P, 0, 8);
                 const __m256 dw = (__m256)load8_scale(scale, at + 8 * h, f16);
                 /* a min per 32 inputs, in every format */
                 const int has_min = min && sub == 0;
                 const __m256 m = has_min ? (__m256)load8_scale(min, (t * nb + b) * TILE + 8 * h, f16) : dw;
                 for (int i = 0; i < R; i++) {
-                    const __m256 dd = _mm256_mul_ps(dw, _mm256_set1_ps(xd[(r + i) * nb + b]));
+                    const __m256 dd = _mm256_mul_ps(dw, _mm256_set1_ps(xd[b * P + i]));
                     __m256 f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i]), dd, _mm256_load_ps(sums[i] + 8 * h));
-                    if (has_min) f = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[(r + i) * nb + b]), f);
+                    if (has_min) f = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[b * P + i]), f);
                     _mm256_store_ps(sums[i] + 8 * h, f);
                 }
             }
@@ -233,18 +259,19 @@ static inline __m512 load16_scale(const float *p, int64_t i, int f16) {
 
 static inline __attribute__((always_inline)) void rows_times_tile_512(float *out, int64_t N, const int8_t *xq,
                                                                       const float *xd, const float *xs, int64_t r,
-                                                                      int R, int fmt, const float *scale,
+                                                                      int R, int P, int fmt, const float *scale,
                                                                       const float *min, const void *q, int64_t t,
                                                                       int64_t K, const float *bias) {
     const int subs = scales_per_block(fmt), groups = 8 / subs, f16 = fmt & F16_SCALES; /* groups: Q8's per scale */
     fmt = block_fmt(fmt);
     const int64_t nb = K / 32, bytes = fmt == 4 ? 256 : 512;
     const __m512i low = _mm512_set1_epi8(15), ones = _mm512_set1_epi8(1);
+    row_lane(r, K, &xq, &xd, &xs);
     __m512 f[ROWS];
     for (int i = 0; i < R; i++) f[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *w = (const uint8_t *)q + (t * nb + b) * bytes;
-        const int8_t *x = xq + r * K + b * 32;
+        const int8_t *x = xq + b * 32 * P;
         for (int sub = 0; sub < subs; sub++) {
             __m512i acc[ROWS];
             for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_si512();
@@ -253,8 +280,8 @@ static inline __attribute__((always_inline)) void rows_times_tile_512(float *out
                     const __m512i v = _mm512_loadu_si512(w + g * 64);
                     const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
                     for (int i = 0; i < R; i++) {
-                        acc[i] = _mm512_dpbusd_epi32(acc[i], lo, _mm512_set1_epi32(load4(x + i * K + 4 * g)));
-                        acc[i] = _mm512_dpbusd_epi32(acc[i], hi, _mm512_set1_epi32(load4(x + i * K + 16 + 4 * g)));
+                        acc[i] = _mm512_dpbusd_epi32(acc[i], lo, _mm512_set1_epi32(load4(group(x, g, i, P))));
+                        acc[i] = _mm512_dpbusd_epi32(acc[i], hi, _mm512_set1_epi32(load4(group(x, 4 + g, i, P))));
                     }
                 }
             } else {
@@ -263,7 +290,7 @@ static inline __attribute__((always_inline)) void rows_times_tile_512(float *out
                     const __m512i v = _mm512_loadu_si512(w + g * 64);
                     wsum = _mm512_dpbusd_epi32(wsum, ones, v);
                     for (int i = 0; i < R; i++)
-                        acc[i] = _mm512_dpbusd_epi32(acc[i], _mm512_set1_epi32(load4(x + i * K + 4 * g)), v);
+                        acc[i] = _mm512_dpbusd_epi32(acc[i], _mm512_set1_epi32(load4(group(x, g, i, P))), v);
                 }
                 const __m512i offset = _mm512_slli_epi32(wsum, 7); /* the unsigned activations' 128 * sum(w) */
                 for (int i = 0; i < R; i++) acc[i] = _mm512_sub_epi32(acc[i], offset);
@@ -271,12 +298,12 @@ static inline __attribute__((always_inline)) void rows_times_tile_512(float *out
             const int64_t at = ((t * nb + b) * subs + sub) * TILE;
             const __m512 dw = load16_scale(scale, at, f16);
             for (int i = 0; i < R; i++) {
-                const __m512 dd = _mm512_mul_ps(dw, _mm512_set1_ps(xd[(r + i) * nb + b]));
+                const __m512 dd = _mm512_mul_ps(dw, _mm512_set1_ps(xd[b * P + i]));
                 f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i]), dd, f[i]);
             }
             if (min && sub == 0) { /* a min per 32 inputs, in every format */
                 const __m512 m = load16_scale(min, (t * nb + b) * TILE, f16);
-                for (int i = 0; i < R; i++) f[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[(r + i) * nb + b]), f[i]);
+                for (int i = 0; i < R; i++) f[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[b * P + i]), f[i]);
             }
         }
     }
@@ -301,37 +328,37 @@ static void tile_rows(float *out, int64_t N, const int8_t *xq, const float *xd, 
         for (int64_t i = 0; min && i < nb * TILE * size; i += 64)
             __builtin_prefetch((const char *)min + (t + 1) * nb * TILE * size + i);
     }
+    /* Full panels, then the last one's rows in one pass (r1 ends every chunk but the last on a
+     * panel). A literal R and P each: the compiler unrolls every row loop and folds each
+     * broadcast's offset (with P a variable, a single row's products ran ~5 % slower). */
     int64_t r = r0;
-    for (; r + ROWS <= r1; r += ROWS) ROWS_TIMES_TILE(out, N, xq, xd, xs, r, ROWS, fmt, scale, min, q, t, K, bias);
-    if (r1 - r >= 4) {
-        ROWS_TIMES_TILE(out, N, xq, xd, xs, r, 4, fmt, scale, min, q, t, K, bias);
-        r += 4;
-    }
-    switch (r1 - r) { /* a literal R each: the compiler unrolls every row loop */
-    case 3: ROWS_TIMES_TILE(out, N, xq, xd, xs, r, 3, fmt, scale, min, q, t, K, bias); break;
-    case 2: ROWS_TIMES_TILE(out, N, xq, xd, xs, r, 2, fmt, scale, min, q, t, K, bias); break;
-    case 1: ROWS_TIMES_TILE(out, N, xq, xd, xs, r, 1, fmt, scale, min, q, t, K, bias); break;
+    for (; r + ROWS <= r1; r += ROWS) ROWS_TIMES_TILE(out, N, xq, xd, xs, r, ROWS, ROWS, fmt, scale, min, q, t, K, bias);
+    switch (r1 - r) {
+#define LAST_PANEL(P) \
+    case P: ROWS_TIMES_TILE(out, N, xq, xd, xs, r, P, P, fmt, scale, min, q, t, K, bias); break;
+        LAST_PANEL(1) LAST_PANEL(2) LAST_PANEL(3) LAST_PANEL(4) LAST_PANEL(5) LAST_PANEL(6) LAST_PANEL(7)
+#undef LAST_PANEL
     }
 }
 
 #else /* portable C */
 
-/* The int32 sum of block b of feature f times qx (32 values), over inputs i0..i0+n-1 (a multiple of 4;
- * 4-bit blocks whole). */
-static int32_t block_dot(int fmt, const void *q, int64_t t, int64_t nb, int64_t b, int f, const int8_t *xq, int i0,
-                         int n) {
+/* The int32 sum of block b of feature f times qx (32 values: x, a row's lane of the block in a
+ * panel of P rows), over inputs i0..i0+n-1 (a multiple of 4; 4-bit blocks whole). */
+static int32_t block_dot(int fmt, const void *q, int64_t t, int64_t nb, int64_t b, int f, const int8_t *x, int P,
+                         int i0, int n) {
     int32_t sum = 0;
     if (fmt == 4) {
         const uint8_t *w = (const uint8_t *)q + (t * nb + b) * 256;
         for (int g = 0; g < 4; g++)
             for (int i = 0; i < 4; i++) {
                 const uint8_t byte = w[(g * TILE + f) * 4 + i];
-                sum += (byte & 15) * xq[4 * g + i] + (byte >> 4) * xq[16 + 4 * g + i];
+                sum += (byte & 15) * group(x, g, 0, P)[i] + (byte >> 4) * group(x, 4 + g, 0, P)[i];
             }
     } else {
         const int8_t *w = (const int8_t *)q + (t * nb + b) * 512;
         for (int g = i0 / 4; g < (i0 + n) / 4; g++)
-            for (int i = 0; i < 4; i++) sum += w[(g * TILE + f) * 4 + i] * xq[4 * g + i];
+            for (int i = 0; i < 4; i++) sum += w[(g * TILE + f) * 4 + i] * group(x, g, 0, P)[i];
     }
     return sum;
 }
@@ -344,13 +371,17 @@ static void tile_rows(float *out, int64_t N, const int8_t *xq, const float *xd, 
     fmt = block_fmt(fmt);
     for (int64_t r = r0; r < r1; r++)
         for (int f = 0; f < TILE; f++) {
+            const int8_t *x = xq;
+            const float *d = xd, *s = xs;
+            row_lane(r, K, &x, &d, &s);
+            const int P = panel_rows(r, r1);
             float acc = 0.0f;
             for (int64_t b = 0; b < nb; b++)
                 for (int sub = 0; sub < subs; sub++) {
                     const int64_t at = ((t * nb + b) * subs + sub) * TILE + f;
-                    const int32_t dot = block_dot(fmt, q, t, nb, b, f, xq + r * K + b * 32, sub * 32 / subs, 32 / subs);
-                    acc += (float)dot * (scale_at(scale, at, f16) * xd[r * nb + b]);
-                    if (min && sub == 0) acc += scale_at(min, (t * nb + b) * TILE + f, f16) * xs[r * nb + b];
+                    const int32_t dot = block_dot(fmt, q, t, nb, b, f, x + b * 32 * P, P, sub * 32 / subs, 32 / subs);
+                    acc += (float)dot * (scale_at(scale, at, f16) * d[b * P]);
+                    if (min && sub == 0) acc += scale_at(min, (t * nb + b) * TILE + f, f16) * s[b * P];
                 }
             out[r * N + t * TILE + f] = acc + (bias ? bias[t * TILE + f] : 0.0f);
         }
@@ -375,15 +406,17 @@ int int8_linear(float *out, const float *x, int64_t rows, int64_t x_stride, int 
         free(xq), free(xd), free(xs);
         return 1;
     }
-    _Pragma("omp parallel") {
-        _Pragma("omp for schedule(static)") for (int64_t r = 0; r < rows; r++)
-        {
-            quantize_row(x + r * x_stride, K, per_row, xq + r * K, xd + r * nb, xs + r * nb);
 #if defined(AVX512_VNNI) && AVX512_VNNI
-            if (base != 4) /* Q8's activations as vpdpbusd's unsigned operand: qx + 128 */
-                for (int64_t i = 0; i < K; i++) xq[r * K + i] ^= (int8_t)0x80;
+    const int flip = base != 4; /* Q8's activations as vpdpbusd's unsigned operand: qx + 128 */
+#else
+    const int flip = 0;
 #endif
-        }
+    _Pragma("omp parallel") {
+        /* a panel a thread: rows of one panel share cache lines */
+        _Pragma("omp for schedule(static)") for (int64_t p = 0; p < rows; p += ROWS)
+            for (int64_t r = p; r < p + panel_rows(p, rows); r++)
+                quantize_row(x + r * x_stride, K, per_row, flip, panel_rows(r, rows), xq + lane_at(r, K),
+                             xd + lane_scale_at(r, K), xs + lane_scale_at(r, K));
         /* From ROWS_PER_HANDOUT rows on, tiles go one at a time to whichever thread is free: the threads do
          * not run at one speed (the server's other threads, the machine's neighbours), and with
          * even shares the faster one waited at the end. On a 2-core AVX2-only EPYC, W4 of issue 17
