@@ -369,12 +369,12 @@ static void tile_rows(float *out, int64_t N, const int8_t *xq, const float *xd, 
     const int64_t nb = K / 32;
     const int subs = scales_per_block(fmt), f16 = fmt & F16_SCALES;
     fmt = block_fmt(fmt);
-    for (int64_t r = r0; r < r1; r++)
+    for (int64_t r = r0; r < r1; r++) {
+        const int8_t *x = xq;
+        const float *d = xd, *s = xs;
+        row_lane(r, K, &x, &d, &s);
+        const int P = panel_rows(r, r1);
         for (int f = 0; f < TILE; f++) {
-            const int8_t *x = xq;
-            const float *d = xd, *s = xs;
-            row_lane(r, K, &x, &d, &s);
-            const int P = panel_rows(r, r1);
             float acc = 0.0f;
             for (int64_t b = 0; b < nb; b++)
                 for (int sub = 0; sub < subs; sub++) {
@@ -385,6 +385,7 @@ static void tile_rows(float *out, int64_t N, const int8_t *xq, const float *xd, 
                 }
             out[r * N + t * TILE + f] = acc + (bias ? bias[t * TILE + f] : 0.0f);
         }
+    }
 }
 
 #endif
@@ -413,10 +414,12 @@ int int8_linear(float *out, const float *x, int64_t rows, int64_t x_stride, int 
 #endif
     _Pragma("omp parallel") {
         /* a panel a thread: rows of one panel share cache lines */
-        _Pragma("omp for schedule(static)") for (int64_t p = 0; p < rows; p += ROWS)
-            for (int64_t r = p; r < p + panel_rows(p, rows); r++)
-                quantize_row(x + r * x_stride, K, per_row, flip, panel_rows(r, rows), xq + lane_at(r, K),
-                             xd + lane_scale_at(r, K), xs + lane_scale_at(r, K));
+        _Pragma("omp for schedule(static)") for (int64_t p = 0; p < rows; p += ROWS) {
+            const int P = panel_rows(p, rows);
+            for (int64_t r = p; r < p + P; r++)
+                quantize_row(x + r * x_stride, K, per_row, flip, P, xq + lane_at(r, K), xd + lane_scale_at(r, K),
+                             xs + lane_scale_at(r, K));
+        }
         /* From ROWS_PER_HANDOUT rows on, tiles go one at a time to whichever thread is free: the threads do
          * not run at one speed (the server's other threads, the machine's neighbours), and with
          * even shares the faster one waited at the end. On a 2-core AVX2-only EPYC, W4 of issue 17

@@ -73,12 +73,8 @@ static inline float softmax_numerators(float *s, int64_t padded) {
  * The loops below ask for the block two ahead of the one they multiply (keys, then values):
  * one ahead left the reads waiting once the products ran on AVX-512 (64 decodes of ~190
  * keys, 1.1x as long). NOTE: GCC 12 dropped every prefetch of a helper that picked the
- * block of a keys-then-values walk (objdump showed none), so they are spelled out. */
-static inline void prefetch_rows(const void *p, int64_t bytes) {
-    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)p + i);
-}
-
-/* A block asked for a few lines at a time between the products (Ahead, ask), not all at once:
+ * block of a keys-then-values walk (objdump showed none), so the blocks are spelled out.
+ * A block is asked for a few lines at a time between the products (ask), not all at once:
  * a block's 32-64 requests in a row waited on the core's line fill buffers (a third of the
  * kernel's samples sat on the instruction after a prefetch), and the products behind them
  * with them. On a 2-core AVX-512 Xeon, 64 decodes of 192 keys through 30 layers from memory
@@ -174,11 +170,13 @@ static void permute(float *x, int64_t n, int back) {
         }                                                                                                        \
         if (PERMUTED) permute(qf, G * D, 0);                                                                     \
         const int64_t block_bytes = block_size * D * (int64_t)sizeof(KT);                                      \
+        /* the block after the first, at once: the second keys, or with one key block the first values */      \
+        Ahead one = base + block_size < len                                                                      \
+                        ? ahead_of(k + (int64_t)table[base / block_size + 1] * block_size * row, block_bytes)      \
+                        : ahead_of(v + (int64_t)table[base / block_size] * block_size * row, block_bytes);         \
+        ask(&one, INT32_MAX);                                                                                    \
         for (int64_t t0 = base; t0 < len; t0 += block_size) {                                                    \
             const int64_t n = len - t0 < block_size ? len - t0 : block_size;                                     \
-            const KT *next = t0 + block_size < len ? k : v; /* after the last key block: the first values */     \
-            const int64_t next_block = table[(t0 + block_size < len ? t0 + block_size : base) / block_size];     \
-            if (t0 == base) prefetch_rows(next + next_block * block_size * row, block_bytes);                    \
             Ahead two = ahead_of(NULL, 0); /* two ahead: keys, or at the last key block the second values */     \
             if (t0 + 2 * block_size < len)                                                                       \
                 two = ahead_of(k + (int64_t)table[(t0 + 2 * block_size) / block_size] * block_size * row, block_bytes); \
