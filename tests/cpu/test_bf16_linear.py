@@ -1,5 +1,6 @@
-"""bf16 linear layers on the CPU: ``Bf16Linear`` (``csrc/bf16_linear.c`` at decode sizes) against
-fp32 products rounded once, and which layout ``bf16_linear`` picks."""
+"""bf16 linear layers on the CPU: ``Bf16Linear`` (``csrc/bf16_linear.c`` at decode sizes) and
+``Bf16TiledLinear`` (fp32 FMAs on bf16 tiles) against fp32 products rounded once, and which layout
+``bf16_linear`` picks."""
 
 from __future__ import annotations
 
@@ -8,7 +9,15 @@ import torch
 from torch import nn
 
 from kiln_cpu import native, packed_linear
-from kiln_cpu.packed_linear import KERNEL_MAX_ELEMENTS, KERNEL_MAX_ROWS, Bf16Linear, PackedLinear, bf16_linear
+from kiln_cpu.packed_linear import (
+    KERNEL_MAX_ELEMENTS,
+    KERNEL_MAX_ROWS,
+    Bf16Linear,
+    Bf16TiledLinear,
+    PackedLinear,
+    bf16_linear,
+    fma_outruns_bf16_dots,
+)
 
 needs_kernel = pytest.mark.skipif(
     not packed_linear.kernel_works(), reason="the bf16 linear kernel runs only with AVX512-BF16 and without AMX"
@@ -31,6 +40,13 @@ def _exact(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
     return nn.functional.linear(x.float(), linear.weight.float(), bias).bfloat16()
 
 
+def _assert_rounded_once(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """Within an ulp of the exact rounding, and mostly on it (the order of the sum differs)."""
+    ulp = expected.float().abs().clamp_min(2**-100) * 2**-7
+    assert ((got.float() - expected.float()).abs() <= ulp).all()
+    assert (got == expected).float().mean() >= 0.98
+
+
 @needs_kernel
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 13, 16])
 @pytest.mark.parametrize(("k", "n", "bias"), [(64, 8, False), (96, 40, True), (576, 1024, False), (512, 24, True)])
@@ -45,9 +61,23 @@ def test_kernel_rows_are_the_fp32_products_rounded_once(monkeypatch, rows, k, n,
     x = torch.randn(rows, k).bfloat16()
     got, expected = Bf16Linear(linear)(x), _exact(x, linear)
     assert calls == [rows] and got.shape == (rows, n) and got.dtype == torch.bfloat16
-    ulp = expected.float().abs().clamp_min(2**-100) * 2**-7
-    assert ((got.float() - expected.float()).abs() <= ulp).all()
-    assert (got == expected).float().mean() >= 0.98
+    _assert_rounded_once(got, expected)
+
+
+@pytest.mark.skipif(native.load_kernels() is None, reason="needs the CPU plugin's C kernels")
+@pytest.mark.parametrize("rows", [1, 7, 16, 40])
+@pytest.mark.parametrize("bias", [False, True])
+def test_tiled_layer_is_the_fp32_products_rounded_once(rows, bias):
+    """``Bf16TiledLinear``: bf16 in and out, the weight's bf16 values multiplied in fp32 (one pass,
+    two, and four over each tile: the passes that ask for the next tile), bias before the
+    rounding, leading dimensions kept."""
+    linear = _linear(96, 64, bias)
+    layer = Bf16TiledLinear(linear)
+    x = torch.randn(rows, 96).bfloat16()
+    got = layer(x)
+    assert got.shape == (rows, 64) and got.dtype == torch.bfloat16
+    _assert_rounded_once(got, _exact(x, linear))
+    assert torch.equal(layer(x[None])[0], got)
 
 
 @needs_kernel
@@ -72,12 +102,13 @@ def test_decode_shaped_inputs_keep_their_leading_dims():
 
 
 @needs_kernel
-def test_small_weights_take_the_kernel_and_large_ones_onednn():
+def test_small_weights_take_the_kernel_and_large_ones_tiles_or_onednn():
     multiple = native.load_kernels().linear_bf16_multiple()
     assert type(bf16_linear(_linear(multiple * 2, 40, True))) is Bf16Linear
     assert type(bf16_linear(_linear(multiple + 2, 40, True))) is PackedLinear  # K the kernel cannot step through
     big = nn.Linear(512, KERNEL_MAX_ELEMENTS // 512 + 16, bias=False, dtype=torch.bfloat16)
-    assert type(bf16_linear(big)) is PackedLinear  # an LM head: oneDNN is as fast there
+    # an LM head: fp32 FMAs on bf16 tiles where they outrun bf16 products, else oneDNN
+    assert type(bf16_linear(big)) is (Bf16TiledLinear if fma_outruns_bf16_dots() else PackedLinear)
 
 
 def test_bf16_model_linears_take_the_layout_bf16_linear_picks(tiny_model_dir):
@@ -89,7 +120,8 @@ def test_bf16_model_linears_take_the_layout_bf16_linear_picks(tiny_model_dir):
         return
     kernel = {type(m) is Bf16Linear for m in layers if m.in_features * m.out_features <= KERNEL_MAX_ELEMENTS}
     assert kernel == {packed_linear.kernel_works()}  # the projections
-    assert {type(m) for m in layers if m.in_features * m.out_features > KERNEL_MAX_ELEMENTS} == {PackedLinear}  # head
+    head = {type(m) for m in model.modules() if type(m) in (Bf16TiledLinear, PackedLinear)}
+    assert head == {Bf16TiledLinear if fma_outruns_bf16_dots() else PackedLinear}
 
 
 def test_bf16_dot_speed_is_timed_where_the_build_has_vdpbf16ps():

@@ -17,7 +17,7 @@
 typedef struct {
     const void *p;
     int bf16;
-    const void *ahead; /* or NULL: the tile read next, prefetched a line per input as this one is read */
+    const void *ahead; /* or NULL: the tile read next (of this one's type), prefetched as this one is read */
 } Tile;
 
 /* Tile t of a weight for `rows` rows of x: in place for fmt 32; fmt 16 (bf16) in place for any

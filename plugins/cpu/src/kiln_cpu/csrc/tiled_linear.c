@@ -91,12 +91,13 @@ static inline __attribute__((always_inline)) void rows_times(float *out, const f
     enum { V = TILE / VL };
     const float *f = tile.p;
     const uint16_t *h = tile.p;
-    const float *ahead = tile.ahead;
+    const char *ahead = tile.ahead;
+    const int64_t lines = tile.bf16 ? K / 2 : K; /* of the tile ahead, of this one's type */
     vf a[ROWS][V];
     for (int i = 0; i < R; i++)
         for (int v = 0; v < V; v++) a[i][v] = splatf(0.0f);
     for (int64_t c = 0; c < K; c++) {
-        if (ahead) __builtin_prefetch(ahead + c * TILE);
+        if (ahead && c < lines) __builtin_prefetch(ahead + c * 64);
         vf w[V];
         for (int v = 0; v < V; v++) w[v] = tile.bf16 ? loadf_bf16(h + c * TILE + v * VL) : loadf(f + c * TILE + v * VL);
         for (int i = 0; i < R; i++) {
@@ -152,21 +153,23 @@ struct linear_args {
     float *out;
     const float *x, *bias;
     int64_t rows, x_stride, K, N;
-    const float *ahead; /* fp32 tiles read by more than one pass (see linear_tile), else NULL */
+    const char *ahead; /* tiles read in place by more than one pass (see linear_tile), else NULL */
 };
 
 static void linear_tile(Tile tile, int64_t t, void *ctx) {
     const struct linear_args *a = ctx;
-    /* With more rows than one pass takes, the first pass over an fp32 tile also asks for the
-     * thread's next tile, so that its first pass does not wait on memory either: 16 rows of an fp32
-     * 49152x512 LM head took 4.1-4.5 ms, 6.0 without. One pass (a decode step of a few sequences)
-     * streams a tile once, and asking ahead only slowed it; so did it for bf16 tiles read in place. */
-    Tile first = tile;
-    if (a->ahead && t + 1 < a->N / TILE) first.ahead = a->ahead + (t + 1) * a->K * TILE;
+    /* With more rows than one pass takes, the last pass over a tile (read from L1 by then) also
+     * asks for the thread's next tile, so that the next first pass does not wait on memory: 16 rows
+     * of a bf16-tiled 49152x512 LM head from memory took 5.1-5.8 ms, 5.8-6.6 without (and 6.0
+     * without against 4.1-4.5 with for fp32 tiles, asked for in the first pass then). One pass (a
+     * decode step of a few sequences) streams a tile once, and asking ahead only slowed it. */
+    Tile last = tile;
+    if (a->ahead && t + 1 < a->N / TILE) last.ahead = a->ahead + (t + 1) * a->K * TILE * (tile.bf16 ? 2 : 4);
     /* passes of even sizes: 16 rows as 8 and 8, not 12 and 4 (four FMA chains wait on their latency) */
     for (int64_t r = 0, passes = (a->rows + ROWS - 1) / ROWS; r < a->rows; passes--) {
         const int64_t size = (a->rows - r + passes - 1) / passes;
-        rows_times_tile(a->out, a->x, r + size, a->x_stride, r, r ? tile : first, a->bias, t * TILE, a->K, a->N);
+        const Tile pass = r + size < a->rows ? tile : last;
+        rows_times_tile(a->out, a->x, r + size, a->x_stride, r, pass, a->bias, t * TILE, a->K, a->N);
         r += size;
     }
 }
@@ -174,7 +177,8 @@ static void linear_tile(Tile tile, int64_t t, void *ctx) {
 /* out = x W^T + bias; nonzero when out of memory. */
 int tiled_linear(float *out, const float *x, int64_t rows, int64_t x_stride, int fmt, const float *scale,
                  const float *min, const void *q, const float *bias, int64_t K, int64_t N) {
-    struct linear_args args = {out, x, bias, rows, x_stride, K, N, fmt == 32 && rows > ROWS ? q : NULL};
+    const int in_place = fmt == 32 || !tile_widens(fmt, rows);
+    struct linear_args args = {out, x, bias, rows, x_stride, K, N, in_place && rows > ROWS ? q : NULL};
     return for_each_tile(fmt, scale, min, q, K, N, rows, linear_tile, &args);
 }
 
