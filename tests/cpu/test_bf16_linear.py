@@ -16,7 +16,6 @@ from kiln_cpu.packed_linear import (
     Bf16TiledLinear,
     PackedLinear,
     bf16_linear,
-    fma_outruns_bf16_dots,
 )
 
 needs_kernel = pytest.mark.skipif(
@@ -108,7 +107,7 @@ def test_small_weights_take_the_kernel_and_large_ones_tiles_or_onednn():
     assert type(bf16_linear(_linear(multiple + 2, 40, True))) is PackedLinear  # K the kernel cannot step through
     big = nn.Linear(512, KERNEL_MAX_ELEMENTS // 512 + 16, bias=False, dtype=torch.bfloat16)
     # an LM head: fp32 FMAs on bf16 tiles where they outrun bf16 products, else oneDNN
-    assert type(bf16_linear(big)) is (Bf16TiledLinear if fma_outruns_bf16_dots() else PackedLinear)
+    assert type(bf16_linear(big)) is (Bf16TiledLinear if native.fma_outruns_bf16_dots() else PackedLinear)
 
 
 def test_bf16_model_linears_take_the_layout_bf16_linear_picks(tiny_model_dir):
@@ -121,7 +120,7 @@ def test_bf16_model_linears_take_the_layout_bf16_linear_picks(tiny_model_dir):
     kernel = {type(m) is Bf16Linear for m in layers if m.in_features * m.out_features <= KERNEL_MAX_ELEMENTS}
     assert kernel == {packed_linear.kernel_works()}  # the projections
     head = {type(m) for m in model.modules() if type(m) in (Bf16TiledLinear, PackedLinear)}
-    assert head == {Bf16TiledLinear if fma_outruns_bf16_dots() else PackedLinear}
+    assert head == {Bf16TiledLinear if native.fma_outruns_bf16_dots() else PackedLinear}
 
 
 def test_bf16_dot_speed_is_timed_where_the_build_has_vdpbf16ps():

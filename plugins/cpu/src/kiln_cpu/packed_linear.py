@@ -120,13 +120,6 @@ class Bf16TiledLinear(TiledLinear):
         return super().forward(x.float()).to(x.dtype)
 
 
-@cache
-def fma_outruns_bf16_dots() -> bool:
-    """fp32 FMAs multiply more values a second than oneDNN's bf16 products can (no AMX, and
-    vdpbf16ps slower than FMAs or absent), and the tile kernel is built."""
-    return native.load_kernels() is not None and not native.has_amx_bf16() and not native.bf16_dots_outrun_fma()
-
-
 def bf16_linear(linear: nn.Linear) -> nn.Module:
     """The layout for a bf16 ``nn.Linear``: ``Bf16Linear`` where its kernel runs and the weight
     is small enough; past that ``Bf16TiledLinear`` where FMAs outrun bf16 products, else
@@ -134,6 +127,6 @@ def bf16_linear(linear: nn.Linear) -> nn.Module:
     small = linear.weight.numel() <= KERNEL_MAX_ELEMENTS
     if small and kernel_works() and linear.in_features % native.load_kernels().linear_bf16_multiple() == 0:
         return Bf16Linear(linear)
-    if not small and linear.out_features % TILE == 0 and fma_outruns_bf16_dots():
+    if not small and linear.out_features % TILE == 0 and native.fma_outruns_bf16_dots():
         return Bf16TiledLinear(linear)
     return PackedLinear(linear)
