@@ -71,7 +71,7 @@ def bf16_dots_outrun_fma() -> bool:
 @cache
 def fma_outruns_bf16_dots() -> bool:
     """Whether bf16 weights multiply faster widened to fp32 for FMAs (``csrc/tiled_linear.c``) than
-    as bf16 products, oneDNN's or ``csrc/bf16_dots.h``'s: no AMX, and vdpbf16ps slower than FMAs
+    as oneDNN's bf16 products: no AMX, and vdpbf16ps slower than FMAs
     (a Xeon whose AMX the VM hides) or absent (AVX2); False without the kernels."""
     return load_kernels() is not None and not has_amx_bf16() and not bf16_dots_outrun_fma()
 
