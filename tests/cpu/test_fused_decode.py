@@ -98,14 +98,16 @@ def test_default_model_int8_path(varied_prompts, monkeypatch):
         ("mixtral", {}, {"max_num_batched_tokens": 16}),
         ("mixtral", {"sliding_window": 8}, {}),
         ("qwen3_moe", {"head_dim": 64}, {}),
+        # every layer sparse, and a shared expert whose width the bf16 kernel steps through
+        ("qwen2_moe", {"mlp_only_layers": [], "shared_expert_intermediate_size": 64}, {}),
     ],
-    ids=["", "chunked prefills", "sliding window", "qwen3_moe, q/k norms"],
+    ids=["", "chunked prefills", "sliding window", "qwen3_moe, q/k norms", "qwen2_moe, shared expert"],
 )
 def test_bf16_moe_steps_match_the_python_forward(
     model_type, overrides, engine_args, tiny_model_dir, varied_prompts, monkeypatch
 ):
-    """bf16 Mixtral and Qwen3-MoE layers (Bf16Linear projections and router, the C route and
-    experts, a bf16 cache) run decode steps in one C call each, bit for bit."""
+    """bf16 Mixtral, Qwen3-MoE and Qwen2-MoE layers (Bf16Linear projections, router and shared
+    expert, the C route and experts, a bf16 cache) run decode steps in one C call each, bit for bit."""
     # head size 64: the C attention's
     model = tiny_model_dir(model_type, hidden_size=256, intermediate_size=96, **overrides)
     check_fused_equals_python(
@@ -117,7 +119,7 @@ def test_layers_it_cannot_run_keep_their_python_forward(tiny_model_dir):
     assert layer_types(tiny_model_dir("llama"), dtype="bfloat16") == {LlamaDecoderLayer}  # bf16 dense layers
     assert layer_types(tiny_model_dir("gemma3_text")).isdisjoint({FusedDecodeLayer})  # its own forward
     wide = dict(hidden_size=256, intermediate_size=96)  # else the C attention's head sizes: as in the test above
-    # a shared expert (the first layer is dense)
+    # a shared expert 48 wide, which the bf16 linear kernel cannot step through (nor the dense first layer)
     assert FusedMoEDecodeLayer not in layer_types(tiny_model_dir("qwen2_moe", **wide), dtype="bfloat16")
     assert torch.get_default_dtype() == torch.float32
 

@@ -37,10 +37,14 @@ linear layers' own::
 with the norms ``input_layernorm`` / ``post_attention_layernorm`` (``weight``, ``eps``) and
 ``self_attn.num_heads``, ``num_kv_heads``, ``head_dim`` per rank. ``PRE_NORM_MOE_LAYER``
 promises the same forward with routed experts for the MLP (``kiln.models.moe.FusedMoE``, all
-of them on this rank, no shared expert)::
+of them on this rank), plus, where the MLP has one, Qwen2-MoE's shared expert (a
+``LlamaMLP`` with SiLU) scaled by its sigmoid gate::
 
     weights, ids = moe_route(mlp.gate(x), mlp.top_k, mlp.renormalize)
-    return fused_experts(x, mlp.w13, mlp.w2, weights, ids), residual
+    out = fused_experts(x, mlp.w13, mlp.w2, weights, ids)
+    if shared := getattr(mlp, "shared_expert", None):
+        out = out + sigmoid(mlp.shared_expert_gate(x)) * shared.down_proj(silu_and_mul(shared.gate_up_proj(x)))
+    return out, residual
 
 ``ops`` is resolved once when the model is built (``resolve_ops``): each name
 maps to the platform's override from ``Platform.custom_ops()`` or to the torch

@@ -185,8 +185,10 @@ class MoEDecoderLayer(LlamaDecoderLayer):
         super().__init__(cfg, layer_idx, ops, backend, tp, quant, sliding_window)
         mlp, own = self.mlp, type(self).forward is LlamaDecoderLayer.forward
         own = own and type(self.self_attn).forward is LlamaAttention.forward
-        routed = type(mlp) is FusedMoE and mlp.num_local == mlp.num_experts and not hasattr(mlp, "shared_expert")
-        if own and routed and tp.size == 1:
+        routed = type(mlp) is FusedMoE and mlp.num_local == mlp.num_experts
+        shared = getattr(mlp, "shared_expert", None)
+        plain_shared = shared is None or (type(shared) is LlamaMLP and shared.act == "silu")
+        if own and routed and plain_shared and tp.size == 1:
             self.decoder_layout = PRE_NORM_MOE_LAYER
 
     def make_mlp(self, cfg, layer_idx: int, ops, tp: TensorParallel, quant: QuantConfig | None) -> nn.Module:

@@ -10,7 +10,7 @@ kernels in the same order, so the outputs are bit for bit those of the Python fo
 other step runs the Python forward. Under LoRA (``ctx.lora``) the C layer adds each
 projection's adapter update with the kernel the Python forward's ``add_lora`` calls
 (``csrc/lora.c``). ``FusedMoEDecodeLayer`` does the same for bf16 layers of the pre-norm
-experts layout (Mixtral's and Qwen3-MoE's: Qwen2-MoE has a shared expert) made of
+experts layout (Mixtral's, Qwen3-MoE's, and Qwen2-MoE's with its shared expert) made of
 ``Bf16Linear`` projections and router, the C route and experts and a bf16 cache, at up to
 ``KERNEL_MAX_ROWS`` rows: small models only, since ``Bf16Linear`` takes weights of up to
 1M values (a released Mixtral's are larger, and oneDNN runs them). ``KILN_CPU_FUSED_DECODE=0``
@@ -59,7 +59,9 @@ class _MoELayer(ctypes.Structure):
                 ("post_norm", _ptr), ("w13", _ptr), ("w2", _ptr), ("eps", ctypes.c_double),
                 ("scale", ctypes.c_double), ("k_cache", _ptr), ("v_cache", _ptr), ("heads", _i64),
                 ("kv_heads", _i64), ("head_dim", _i64), ("window", _i64), ("experts", _i64), ("top_k", _i64),
-                ("renormalize", _i64), ("inter", _i64), ("q_norm", _ptr), ("k_norm", _ptr)]  # fmt: skip
+                ("renormalize", _i64), ("inter", _i64), ("q_norm", _ptr), ("k_norm", _ptr),
+                ("shared_gate_up", _Bf16Linear), ("shared_down", _Bf16Linear), ("shared_gate", _Bf16Linear),
+                ("shared_inter", _i64)]  # fmt: skip
 
 
 class _Step(ctypes.Structure):
@@ -122,13 +124,17 @@ def _fusable(layer: nn.Module) -> bool:
 
 def _fusable_moe(layer: nn.Module) -> bool:
     """A bf16 layer of ``kiln.interfaces.model``'s pre-norm experts layout, made only of this
-    plugin's parts: its C kernels' linear layers, ops, experts and attention on a bf16 cache."""
+    plugin's parts: its C kernels' linear layers (a shared expert's too), ops, experts and
+    attention on a bf16 cache."""
     if getattr(layer, "decoder_layout", None) != PRE_NORM_MOE_LAYER:
         return False
     attn, mlp = layer.self_attn, layer.mlp
     ops = mlp.ops
+    shared = getattr(mlp, "shared_expert", None)
+    shared_parts = () if shared is None else (shared.gate_up_proj, shared.down_proj, mlp.shared_expert_gate)
     return (
-        all(type(m) is Bf16Linear for m in (attn.qkv_proj, attn.o_proj, mlp.gate))
+        all(type(m) is Bf16Linear for m in (attn.qkv_proj, attn.o_proj, mlp.gate, *shared_parts))
+        and (shared is None or shared.act_and_mul is fused_ops.silu_and_mul)
         and 0 < mlp.top_k <= mlp.num_experts == mlp.gate.out_features == mlp.w13.shape[0]
         and _norms_fit(layer, torch.bfloat16)
         and fused_ops.bf16_experts_fit(mlp.w13, mlp.w2)
@@ -230,6 +236,10 @@ class FusedMoEDecodeLayer(_LayerWrapper):
             attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.sliding_window or 0, mlp.num_experts, mlp.top_k,
             int(mlp.renormalize), mlp.w2.shape[2], *_head_norms(layer),
         )  # fmt: skip
+        shared = getattr(mlp, "shared_expert", None)
+        if shared is not None:  # Qwen2-MoE's
+            self.c.shared_gate_up, self.c.shared_down = _bf16_linear(shared.gate_up_proj), _bf16_linear(shared.down_proj)
+            self.c.shared_gate, self.c.shared_inter = _bf16_linear(mlp.shared_expert_gate), shared.down_proj.in_features
 
     def forward(self, positions, x, residual, rope_cache, ctx):
         # rows the Python forward runs through the same kernels (Bf16Linear's, the experts')

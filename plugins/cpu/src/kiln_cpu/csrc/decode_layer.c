@@ -13,6 +13,7 @@
  * (the norms in brackets where the layer has them: Qwen3's).
  * decode_moe_layer_bf16 (below) is its bf16 twin for layers whose MLP is routed experts.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -169,6 +170,7 @@ int paged_decode_attention_bf16(uint16_t *, const uint16_t *, int64_t, const uin
                                 const int32_t *, int64_t, const int32_t *, int64_t, int64_t, int64_t, int64_t, int64_t,
                                 float, int64_t);
 int linear_bf16(uint16_t *, const uint16_t *, int64_t, int64_t, const uint16_t *, const float *, int64_t);
+void silu_and_mul_bf16(uint16_t *, const uint16_t *, int64_t, int64_t);
 void moe_route_bf16(float *, int64_t *, const uint16_t *, int64_t, int64_t, int64_t, int64_t);
 int fused_experts_bf16(uint16_t *, const uint16_t *, int64_t, int64_t, int64_t, const int64_t *, const float *, int64_t,
                        int64_t, const uint16_t *, const uint16_t *);
@@ -188,7 +190,35 @@ struct moe_layer {
     void *k_cache, *v_cache; /* bf16 planes (blocks, kv_heads, block_size, head_dim) */
     int64_t heads, kv_heads, head_dim, window, experts, top_k, renormalize, inter;
     const uint16_t *q_norm, *k_norm; /* as struct layer's */
+    /* Qwen2-MoE's shared expert (shared_gate_up.w NULL: none): gate_up (2 shared_inter, H), down
+     * (H, shared_inter), and its gate (1, H) */
+    struct linear_bf16w shared_gate_up, shared_down, shared_gate;
+    int64_t shared_inter;
 };
+
+/* hidden += sigmoid(gate(x)) * down(silu_and_mul(gate_up(x))) for the rows of x, rounded as torch
+ * rounds the Python forward's bf16 ops: sigmoid (libm's expf, as torch's scalar loop for fewer
+ * elements than two of its vectors: a decode step's one per row), the product, the sum. */
+static int add_shared_expert(const struct moe_layer *L, uint16_t *hidden, const uint16_t *x, int64_t rows) {
+    const int64_t H = L->o.out, inter = L->shared_inter;
+    uint16_t *gate_up = malloc(rows * 2 * inter * sizeof(uint16_t)), *act = malloc(rows * inter * sizeof(uint16_t));
+    uint16_t *y = malloc(rows * H * sizeof(uint16_t)), *g = malloc(rows * sizeof(uint16_t));
+    int failed = gate_up == NULL || act == NULL || y == NULL || g == NULL;
+    if (failed) goto done;
+    const struct linear_bf16w *gu = &L->shared_gate_up, *down = &L->shared_down, *gate = &L->shared_gate;
+    if ((failed = linear_bf16(gate_up, x, rows, H, gu->w, gu->bias, 2 * inter))) goto done;
+    silu_and_mul_bf16(act, gate_up, rows, inter);
+    if ((failed = linear_bf16(y, act, rows, inter, down->w, down->bias, H))) goto done;
+    if ((failed = linear_bf16(g, x, rows, H, gate->w, gate->bias, 1))) goto done;
+    for (int64_t r = 0; r < rows; r++) {
+        const float s = round_bf16(1.0f / (1.0f + expf(-from_bf16(g[r]))));
+        for (int64_t j = 0; j < H; j++)
+            hidden[r * H + j] = to_bf16(from_bf16(hidden[r * H + j]) + round_bf16(s * from_bf16(y[r * H + j])));
+    }
+done:
+    free(gate_up), free(act), free(y), free(g);
+    return failed;
+}
 
 /* decode_layer for a bf16 mixture-of-experts layer: the same kernels, in the same order, as
  * the Python forward with the CPU plugin's bf16 parts (Bf16Linear, the bf16 fused ops,
@@ -196,7 +226,7 @@ struct moe_layer {
  *   x, residual = rms_norm(hidden), hidden | add_rms_norm(hidden, residual)
  *   q, k, v = qkv(x); [q, k = rms_norm per head]; rotary(q, k); cache <- k, v; o = attention(q, cache)
  *   x, residual = add_rms_norm(o_proj(o), residual)
- *   hidden = fused_experts(x, moe_route(gate(x)))
+ *   hidden = fused_experts(x, moe_route(gate(x))) [+ the shared expert's, see add_shared_expert]
  * Returns nonzero when out of memory, for an id outside the experts, or when the attention
  * kernel refuses the shape. */
 int decode_moe_layer_bf16(const struct moe_layer *L, const struct step *S, uint16_t *hidden, uint16_t *residual,
@@ -236,6 +266,7 @@ int decode_moe_layer_bf16(const struct moe_layer *L, const struct step *S, uint1
     if ((failed = linear_bf16(logits, normed, rows, H, L->gate.w, L->gate.bias, E))) goto done;
     moe_route_bf16(weights, ids, logits, rows, E, K, L->renormalize);
     failed = fused_experts_bf16(hidden, normed, rows, H, L->inter, ids, weights, K, E, L->w13, L->w2);
+    if (!failed && L->shared_gate_up.w) failed = add_shared_expert(L, hidden, normed, rows);
 done:
     free(normed), free(qkv), free(attn), free(logits), free(weights), free(ids);
     return failed;
