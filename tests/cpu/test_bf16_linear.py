@@ -114,13 +114,13 @@ def test_bf16_model_linears_take_the_layout_bf16_linear_picks(tiny_model_dir):
     from kiln import LLM
 
     model = LLM(tiny_model_dir("llama"), dtype="bfloat16", max_model_len=64).engine.executor.runner.model
-    layers = [m for m in model.modules() if type(m) in (Bf16Linear, PackedLinear, nn.Linear)]
+    layers = [m for m in model.modules() if type(m) in (Bf16Linear, Bf16TiledLinear, PackedLinear, nn.Linear)]
     if not packed_linear.prepacking_works():
         return
     kernel = {type(m) is Bf16Linear for m in layers if m.in_features * m.out_features <= KERNEL_MAX_ELEMENTS}
     assert kernel == {packed_linear.kernel_works()}  # the projections
-    head = {type(m) for m in model.modules() if type(m) in (Bf16TiledLinear, PackedLinear)}
-    assert head == {Bf16TiledLinear if native.fma_outruns_bf16_dots() else PackedLinear}
+    head = Bf16TiledLinear if native.fma_outruns_bf16_dots() else PackedLinear
+    assert {type(m) for m in layers if m.in_features * m.out_features > KERNEL_MAX_ELEMENTS} == {head}
 
 
 def test_bf16_dot_speed_is_timed_where_the_build_has_vdpbf16ps():

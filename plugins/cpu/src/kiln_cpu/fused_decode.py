@@ -238,8 +238,10 @@ class FusedMoEDecodeLayer(_LayerWrapper):
         )  # fmt: skip
         shared = getattr(mlp, "shared_expert", None)
         if shared is not None:  # Qwen2-MoE's
-            self.c.shared_gate_up, self.c.shared_down = _bf16_linear(shared.gate_up_proj), _bf16_linear(shared.down_proj)
-            self.c.shared_gate, self.c.shared_inter = _bf16_linear(mlp.shared_expert_gate), shared.down_proj.in_features
+            self.c.shared_gate_up = _bf16_linear(shared.gate_up_proj)
+            self.c.shared_down = _bf16_linear(shared.down_proj)
+            self.c.shared_gate = _bf16_linear(mlp.shared_expert_gate)
+            self.c.shared_inter = shared.down_proj.in_features
 
     def forward(self, positions, x, residual, rope_cache, ctx):
         # rows the Python forward runs through the same kernels (Bf16Linear's, the experts')
