@@ -60,8 +60,10 @@ def run_hf(args: argparse.Namespace, dtype: str) -> dict:
     import torch.nn.functional as F
     from transformers import AutoModel, AutoTokenizer
 
+    from kiln.models.loader import transformers_model
+
     tok = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModel.from_pretrained(args.model, dtype=getattr(torch, dtype)).eval()
+    model = transformers_model(AutoModel, args.model, dtype=getattr(torch, dtype)).eval()
     prompts = torch.tensor(make_prompts(args.num_inputs, args.input_len, len(tok), set(tok.all_special_ids)))
     embeddings = []
     with torch.inference_mode():

@@ -115,12 +115,14 @@ def run_hf(args: argparse.Namespace, dtype: str) -> dict:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    from kiln.models.loader import transformers_model
+
     tok = AutoTokenizer.from_pretrained(args.model)
     if args.load_format == "dummy":
         config = AutoConfig.from_pretrained(args.model)
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     else:
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, dtype))
+        model = transformers_model(AutoModelForCausalLM, args.model, dtype=getattr(torch, dtype))
     device = "cpu" if args.device == "auto" else args.device
     model = model.to(device).eval()
     prompts = make_prompts(args.num_prompts, args.input_len, len(tok), set(tok.all_special_ids))

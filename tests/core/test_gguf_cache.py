@@ -1,15 +1,18 @@
 """The cache of converted GGUF files (``kiln.models.gguf_cache``): a conversion is found by the
 file's content wherever the file lies, so reinstalling a GGUF (a new path or mtime) reuses its
-folder instead of adding another ~4x its size; a conversion removes the older folders of files
-of the same name that nothing maps to any more; the weights, written one tensor at a time, are
-transformers' conversion of the whole model bit for bit."""
+folder instead of adding another; a conversion removes the older folders of files of the same
+name that nothing maps to any more; the folder holds no copy of the weights, which are read
+from the file one tensor at a time and are transformers' conversion of the whole model bit for
+bit; a folder whose file is gone says so."""
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +21,7 @@ from safetensors.torch import load_file
 from kiln.models import gguf_cache
 from kiln.models.gguf_cache import INDEX, convert_gguf
 from kiln.models.gguf_reader import FastGGUFReader
-from kiln.models.loader import default_model_path
+from kiln.models.loader import default_model_path, iter_weights
 
 
 @pytest.mark.slow
@@ -36,14 +39,15 @@ def test_a_conversion_is_found_by_content_and_replaces_older_ones(tmp_path):
     folder = convert_gguf(str(copies[0]), cache)  # the one conversion (~15 s)
     digest = hashlib.sha256(copies[0].read_bytes()).hexdigest()
     assert os.path.basename(folder) == f"model-{digest[:16]}"
-    assert os.path.exists(os.path.join(folder, "model.safetensors"))
+    assert os.path.exists(os.path.join(folder, gguf_cache.RECIPE))
+    assert not glob.glob(os.path.join(folder, "*.safetensors"))  # no copy of the weights
     assert sorted(p.name for p in cache.iterdir() if p.is_dir()) == [f"model-{digest[:16]}", "other-0123456789abcdef"]
-    weights = os.stat(os.path.join(folder, "model.safetensors"))
+    weights = os.stat(os.path.join(folder, gguf_cache.RECIPE))
 
     assert convert_gguf(str(copies[1]), cache) == folder  # the same content elsewhere
     os.utime(copies[0], ns=(weights.st_mtime_ns, weights.st_mtime_ns + 10**9))  # touched: hashed again
     assert convert_gguf(str(copies[0]), cache) == folder
-    assert os.stat(os.path.join(folder, "model.safetensors")).st_mtime_ns == weights.st_mtime_ns  # not rewritten
+    assert os.stat(os.path.join(folder, gguf_cache.RECIPE)).st_mtime_ns == weights.st_mtime_ns  # not rewritten
     index = json.loads((cache / INDEX).read_text())
     assert {e["sha256"] for e in index.values()} == {digest}
     assert set(index) == {os.path.realpath(c) for c in copies}
@@ -77,26 +81,38 @@ def test_an_unreadable_index_is_rebuilt(tmp_path):
     )  # found by content: no conversion is tried
     assert convert_gguf(str(gguf), cache) == str(converted)
     assert json.loads((cache / INDEX).read_text()) == {
-        os.path.realpath(gguf): {"size": 104, "mtime_ns": os.stat(gguf).st_mtime_ns, "sha256": digest}
+        os.path.realpath(gguf): {
+            "size": 104,
+            "mtime_ns": os.stat(gguf).st_mtime_ns,
+            "sha256": digest,
+            "files": [str(gguf)],
+        }
     }
 
 
 @pytest.mark.slow
-def test_weights_written_tensor_by_tensor_are_transformers_conversion(tmp_path):
-    by_tensor, whole = tmp_path / "by_tensor", tmp_path / "whole"
-    by_tensor.mkdir(), whole.mkdir()
-    reader = FastGGUFReader(default_model_path())
-    with gguf_cache._parsed_once(default_model_path(), reader):  # as the conversion calls them
-        assert gguf_cache._write_by_tensor(default_model_path(), str(by_tensor), reader)  # the default model: Llama
-        gguf_cache._write_whole(default_model_path(), str(whole))
-    ours, theirs = load_file(by_tensor / "model.safetensors"), load_file(whole / "model.safetensors")
+def test_weights_read_from_the_file_are_transformers_conversion(tmp_path):
+    cache, whole = tmp_path / "cache", tmp_path / "whole"
+    whole.mkdir()
+    gguf = tmp_path / "model.gguf"
+    shutil.copy(default_model_path(), gguf)
+    folder = convert_gguf(str(gguf), cache)  # the default model: Llama, converted tensor by tensor
+    with gguf_cache._parsed_once(str(gguf), FastGGUFReader(str(gguf))):  # as the conversion calls it
+        gguf_cache._write_whole(str(gguf), str(whole))
+    ours = dict(iter_weights(folder))
+    theirs = load_file(whole / "model.safetensors")
     assert ours.keys() == theirs.keys() and len(ours) == 272
-    assert all(ours[k].dtype == torch.float32 and torch.equal(ours[k], theirs[k]) for k in ours)
+    assert all(ours[k].dtype == torch.float32 and torch.equal(ours[k].view(torch.int32), theirs[k].view(torch.int32))
+               for k in ours)  # fmt: skip
     for name in ("config.json", "generation_config.json"):
-        ours, theirs = (json.loads((folder / name).read_text()) for folder in (by_tensor, whole))
+        ours, theirs = (json.loads((Path(f) / name).read_text()) for f in (folder, whole))
         assert {k: v for k, v in ours.items() if k != "_name_or_path"} == {
             k: v for k, v in theirs.items() if k != "_name_or_path"
         }
+
+    gguf.unlink()  # the folder's weights are the file's: gone, the folder says where it looked
+    with pytest.raises(ValueError, match=f"reads its weights from the GGUF file.*{gguf}.*pass the .gguf file"):
+        next(iter_weights(folder))
 
 
 def test_a_folder_an_older_kiln_converted_is_converted_again(tiny_model_dir, tmp_path):

@@ -9,10 +9,10 @@ import os
 import shutil
 
 import pytest
-from safetensors.torch import load_file
 
 from kiln.models.gguf_cache import INDEX, convert_gguf
 from kiln.models.gguf_split import SplitModelError, model_files
+from kiln.models.loader import iter_weights
 from kiln.testing.models import hf_as_gguf, hf_greedy
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [40, 41, 42, 100, 7]]
@@ -20,7 +20,7 @@ PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [40, 41, 42, 100, 7]]
 
 def _folder(folder: str) -> tuple[dict, dict]:
     config = json.loads(open(os.path.join(folder, "config.json")).read())
-    return config, load_file(os.path.join(folder, "model.safetensors"))
+    return config, dict(iter_weights(folder))
 
 
 @pytest.mark.parametrize(("model_type", "arch"), [("llama", "llama"), ("qwen3_moe", "qwen3moe")])

@@ -24,7 +24,9 @@ def hf_hidden_states(model_dir: str, prompts: list[list[int]]) -> list[torch.Ten
     """Reference: the base model's last hidden state (tokens, hidden) per prompt, fp32, one at a time."""
     from transformers import AutoModel
 
-    model = AutoModel.from_pretrained(model_dir, dtype=torch.float32).eval()
+    from kiln.models.loader import transformers_model
+
+    model = transformers_model(AutoModel, model_dir, dtype=torch.float32).eval()
     with torch.inference_mode():
         return [model(torch.tensor([ids])).last_hidden_state[0] for ids in prompts]
 

@@ -216,7 +216,7 @@ def test_other_gguf_types_stay_in_blocks(tmp_path, default_file_perplexity, quan
         ppl = perplexity(llm, HELDOUT)
         exact = perplexity(LLM(path, max_model_len=512, quantization="none"), HELDOUT)
     finally:
-        shutil.rmtree(resolve_model(path, "auto").path)  # the converted fp32 folder this test made in the cache
+        shutil.rmtree(resolve_model(path, "auto").path)  # the converted folder this test made in the cache
     assert ppl != exact and abs(ppl / exact - 1) <= 0.02  # int8 activations: another rounding, as close
     # the same model, rounded twice (Q4_1's blocks re-quantized to Q4_0 cost ~30 % here)
     assert ppl < 1.5 * default_file_perplexity

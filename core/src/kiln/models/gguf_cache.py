@@ -1,24 +1,25 @@
-"""GGUF files as the fp32 Hugging Face folders Kiln reads: dequantized once and cached, so
-that later starts read safetensors directly. The weights are written one tensor at a time,
-each named and reordered as transformers' GGUF loading does (the file then holds the same
-values as transformers' own conversion, bit for bit), so the whole model in floats is never
-in memory. Mixtures of experts (llama.cpp's Mixtral, Qwen2-MoE, Qwen3-MoE) are written one
-expert at a time, with the config transformers' GGUF reading leaves incomplete for them;
-DeepSeek's ``deepseek2``, which transformers does not read, through ``gguf_deepseek``; the
-tokenizer through ``gguf_tokenizer``, which tokenizes as llama.cpp does; other architectures
-whose tensors transformers rearranges across tensors go through its loading of the whole
-model, which must then give every weight a tensor of the file.
+"""GGUF files as the Hugging Face folders Kiln reads: config, generation config and tokenizer
+converted once and cached, and ``RECIPE`` in place of weights. The recipe names each weight as
+transformers' GGUF loading does and says which tensor of the file it comes from;
+``read_recipe`` widens them to fp32 one at a time at each start and reorders them as
+transformers does, so the values are transformers' own conversion, bit for bit, the whole
+model in floats is never in memory, and the folder holds no copy of the weights. (Until
+2026-11-30 the folder held them in fp32, about four times the file: 28 GB for a 7B Q4_K_M.)
+Mixtures of experts (llama.cpp's Mixtral, Qwen2-MoE, Qwen3-MoE) are listed one expert at a
+time, with the config transformers' GGUF reading leaves incomplete for them; DeepSeek's
+``deepseek2``, which transformers does not read, through ``gguf_deepseek``; the tokenizer
+through ``gguf_tokenizer``, which tokenizes as llama.cpp does. Other architectures, whose
+tensors transformers rearranges across tensors, go through its loading of the whole model,
+which must then give every weight a tensor of the file, and are written in fp32.
 
 A conversion is named for the file's content (its SHA-256), not for where the file lies: the
-same file installed again, or in another environment, finds its folder already there. Each
-conversion is about four times the GGUF's size (fp32), and folders named by path, size and
-mtime, as before, piled up one per reinstall of the same file.
-
+same file installed again, or in another environment, finds its folder already there.
 Hashing a file of several GB takes seconds, so ``sources.json`` beside the folders remembers
-each path's digest under its size and mtime, and a file unchanged since is not read again.
-After a conversion, the folders of files of the same name that no remembered path maps to
-any more (the file's earlier content, or a folder of an older Kiln) are removed. A folder that
-an older Kiln's conversion made (``MARKER`` says which made it) is converted again in place.
+each path's digest under its size and mtime, and a file unchanged since is not read again;
+the recipe reads the weights from a remembered path of the folder's content. After a
+conversion, the folders of files of the same name that no remembered path maps to any more
+(the file's earlier content, or a folder of an older Kiln) are removed. A folder that an older
+Kiln's conversion made (``MARKER`` says which made it) is converted again in place.
 """
 
 from __future__ import annotations
@@ -42,23 +43,27 @@ import torch
 from kiln.models import gguf_deepseek, gguf_split
 from kiln.models.gguf_fields import field as gguf_field
 from kiln.models.gguf_tokenizer import gguf_tokenizer
+from kiln.models.gguf_widen import widen
 
 logger = logging.getLogger("kiln.loader")
 
-INDEX = "sources.json"  # {real path: {"size", "mtime_ns", "sha256"}}
+INDEX = "sources.json"  # {real path: {"size", "mtime_ns", "sha256", "files"}}
 # In each folder: {"conversion": CONVERSION}. Raised when conversions change, so that folders an
-# older Kiln converted are converted again (2: tokenizers tokenize as llama.cpp does).
-MARKER, CONVERSION = "kiln-conversion.json", 2
+# older Kiln converted are converted again (2: tokenizers tokenize as llama.cpp does; 3: weights
+# read from the GGUF file, ``RECIPE``, not written in fp32).
+MARKER, CONVERSION = "kiln-conversion.json", 3
+RECIPE = "gguf-weights.json"  # in a folder converted tensor by tensor: where each weight is read from
 FOLDER_KEY = re.compile(r"[0-9a-f]{16}")  # what follows "<file stem>-" in a folder's name
 
 
 class UnmappedGGUF(ValueError):
-    """A GGUF file whose tensors do not give every weight of the model its config describes."""
+    """A GGUF file whose tensors do not give every weight of the model its config describes, or
+    of a type Kiln cannot widen."""
 
 
 def convert_gguf(gguf_path: str, cache: Path) -> str:
-    """The folder under ``cache`` holding ``gguf_path`` as an fp32 Hugging Face model,
-    converted first if no file of the same content has been. A split model
+    """The folder under ``cache`` holding ``gguf_path`` as a Hugging Face model (its weights read
+    from the file: ``RECIPE``), converted first if no file of the same content has been. A split model
     (``<name>-00001-of-0000N.gguf``) is named by its first file and read whole."""
     gguf_path = os.path.abspath(gguf_path)  # transformers takes a bare file name for a Hub repo's
     files = gguf_split.model_files(gguf_path)
@@ -93,15 +98,12 @@ def _digest(files: list[str], cache: Path) -> str:
     """The SHA-256 (hex) of the files' bytes one after another: remembered in the index under
     the first file while their sizes and mtimes hold (one of each for a file alone, lists for
     a split model's files)."""
-    real, stats = os.path.realpath(files[0]), [os.stat(f) for f in files]
-    size, mtime = [s.st_size for s in stats], [s.st_mtime_ns for s in stats]
-    if len(files) == 1:
-        size, mtime = size[0], mtime[0]
+    real, (size, mtime) = os.path.realpath(files[0]), _stamp(files)
     index = _read_index(cache)
     known = index.get(real)
     if known is not None and (known.get("size"), known.get("mtime_ns")) == (size, mtime):
         return known["sha256"]
-    logger.info("hashing %s (%.2f GB) to find its converted folder", files[0], sum(s.st_size for s in stats) / 1e9)
+    logger.info("hashing %s (%.2f GB) to find its converted folder", files[0], sum(map(os.path.getsize, files)) / 1e9)
     sha = hashlib.sha256()
     for path in files:
         with open(path, "rb") as f:
@@ -109,13 +111,20 @@ def _digest(files: list[str], cache: Path) -> str:
                 sha.update(chunk)
     # Remembered before the folder exists, so that a concurrent prune keeps it.
     index = {p: e for p, e in index.items() if os.path.exists(p)}
-    index[real] = {"size": size, "mtime_ns": mtime, "sha256": sha.hexdigest()}
+    index[real] = {"size": size, "mtime_ns": mtime, "sha256": sha.hexdigest(), "files": files}
     cache.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=cache, suffix=".json")
     with os.fdopen(fd, "w") as f:
         json.dump(index, f, indent=1)
     os.replace(tmp, cache / INDEX)  # whole or not at all; of two racing writers, one wins
     return index[real]["sha256"]
+
+
+def _stamp(files: list[str]) -> tuple:
+    """(size, mtime_ns) of a file alone, or lists of them for a split model's files."""
+    stats = [os.stat(f) for f in files]
+    size, mtime = [s.st_size for s in stats], [s.st_mtime_ns for s in stats]
+    return (size[0], mtime[0]) if len(files) == 1 else (size, mtime)
 
 
 def _prune(cache: Path, stem: str) -> None:
@@ -130,7 +139,7 @@ def _prune(cache: Path, stem: str) -> None:
 
 def _convert(files: list[str], target: Path) -> None:
     gguf_path = files[0]
-    logger.info("converting %s to a cached fp32 folder at %s (first start only)", gguf_path, target)
+    logger.info("converting %s to a cached folder at %s (first start only)", gguf_path, target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = tempfile.mkdtemp(dir=target.parent)
     try:
@@ -213,14 +222,13 @@ def _install(tmp: Path, target: Path) -> None:
 
 
 def _write_by_tensor(gguf_path: str, out: str, reader) -> bool:
-    """Write the model's fp32 folder (but the tokenizer) one tensor at a time, as transformers'
-    GGUF loading names and reorders each: the whole model in floats is never in memory (for an
-    8B model, 32 GB). A mixture of experts' stacked expert tensors are written one expert at a
-    time, under the per-expert names of Hugging Face checkpoints. False, having written
-    nothing, for an architecture whose tensors transformers rearranges across tensors in other
-    ways, or a file it does not map whole: ``_write_whole`` converts those."""
-    import numpy as np
-    from gguf import dequantize
+    """Write the model's folder (but the tokenizer) with ``RECIPE`` in place of weights: each
+    weight's name and shape as transformers' GGUF loading gives them, and the tensor of the
+    file it is read from (``read_recipe``), so the folder holds no copy of the weights. A
+    mixture of experts' stacked expert tensors are listed one expert at a time, under the
+    per-expert names of Hugging Face checkpoints. False, having written nothing, for an
+    architecture whose tensors transformers rearranges across tensors in other ways, or a file
+    it does not map whole: ``_write_whole`` converts those."""
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
     from transformers.modeling_gguf_pytorch_utils import (
         TENSOR_PROCESSORS,
@@ -243,36 +251,29 @@ def _write_by_tensor(gguf_path: str, out: str, reader) -> bool:
     per_tensor = TENSOR_PROCESSORS.get(arch, TensorProcessor)
     if per_tensor not in (TensorProcessor, LlamaTensorProcessor, Gemma2TensorProcessor, Qwen2MoeTensorProcessor):
         return False
-    processor = per_tensor(config=config.to_dict())
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    names = get_gguf_hf_weights_map(model, processor, model_type=arch)  # GGUF name -> transformers'
+    names = get_gguf_hf_weights_map(model, per_tensor(config=config.to_dict()), model_type=arch)  # GGUF -> HF
     shapes = {n: list(p.shape) for n, p in model.state_dict().items()}
-
-    def dequantized(t, expert: int | None = None) -> np.ndarray:
-        return dequantize(t.data if expert is None else t.data[expert], t.tensor_type)
-
-    def processed(t) -> np.ndarray:
-        return processor.process(
-            weights=dequantized(t), name=t.name, tensor_key_mapping=names, parsed_parameters={"tensors": {}}
-        ).weights
 
     def dims(t) -> list[int]:  # a GGUF tensor's shape as torch lists it
         return [int(d) for d in reversed(t.shape.tolist())]
 
-    # (name, shape as the model holds it, values): the tensors transformers reads, experts one by
-    # one (an expert as GGUF lists its dimensions, less the stack's).
+    # (name, shape as the model holds it, source): the tensors transformers reads, experts one
+    # by one (an expert as GGUF lists its dimensions, less the stack's).
     parts = []
     for t in reader.tensors:
         if m := STACKED_EXPERTS.fullmatch(t.name):
-            parts += [(expert_weight_name(m["layer"], e, m["proj"]), dims(t)[1:], lambda t=t, e=e: dequantized(t, e))
+            parts += [(expert_weight_name(m["layer"], e, m["proj"]), dims(t)[1:], {"tensor": t.name, "expert": e})
                       for e in range(int(t.shape[-1]))]  # fmt: skip
         elif m := ONE_EXPERT.fullmatch(t.name):
-            parts.append((expert_weight_name(m["layer"], m["expert"], m["proj"]), dims(t), lambda t=t: dequantized(t)))
+            parts.append((expert_weight_name(m["layer"], m["expert"], m["proj"]), dims(t), {"tensor": t.name}))
         elif t.name in names:  # transformers skips the others too
-            parts.append((names[t.name], shapes[names[t.name]], lambda t=t: processed(t)))
+            parts.append((names[t.name], shapes[names[t.name]], {"tensor": t.name, "processed": True}))
+            if math.prod(dims(t)) != math.prod(parts[-1][1]):
+                raise ValueError(f"model: GGUF tensor {t.name} has shape {dims(t)}, not {parts[-1][1]}")
     if arch == gguf_deepseek.ARCH:
-        parts += gguf_deepseek.deepseek_parts(reader, dequantized)
+        parts += gguf_deepseek.deepseek_parts(reader)
     expected = {n for n in shapes if not FUSED_EXPERTS.search(n)}
     experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
     for layer in {int(m[1]) for n in shapes if (m := FUSED_EXPERTS.search(n))}:
@@ -282,25 +283,72 @@ def _write_by_tensor(gguf_path: str, out: str, reader) -> bool:
         if experts or arch == gguf_deepseek.ARCH:  # transformers' whole-model loading would not map these either
             raise UnmappedGGUF(_unmapped(gguf_path, missing))
         return False
-    # safetensors: a JSON header of every tensor's place, then the data.
-    header, offset = {}, 0
-    for name, shape, _ in parts:
-        header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + 4 * math.prod(shape)]}
-        offset = header[name]["data_offsets"][1]
-    raw = json.dumps({"__metadata__": {"format": "pt"}, **header}, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    with open(os.path.join(out, "model.safetensors"), "wb") as f:
-        f.write(len(raw).to_bytes(8, "little") + raw)
-        for name, shape, read in parts:
-            values = np.ascontiguousarray(read(), dtype=np.float32)
-            if [d for d in values.shape if d != 1] != [d for d in shape if d != 1]:  # (1, n) and (n,) are alike
-                raise ValueError(f"model: GGUF tensor for {name} came out {values.shape}, not {shape}")
-            f.write(memoryview(values.reshape(shape)).cast("B"))
+    for t in {t.tensor_type: t for t in reader.tensors}.values():  # a row of each type, widened as loads will
+        try:
+            widen(t.data.reshape(-1, t.data.shape[-1])[:1], t.tensor_type)
+        except NotImplementedError as exc:
+            raise UnmappedGGUF(f"model: {gguf_path}: {t.name} is of a GGUF type Kiln cannot widen: {exc}") from None
+    processor = {"name": per_tensor.__name__, "config": json.loads(config.to_json_string(use_diff=False))}
+    with open(os.path.join(out, RECIPE), "w") as f:
+        json.dump({"processor": processor, "parts": parts}, f)
     config.architectures = [type(model).__name__]
     setattr(config, "dtype" if hasattr(config, "dtype") else "torch_dtype", torch.float32)
     config.save_pretrained(out)
     GenerationConfig.from_model_config(config).save_pretrained(out)
     return True
+
+
+def read_recipe(recipe: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, fp32 tensor) of each weight a folder's ``RECIPE`` lists, one at a time, widened from
+    the GGUF file the folder was converted from (found through the cache's index) and reordered
+    as transformers' GGUF loading does: its conversion bit for bit."""
+    import numpy as np
+    from transformers import modeling_gguf_pytorch_utils
+
+    folder = Path(recipe).parent
+    with open(recipe) as f:
+        spec = json.load(f)
+    reader = gguf_split.read_model(_source_files(folder), tensors_only=True)
+    tensors = {t.name: t for t in reader.tensors}
+    processor = getattr(modeling_gguf_pytorch_utils, spec["processor"]["name"])(config=spec["processor"]["config"])
+
+    def values(name: str, expert: int | None = None) -> np.ndarray:
+        t = tensors[name]
+        return widen(t.data if expert is None else t.data[expert], t.tensor_type)
+
+    for name, shape, source in spec["parts"]:
+        if "kv_b" in source:
+            out = gguf_deepseek.kv_b_values(*map(values, source["kv_b"]), source["heads"], source["latent"])
+        elif source.get("processed"):
+            out = processor.process(
+                weights=values(source["tensor"]), name=source["tensor"], tensor_key_mapping={}, parsed_parameters={}
+            ).weights
+        else:
+            out = values(source["tensor"], source.get("expert"))
+        if [d for d in out.shape if d != 1] != [d for d in shape if d != 1]:  # (1, n) and (n,) are alike
+            raise ValueError(f"model: GGUF tensor for {name} came out {out.shape}, not {shape}")
+        out = np.ascontiguousarray(out, dtype=np.float32)
+        yield name, torch.from_numpy(out if out.flags.writeable else out.copy()).reshape(shape)
+
+
+def _source_files(folder: Path) -> list[str]:
+    """The GGUF files ``folder`` was converted from: a path the cache's index remembers for the
+    folder's content, still there unchanged."""
+    key, remembered = folder.name.rsplit("-", 1)[-1], []
+    for path, entry in _read_index(folder.parent).items():
+        if entry["sha256"][:16] != key:
+            continue
+        remembered.append(path)
+        try:
+            files = entry.get("files") or gguf_split.model_files(path)  # as named: a Hub cache links to blobs
+            if (entry.get("size"), entry.get("mtime_ns")) == _stamp(files):
+                return files
+        except (OSError, ValueError):  # gone, or no longer a whole split model
+            continue
+    raise ValueError(
+        f"model: {folder} reads its weights from the GGUF file it was converted from, which is gone or changed "
+        f"(remembered: {remembered or 'none'}); pass the .gguf file as the model"
+    )
 
 
 # llama.cpp's expert tensors: each layer's experts stacked per projection (the outermost

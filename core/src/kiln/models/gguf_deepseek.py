@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable
 
 import numpy as np
 
@@ -103,10 +102,10 @@ def deepseek_config(reader):
     return DeepseekV2Config(**settings, topk_method="group_limited_greedy" if groups > 1 else "greedy")
 
 
-def deepseek_parts(reader, dequantized: Callable) -> list[tuple[str, list[int], Callable[[], np.ndarray]]]:
-    """(Hugging Face name, shape, values) of the tensors transformers' map does not name:
-    ``kv_b_proj`` rebuilt from a layer's ``attn_k_b`` and ``attn_v_b`` (each head's key rows,
-    then its value rows), and V3's routing score bias. ``dequantized(tensor)``: its values."""
+def deepseek_parts(reader) -> list[tuple[str, list[int], dict]]:
+    """(Hugging Face name, shape, source) of the tensors transformers' map does not name:
+    ``kv_b_proj`` rebuilt from a layer's ``attn_k_b`` and ``attn_v_b`` (source ``{"kv_b": [k_b,
+    v_b], "heads", "latent"}``, read by ``kv_b_values``), and V3's routing score bias (``{"tensor": name}``)."""
     tensors = {t.name: t for t in reader.tensors}
     parts = []
     for name, t in tensors.items():
@@ -116,15 +115,18 @@ def deepseek_parts(reader, dequantized: Callable) -> list[tuple[str, list[int], 
                 raise ValueError(f"model: the GGUF file has {name} but no blk.{m['layer']}.attn_v_b.weight")
             heads, latent, nope = (int(d) for d in reversed(t.shape.tolist()))  # (heads, latent, nope)
             v_dim = int(v_b.shape[1])  # (heads, v_dim, latent)
-
-            def kv_b(k_b=t, v_b=v_b, heads=heads, latent=latent) -> np.ndarray:
-                keys = dequantized(k_b).reshape(heads, latent, -1).transpose(0, 2, 1)
-                return np.concatenate([keys, dequantized(v_b).reshape(heads, -1, latent)], axis=1).reshape(-1, latent)
-
             parts.append(
-                (f"model.layers.{m['layer']}.self_attn.kv_b_proj.weight", [heads * (nope + v_dim), latent], kv_b)
-            )
+                (f"model.layers.{m['layer']}.self_attn.kv_b_proj.weight", [heads * (nope + v_dim), latent],
+                 {"kv_b": [name, v_b.name], "heads": heads, "latent": latent})
+            )  # fmt: skip
         elif m := SCORE_BIAS.fullmatch(name):
             parts.append((f"model.layers.{m['layer']}.mlp.gate.e_score_correction_bias", [int(t.shape[0])],
-                          lambda t=t: dequantized(t)))  # fmt: skip
+                          {"tensor": name}))  # fmt: skip
     return parts
+
+
+def kv_b_values(k_b: np.ndarray, v_b: np.ndarray, heads: int, latent: int) -> np.ndarray:
+    """``kv_b_proj`` from the values of its key half ``k_b`` (heads, latent, nope) and value half
+    ``v_b`` (heads, v_dim, latent): each head's key rows, then its value rows."""
+    keys = k_b.reshape(heads, latent, -1).transpose(0, 2, 1)
+    return np.concatenate([keys, v_b.reshape(heads, -1, latent)], axis=1).reshape(-1, latent)

@@ -63,16 +63,17 @@ class SplitReader:
         self.tensors = [t for r in readers for t in r.tensors]
 
 
-def read_model(files: list[str]):
+def read_model(files: list[str], tensors_only: bool = False):
     """A ``GGUFReader`` of the model in ``files`` (``model_files``'s list), checked against the
     ``split.*`` fields: a first file that says it is one of several whose others are not named
-    as its parts, parts out of order, or tensors missing, are errors."""
-    from kiln.models.gguf_reader import FastGGUFReader
+    as its parts, parts out of order, or tensors missing, are errors. ``tensors_only``: without
+    the elements of string arrays (``TensorsGGUFReader``)."""
+    from kiln.models.gguf_reader import FastGGUFReader, TensorsGGUFReader
 
     readers = []
     for i, path in enumerate(files):
         try:
-            readers.append(FastGGUFReader(path))
+            readers.append((TensorsGGUFReader if tensors_only else FastGGUFReader)(path))
         except Exception as exc:  # a part cut short or damaged: name the part, not the model
             if len(files) == 1:
                 raise

@@ -16,9 +16,10 @@ shards, every one must be there; without one, a Mistral ``consolidated*`` file b
 weight files is left out (the same weights in Mistral's layout). ``.bin`` files load with
 ``weights_only=True``: tensors, never arbitrary pickled objects.
 
-GGUF files (the embedded default among them) are dequantized once and cached as fp32
-Hugging Face folders under ``$KILN_CACHE_DIR/models`` (default ``~/.cache/kiln``), one per
-file content (``kiln.models.gguf_cache``).
+GGUF files (the embedded default among them) are converted once to Hugging Face folders
+under ``$KILN_CACHE_DIR/models`` (default ``~/.cache/kiln``), one per file content, whose
+weights are read from the file itself (``kiln.models.gguf_cache``: a ``gguf-weights.json``
+in place of weight files).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ import torch
 
 from kiln.interfaces.platform import cache_dir
 from kiln.models import mistral_format
-from kiln.models.gguf_cache import convert_gguf
+from kiln.models.gguf_cache import RECIPE, convert_gguf, read_recipe
 from kiln.models.rope import rope_settings
 
 logger = logging.getLogger("kiln.loader")
@@ -229,10 +230,13 @@ NOT_WEIGHTS = frozenset({"training_args.bin", "optimizer.bin", "scheduler.bin", 
 
 
 def weight_files(path: str, load_format: str = "auto") -> tuple[str, list[str]]:
-    """The format (``safetensors``, ``pt`` or ``mistral``) and the files of a folder's weights;
-    ``ValueError`` names a shard its index lists but the folder lacks, or what was looked for."""
+    """The format (``safetensors``, ``pt``, ``mistral``, or ``gguf`` for a converted GGUF file's
+    ``RECIPE``) and the files of a folder's weights; ``ValueError`` names a shard its index lists
+    but the folder lacks, or what was looked for."""
     if load_format not in ("auto", *WEIGHT_FORMATS):
         raise ValueError(f"--load-format {load_format}: reads a .gguf file, not the folder {path!r}")
+    if load_format == "auto" and os.path.exists(recipe := os.path.join(path, RECIPE)):
+        return "gguf", [recipe]
     formats = ["safetensors", "pt"] if load_format == "auto" else [load_format]
     for fmt in formats:
         index_name, pattern = WEIGHT_FORMATS[fmt]
@@ -315,7 +319,9 @@ def _consolidated(file: str) -> bool:
 
 
 def read_weight_file(file: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of one ``*.safetensors`` or PyTorch ``*.bin`` file, one tensor at a time."""
+    """(name, tensor) of one ``*.safetensors``, PyTorch ``*.bin`` or ``RECIPE`` file, one tensor at a time."""
+    if os.path.basename(file) == RECIPE:
+        return read_recipe(file)
     return _read_safetensors(file) if file.endswith(".safetensors") else _read_pt(file)
 
 
@@ -351,6 +357,20 @@ def _read_safetensors(file: str) -> Iterator[tuple[str, torch.Tensor]]:
             if f.readinto(memoryview(buf.numpy())) != end - begin:
                 raise ValueError(f"{file} is truncated (weight {name!r})")
             yield name, buf.view(SAFETENSORS_DTYPES[info["dtype"]]).reshape(info["shape"])
+
+
+def transformers_model(cls, path: str, **kwargs):
+    """``cls.from_pretrained(path, **kwargs)`` (a transformers model class, ``Auto*`` or not) for
+    any folder Kiln serves: a converted GGUF file's too, whose weights transformers cannot find
+    (they are read from the file: ``RECIPE``) and are passed to it whole."""
+    if not os.path.exists(os.path.join(path, RECIPE)):
+        return cls.from_pretrained(path, **kwargs)
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    mapping = getattr(cls, "_model_mapping", None)  # an Auto class: the class it picks for the config
+    model_cls = mapping[type(config)] if mapping is not None else cls
+    return model_cls.from_pretrained(None, config=config, state_dict=dict(iter_weights(path)), **kwargs)
 
 
 def load_generation_defaults(path: str, setting: str | None) -> dict:

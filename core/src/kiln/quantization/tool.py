@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from kiln.interfaces.quantization import widen
+from kiln.models.gguf_cache import RECIPE
 from kiln.quantization import awq, gptq, rtn, smoothquant
 from kiln.quantization.calibration import calibration_samples, read_token_file
 from kiln.quantization.checkpoint import checkpoint_tensors
@@ -279,6 +280,7 @@ def write_checkpoint(ns, model, tokenizer_dir: str, quantized: dict[str, tuple],
                 f.is_file()
                 and f.suffix not in (".safetensors", ".bin", ".gguf", ".pt")
                 and not f.name.endswith(".index.json")
+                and f.name != RECIPE  # a converted GGUF's list of the file's weights
             ):
                 shutil.copy2(f, tmp / f.name)
         save_file(
@@ -309,7 +311,7 @@ def quantize(ns: argparse.Namespace) -> None:
     from tqdm import tqdm
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from kiln.models.loader import resolve_model
+    from kiln.models.loader import resolve_model, transformers_model
 
     if not os.path.exists(ns.input):
         raise ValueError(f"-i: {ns.input!r} does not exist")
@@ -319,7 +321,7 @@ def quantize(ns: argparse.Namespace) -> None:
     tokenizer = AutoTokenizer.from_pretrained(path)
     token_rows = read_token_file(ns.token_file, hf_config.vocab_size) if ns.token_file else None
     torch.manual_seed(ns.seed)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = transformers_model(AutoModelForCausalLM, path, dtype=torch.float32).eval()
     layers = model.model.layers
     hidden, kwargs = [], [[] for _ in layers]
     if ns.quant_type != "weight_only_int8":

@@ -115,8 +115,10 @@ def hf_encoder_outputs(
     import transformers
     from transformers import AutoConfig
 
+    from kiln.models.loader import transformers_model
+
     (architecture,) = AutoConfig.from_pretrained(model_dir).architectures
-    model = getattr(transformers, architecture).from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = transformers_model(getattr(transformers, architecture), model_dir, dtype=torch.float32).eval()
     outputs = []
     with torch.inference_mode():
         for i, ids in enumerate(prompts):

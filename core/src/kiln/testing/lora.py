@@ -26,10 +26,12 @@ def build_lora_adapter(
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
+    from kiln.models.loader import transformers_model
+
     path = Path(path)
     if (path / "adapter_config.json").exists():
         return str(path)
-    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    base = transformers_model(AutoModelForCausalLM, base_dir, dtype=torch.float32)
     config = LoraConfig(
         r=rank, lora_alpha=alpha, target_modules=targets or ALL_TARGETS, lora_dropout=0.0, **lora_config
     )
@@ -52,9 +54,10 @@ def hf_lora_greedy(
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    from kiln.models.loader import transformers_model
     from kiln.testing.models import greedy_with
 
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    model = transformers_model(AutoModelForCausalLM, base_dir, dtype=torch.float32)
     if adapter_dir is not None:
         model = PeftModel.from_pretrained(model, adapter_dir).merge_and_unload()
     return greedy_with(model.eval(), prompts, max_new_tokens)

@@ -150,7 +150,9 @@ def hf_greedy(
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    from kiln.models.loader import transformers_model
+
+    model = transformers_model(AutoModelForCausalLM, model_dir, dtype=torch.float32).eval()
     return greedy_with(model, prompts, max_new_tokens, stop_at_eos)
 
 
@@ -188,7 +190,9 @@ def hf_beam_search(
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    from kiln.models.loader import transformers_model
+
+    model = transformers_model(AutoModelForCausalLM, model_dir, dtype=torch.float32).eval()
     with torch.inference_mode():
         out = model.generate(
             torch.tensor([prompt]),

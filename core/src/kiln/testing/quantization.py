@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from kiln.interfaces.quantization import QuantLinear, QuantScheme, dequantize, quantize_per_token
-from kiln.models.loader import iter_weights
+from kiln.models.loader import iter_weights, transformers_model
 from kiln.quantization import rtn
 from kiln.quantization.checkpoint import canonical_weights
 from kiln.quantization.config import from_hf
@@ -185,7 +185,7 @@ def dequantized_copy(quantized: str, original: str, target: str) -> str:
 
     quant = from_hf(json.loads(open(os.path.join(quantized, "config.json")).read())["quantization_config"])
     tensors = dict(canonical_weights(iter_weights(quantized), quant))
-    model = AutoModelForCausalLM.from_pretrained(original, dtype=torch.float32)
+    model = transformers_model(AutoModelForCausalLM, original, dtype=torch.float32)
     state = model.state_dict()
     with torch.no_grad():
         for name, tensor in tensors.items():

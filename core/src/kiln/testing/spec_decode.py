@@ -105,6 +105,8 @@ def build_eagle_head(target: str, folder: str | os.PathLike, seed: int = 0) -> t
     from transformers import AutoModelForCausalLM, LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
+    from kiln.models.loader import transformers_model
+
     folder = Path(folder)
     config = json.loads((Path(target) / "config.json").read_text())
     config.update(num_hidden_layers=1, architectures=["LlamaForCausalLM"])
@@ -118,7 +120,7 @@ def build_eagle_head(target: str, folder: str | os.PathLike, seed: int = 0) -> t
     hidden = config["hidden_size"]
     weights["fc.weight"] = torch.randn(hidden, 2 * hidden) * 0.1
     weights["fc.bias"] = torch.randn(hidden) * 0.1
-    embeddings = AutoModelForCausalLM.from_pretrained(target).get_input_embeddings().weight
+    embeddings = transformers_model(AutoModelForCausalLM, target).get_input_embeddings().weight
     weights["embed_tokens.weight"] = embeddings.detach().clone()
     torch.save(weights, folder / "pytorch_model.bin")
     return str(folder), weights

@@ -1,0 +1,124 @@
+"""GGUF tensors widened to fp32 with torch: the values ``gguf.dequantize`` gives, bit for bit, ~10x
+sooner for the common types.
+
+A converted GGUF folder reads its weights from the file at every start (``gguf_cache``), so
+widening is start-up time. gguf-py's numpy code took ~0.9 s for the default model's 135M
+values (one thread, and a Python loop over groups of rows); these are whole-tensor torch ops
+on all threads, in place where they can be (a fresh fp32 tensor per step cost more in page
+faults than the arithmetic). Each follows gguf-py's arithmetic step for step (the scale
+products, then the codes times the scale, then the min), with no fused multiply-add, so every
+rounding is the same. Other types go through ``gguf.dequantize`` itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+Unpack = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _shifts(*bits: int) -> torch.Tensor:
+    return torch.tensor(bits, dtype=torch.uint8)
+
+
+def _f16(raw: torch.Tensor) -> torch.Tensor:
+    """An fp16 field of each block (its two bytes) as fp32, one column."""
+    return raw.contiguous().view(torch.float16).float()
+
+
+def _nibbles(qs: torch.Tensor, width: int) -> torch.Tensor:
+    """4-bit codes: each run of ``width`` bytes gives its low nibbles, then its high ones."""
+    n = qs.shape[0]
+    return ((qs.reshape(n, -1, 1, width) >> _shifts(0, 4).reshape(1, 1, 2, 1)) & 15).reshape(n, -1)
+
+
+def _bits(qh: torch.Tensor, count: int, shift_step: int, mask: int) -> torch.Tensor:
+    """``count`` fields of ``mask`` bits from each byte of 32-byte runs (Q5_K, Q6_K's high bits)."""
+    n = qh.shape[0]
+    shifts = _shifts(*range(0, count * shift_step, shift_step)).reshape(1, 1, count, 1)
+    return ((qh.reshape(n, -1, 1, 32) >> shifts) & mask).reshape(n, -1, 32)
+
+
+def _high_bit(qh: torch.Tensor) -> torch.Tensor:
+    """Q5_0/Q5_1's fifth bits: bit j of the little-endian 32-bit field for value j."""
+    return ((qh.unsqueeze(-1) >> _shifts(*range(8))) & 1).reshape(qh.shape[0], 32)
+
+
+def _q4_0(b: torch.Tensor) -> torch.Tensor:
+    return (_nibbles(b[:, 2:], 16).to(torch.int8) - 8).float().mul_(_f16(b[:, :2]))
+
+
+def _q4_1(b: torch.Tensor) -> torch.Tensor:
+    return _nibbles(b[:, 4:], 16).float().mul_(_f16(b[:, :2])).add_(_f16(b[:, 2:4]))
+
+
+def _q5_0(b: torch.Tensor) -> torch.Tensor:
+    q = (_nibbles(b[:, 6:], 16) | (_high_bit(b[:, 2:6]) << 4)).to(torch.int8) - 16
+    return q.float().mul_(_f16(b[:, :2]))
+
+
+def _q5_1(b: torch.Tensor) -> torch.Tensor:
+    q = _nibbles(b[:, 8:], 16) | (_high_bit(b[:, 4:8]) << 4)
+    return q.float().mul_(_f16(b[:, :2])).add_(_f16(b[:, 2:4]))
+
+
+def _q8_0(b: torch.Tensor) -> torch.Tensor:
+    return b[:, 2:].contiguous().view(torch.int8).float().mul_(_f16(b[:, :2]))
+
+
+def _k_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K's eight 6-bit scales and mins per block, packed in the 12 bytes after d and dmin,
+    each times its fp16 super-scale: (n, 8, 1) each."""
+    s = b[:, 4:16].reshape(-1, 3, 4)
+    low, mid, top = s[:, 0], s[:, 1], s[:, 2]
+    sc = torch.cat([low & 63, (top & 15) | ((low >> 2) & 48)], dim=1)
+    mn = torch.cat([mid & 63, (top >> 4) | ((mid >> 2) & 48)], dim=1)
+    return (_f16(b[:, :2]) * sc.float()).unsqueeze(-1), (_f16(b[:, 2:4]) * mn.float()).unsqueeze(-1)
+
+
+def _q4_k(b: torch.Tensor) -> torch.Tensor:
+    d, dm = _k_scales(b)
+    return _nibbles(b[:, 16:], 32).reshape(-1, 8, 32).float().mul_(d).sub_(dm).reshape(b.shape[0], 256)
+
+
+def _q5_k(b: torch.Tensor) -> torch.Tensor:
+    d, dm = _k_scales(b)
+    q = _nibbles(b[:, 48:], 32).reshape(-1, 8, 32) | (_bits(b[:, 16:48], 8, 1, 1) << 4)
+    return q.float().mul_(d).sub_(dm).reshape(b.shape[0], 256)
+
+
+def _q6_k(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    d = (_f16(b[:, 208:210]) * b[:, 192:208].contiguous().view(torch.int8).float()).reshape(n, 16, 1)
+    q = _nibbles(b[:, :128], 64).reshape(n, 8, 32) | (_bits(b[:, 128:192], 4, 2, 3) << 4)
+    return (q.to(torch.int8) - 32).reshape(n, 16, 16).float().mul_(d).reshape(n, 256)
+
+
+# GGML type name -> (values per block, bytes per block, unpacking of (blocks, bytes) uint8)
+TYPES: dict[str, tuple[int, int, Unpack]] = {
+    "Q4_0": (32, 18, _q4_0),
+    "Q4_1": (32, 20, _q4_1),
+    "Q5_0": (32, 22, _q5_0),
+    "Q5_1": (32, 24, _q5_1),
+    "Q8_0": (32, 34, _q8_0),
+    "Q4_K": (256, 144, _q4_k),
+    "Q5_K": (256, 176, _q5_k),
+    "Q6_K": (256, 210, _q6_k),
+}
+
+
+def widen(data: np.ndarray, qtype) -> np.ndarray:
+    """The fp32 values of a GGUF tensor's ``data`` (as ``gguf.GGUFReader`` gives it) of type
+    ``qtype``, shaped as ``gguf.dequantize`` shapes them."""
+    kind = TYPES.get(qtype.name)
+    if kind is None:
+        from gguf import dequantize
+
+        return dequantize(data, qtype)
+    values, size, unpack = kind
+    raw = torch.from_numpy(np.array(data, dtype=np.uint8))  # a copy: the file's mapping is read-only
+    out = unpack(raw.reshape(-1, size))
+    return out.reshape(*data.shape[:-1], data.shape[-1] // size * values).numpy()
