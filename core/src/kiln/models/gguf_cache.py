@@ -328,7 +328,9 @@ def read_recipe(recipe: str) -> Iterator[tuple[str, torch.Tensor]]:
         if [d for d in out.shape if d != 1] != [d for d in shape if d != 1]:  # (1, n) and (n,) are alike
             raise ValueError(f"model: GGUF tensor for {name} came out {out.shape}, not {shape}")
         out = np.ascontiguousarray(out, dtype=np.float32)
-        yield name, torch.from_numpy(out if out.flags.writeable else out.copy()).reshape(shape)
+        out = torch.from_numpy(out if out.flags.writeable else out.copy())  # not a view of the file's mapping
+        reader.release_pages()
+        yield name, out.reshape(shape)
 
 
 def _source_files(folder: Path) -> list[str]:

@@ -9,6 +9,7 @@ plain array over the same mapping, and arrays of numbers are read in one go then
 
 from __future__ import annotations
 
+import mmap
 import sys
 from typing import Any
 
@@ -18,6 +19,14 @@ from gguf import GGUFReader, GGUFValueType
 
 class FastGGUFReader(GGUFReader):
     """A drop-in ``GGUFReader``: what it reads is what gguf-py's reader reads, only sooner."""
+
+    def release_pages(self) -> None:
+        """Drop the file's pages read so far from this process's memory (not from the page
+        cache): read through the reader's mapping, a whole file would count in RSS until the
+        reader is gone (the default model's start peaked ~96 MB higher)."""
+        mapping = getattr(self.data, "_mmap", None)  # np.memmap's mmap.mmap
+        if mapping is not None:
+            mapping.madvise(mmap.MADV_DONTNEED)
 
     def _plain(self) -> np.ndarray:
         plain = self.__dict__.get("_plain_data")

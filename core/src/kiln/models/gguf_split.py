@@ -61,6 +61,11 @@ class SplitReader:
     def __init__(self, readers: list) -> None:
         self.fields = readers[0].fields
         self.tensors = [t for r in readers for t in r.tensors]
+        self.readers = readers
+
+    def release_pages(self) -> None:
+        for reader in self.readers:
+            reader.release_pages()
 
 
 def read_model(files: list[str], tensors_only: bool = False):

@@ -12,6 +12,7 @@ rounding is the same. Other types go through ``gguf.dequantize`` itself.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import numpy as np
@@ -66,7 +67,7 @@ def _q5_1(b: torch.Tensor) -> torch.Tensor:
 
 
 def _q8_0(b: torch.Tensor) -> torch.Tensor:
-    return b[:, 2:].contiguous().view(torch.int8).float().mul_(_f16(b[:, :2]))
+    return b[:, 2:].view(torch.int8).float().mul_(_f16(b[:, :2]))
 
 
 def _k_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,7 +93,7 @@ def _q5_k(b: torch.Tensor) -> torch.Tensor:
 
 def _q6_k(b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
-    d = (_f16(b[:, 208:210]) * b[:, 192:208].contiguous().view(torch.int8).float()).reshape(n, 16, 1)
+    d = (_f16(b[:, 208:210]) * b[:, 192:208].view(torch.int8).float()).reshape(n, 16, 1)
     q = _nibbles(b[:, :128], 64).reshape(n, 8, 32) | (_bits(b[:, 128:192], 4, 2, 3) << 4)
     return (q.to(torch.int8) - 32).reshape(n, 16, 16).float().mul_(d).reshape(n, 256)
 
@@ -119,6 +120,8 @@ def widen(data: np.ndarray, qtype) -> np.ndarray:
 
         return dequantize(data, qtype)
     values, size, unpack = kind
-    raw = torch.from_numpy(np.array(data, dtype=np.uint8))  # a copy: the file's mapping is read-only
+    with warnings.catch_warnings():  # the file's mapping is read-only; nothing here writes to it
+        warnings.simplefilter("ignore", UserWarning)
+        raw = torch.from_numpy(data.view(np.uint8))
     out = unpack(raw.reshape(-1, size))
     return out.reshape(*data.shape[:-1], data.shape[-1] // size * values).numpy()
