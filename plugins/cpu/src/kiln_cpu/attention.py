@@ -5,7 +5,7 @@ head's keys in one block are a contiguous run that the decode kernel streams
 through and that gathers turn straight into SDPA's (heads, len, dim) shape.
 
 * Decodes (one query token each), fp32 or bf16 cache: one call per layer into the
-  C kernel of ``csrc/paged_attention.c``, which reads K/V in place through the
+  C kernel of ``csrc/paged_attention.h``, which reads K/V in place through the
   block table. ``--kv-cache-dtype bfloat16`` stores an fp32 model's K/V in bf16
   (half the memory; values rounded once when written), computing in fp32.
 * ``--kv-cache-dtype fp8`` / ``fp8_e4m3`` / ``fp8_e5m2``: K/V stored in a byte each (a quarter of
