@@ -122,6 +122,8 @@ def test_gguf_with_its_load_format(default_model_dir, source, tmp_path):
     assert llm.generate("Hi", SamplingParams(max_tokens=2, temperature=0))[0].outputs[0].token_ids
     with pytest.raises(ValueError, match="--load-format gguf: reads a .gguf file, not the folder"):
         LLM(source[0], load_format="gguf")
+    with pytest.raises(ValueError, match="--load-format safetensors: .* is a GGUF file .use auto or gguf"):
+        LLM(default_model_path(), load_format="safetensors")
 
 
 def test_an_index_may_not_name_files_outside_the_folder(source, tmp_path):

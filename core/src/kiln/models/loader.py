@@ -92,6 +92,8 @@ def resolve_model(
     if os.path.isfile(path):
         if not is_gguf_file(path, load_format):
             raise ValueError(f"model: {path!r} is a file but not a .gguf file")
+        if load_format not in ("auto", "gguf", "dummy"):
+            raise ValueError(f"--load-format {load_format}: {path!r} is a GGUF file (use auto or gguf)")
         return ModelFiles(convert_gguf(path, cache_dir() / "models"), name)
     if not os.path.exists(os.path.join(path, "config.json")) and not os.path.exists(
         os.path.join(path, mistral_format.PARAMS)
