@@ -12,7 +12,8 @@ from kiln.models.gguf_widen import TYPES, widen
 # Where each type keeps its fp16 scale fields (byte offsets in a block): set to finite values,
 # since random bytes there would be NaNs, which compare unequal even where both sides agree.
 F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2),
-              "Q5_K": (0, 2), "Q6_K": (208,), "Q2_K": (80, 82), "Q3_K": (108,)}  # fmt: skip
+              "Q5_K": (0, 2), "Q6_K": (208,), "Q2_K": (80, 82), "Q3_K": (108,), "IQ4_NL": (0,), "IQ4_XS": (0,),
+              "IQ2_XXS": (0,), "IQ3_S": (0,)}  # fmt: skip
 
 
 def _blocks(name: str, shape: tuple[int, ...], blocks_per_row: int, seed: int) -> np.ndarray:
@@ -25,7 +26,7 @@ def _blocks(name: str, shape: tuple[int, ...], blocks_per_row: int, seed: int) -
     return data.reshape(*shape, blocks_per_row * size)
 
 
-@pytest.mark.parametrize("name", [*TYPES, "Q2_K", "Q3_K"])
+@pytest.mark.parametrize("name", [*TYPES, "IQ2_XXS", "IQ3_S"])  # the last two through gguf itself
 @pytest.mark.parametrize("shape", [(7,), (3, 5)], ids=["rows", "experts"])
 def test_widened_values_are_gguf_dequantize_bit_for_bit(name, shape):
     qtype = GGMLQuantizationType[name]
