@@ -40,7 +40,7 @@ def _nibbles(qs: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def _bits(qh: torch.Tensor, count: int, shift_step: int, mask: int) -> torch.Tensor:
-    """``count`` fields of ``mask`` bits from each byte of 32-byte runs (Q5_K, Q6_K's high bits)."""
+    """``count`` fields of ``mask`` bits from each byte of 32-byte runs (the K-quants' packed low and high bits)."""
     n = qh.shape[0]
     shifts = _shifts(*range(0, count * shift_step, shift_step)).reshape(1, 1, count, 1)
     return ((qh.reshape(n, -1, 1, 32) >> shifts) & mask).reshape(n, -1, 32)
