@@ -139,32 +139,32 @@ def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
     return _iq4_values(_nibbles(b[:, 8:], 16)).reshape(n, 8, 32).mul_(d).reshape(n, 256)
 
 
-# GGML type name -> (values per block, bytes per block, unpacking of (blocks, bytes) uint8)
-TYPES: dict[str, tuple[int, int, Unpack]] = {
-    "Q4_0": (32, 18, _q4_0),
-    "Q4_1": (32, 20, _q4_1),
-    "Q5_0": (32, 22, _q5_0),
-    "Q5_1": (32, 24, _q5_1),
-    "Q8_0": (32, 34, _q8_0),
-    "Q4_K": (256, 144, _q4_k),
-    "Q5_K": (256, 176, _q5_k),
-    "Q6_K": (256, 210, _q6_k),
-    "Q2_K": (256, 84, _q2_k),
-    "Q3_K": (256, 110, _q3_k),
-    "IQ4_NL": (32, 18, _iq4_nl),
-    "IQ4_XS": (256, 136, _iq4_xs),
+# GGML type name -> unpacking of its (blocks, bytes per block) uint8; the sizes are gguf's
+TYPES: dict[str, Unpack] = {
+    "Q4_0": _q4_0,
+    "Q4_1": _q4_1,
+    "Q5_0": _q5_0,
+    "Q5_1": _q5_1,
+    "Q8_0": _q8_0,
+    "Q4_K": _q4_k,
+    "Q5_K": _q5_k,
+    "Q6_K": _q6_k,
+    "Q2_K": _q2_k,
+    "Q3_K": _q3_k,
+    "IQ4_NL": _iq4_nl,
+    "IQ4_XS": _iq4_xs,
 }
 
 
 def widen(data: np.ndarray, qtype) -> np.ndarray:
     """The fp32 values of a GGUF tensor's ``data`` (as ``gguf.GGUFReader`` gives it) of type
     ``qtype``, shaped as ``gguf.dequantize`` shapes them."""
-    kind = TYPES.get(qtype.name)
-    if kind is None:
-        from gguf import dequantize
+    from gguf import GGML_QUANT_SIZES, dequantize
 
+    unpack = TYPES.get(qtype.name)
+    if unpack is None:
         return dequantize(data, qtype)
-    values, size, unpack = kind
+    values, size = GGML_QUANT_SIZES[qtype]
     with warnings.catch_warnings():  # the file's mapping is read-only; nothing here writes to it
         warnings.simplefilter("ignore", UserWarning)
         raw = torch.from_numpy(data.view(np.uint8))
