@@ -80,17 +80,45 @@ def test_tiled_layer_is_the_fp32_products_rounded_once(rows, bias):
 
 
 @needs_kernel
-def test_more_rows_or_other_inputs_go_to_torch(monkeypatch):
-    """Past ``KERNEL_MAX_ROWS`` rows, and for strided or fp32 inputs, ``F.linear`` on the same weight."""
+@pytest.mark.parametrize("fma_outruns", [False, True])
+def test_more_rows_or_other_inputs_go_to_torch(monkeypatch, fma_outruns):
+    """Past ``KERNEL_MAX_ROWS`` rows, ``widened_linear`` where FMAs outrun bf16 products, else
+    ``F.linear`` on the same weight; strided or fp32 inputs too."""
     lib, calls = native.load_kernels(), []
     monkeypatch.setattr(lib, "linear_bf16", lambda *a: calls.append(a[2]))
+    monkeypatch.setattr(native, "fma_outruns_bf16_dots", lambda: fma_outruns)
+    widened, kernel = [], packed_linear.widened_linear
+    monkeypatch.setattr(packed_linear, "widened_linear", lambda *a: widened.append(a[0].shape) or kernel(*a))
     linear = _linear(64, 48, True)
     layer = Bf16Linear(linear)
-    for x in (torch.randn(KERNEL_MAX_ROWS + 1, 64).bfloat16(), torch.randn(4, 128).bfloat16()[:, ::2]):
-        assert torch.equal(layer(x), linear(x))
+    prefill = torch.randn(KERNEL_MAX_ROWS + 1, 64).bfloat16()
+    if fma_outruns:
+        _assert_rounded_once(layer(prefill), _exact(prefill, linear))
+    else:
+        assert torch.equal(layer(prefill), linear(prefill))
+    strided = torch.randn(4, 128).bfloat16()[:, ::2]
+    assert torch.equal(layer(strided), linear(strided))
     with pytest.raises(RuntimeError):  # F.linear's refusal of mismatched dtypes
         layer(torch.randn(3, 64))
-    assert calls == []
+    assert calls == [] and widened == ([prefill.shape] if fma_outruns else [])
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("chunk", [1 << 20, 96 * 5, 96 * 7, 95])
+def test_widened_linear_is_the_fp32_products_rounded_once(monkeypatch, bias, chunk):
+    """``widened_linear``: bf16 in and out, each output the fp32 sum of the bf16 values rounded
+    once (bias before the rounding), the same whether the weight widens whole or a few rows at a
+    time (5 and 7 of its 40 rows: a last slice shorter than the others; under one row: a row at a
+    time), leading dimensions kept."""
+    monkeypatch.setattr(packed_linear, "WIDEN_MAX_ELEMENTS", chunk)
+    linear = _linear(96, 40, bias)
+    x = torch.randn(2, 37, 96).bfloat16()
+    bias_f32 = None if linear.bias is None else linear.bias.float()
+    got = packed_linear.widened_linear(x, linear.weight, bias_f32)
+    assert got.shape == (2, 37, 40) and got.dtype == torch.bfloat16
+    _assert_rounded_once(got, _exact(x, linear))
+    monkeypatch.setattr(packed_linear, "WIDEN_MAX_ELEMENTS", 1 << 20)
+    assert torch.equal(got, packed_linear.widened_linear(x, linear.weight, bias_f32))
 
 
 @needs_kernel
@@ -110,12 +138,27 @@ def test_small_weights_take_the_kernel_and_large_ones_tiles_or_onednn():
     assert type(bf16_linear(big)) is (Bf16TiledLinear if native.fma_outruns_bf16_dots() else PackedLinear)
 
 
+@pytest.mark.skipif(native.load_kernels() is None, reason="needs the CPU plugin's C kernels")
+@pytest.mark.parametrize("fma_outruns", [False, True])
+def test_without_onednn_bf16_weights_take_tiles_where_fmas_outrun_bf16_products(monkeypatch, fma_outruns):
+    """Where oneDNN has no bf16 GEMM to prepack for (AVX2), every bf16 weight that tiles goes to
+    ``Bf16TiledLinear`` where FMAs outrun bf16 products; otherwise, and for weights that do not
+    tile, the layer stays as it is (torch's own bf16 matmul)."""
+    monkeypatch.setattr(packed_linear, "prepacking_works", lambda: False)
+    monkeypatch.setattr(packed_linear, "kernel_works", lambda: False)
+    monkeypatch.setattr(native, "fma_outruns_bf16_dots", lambda: fma_outruns)
+    small, untiled = _linear(64, 48, True), _linear(64, 40, False)
+    assert type(bf16_linear(small)) is (Bf16TiledLinear if fma_outruns else nn.Linear)
+    assert bf16_linear(untiled) is untiled
+
+
 def test_bf16_model_linears_take_the_layout_bf16_linear_picks(tiny_model_dir):
     from kiln import LLM
 
     model = LLM(tiny_model_dir("llama"), dtype="bfloat16", max_model_len=64).engine.executor.runner.model
     layers = [m for m in model.modules() if type(m) in (Bf16Linear, Bf16TiledLinear, PackedLinear, nn.Linear)]
-    if not packed_linear.prepacking_works():
+    if not packed_linear.prepacking_works():  # AVX2: tiles where the kernels run, else torch's own
+        assert {type(m) for m in layers} == {Bf16TiledLinear if native.fma_outruns_bf16_dots() else nn.Linear}
         return
     kernel = {type(m) is Bf16Linear for m in layers if m.in_features * m.out_features <= KERNEL_MAX_ELEMENTS}
     assert kernel == {packed_linear.kernel_works()}  # the projections

@@ -201,6 +201,29 @@ def test_the_bf16_decode_kernel_matches_the_reference(case):
         assert not got[2].any()
 
 
+@pytest.mark.parametrize("fma_outruns", [False, True])
+def test_bf16_prefills_take_widened_gemms_where_fmas_outrun_bf16_products(monkeypatch, fma_outruns):
+    """Past the decode kernel's tokens, bf16 experts multiply as fp32 GEMMs on widened weights
+    where FMAs outrun bf16 products (the reference's roundings, only the sums' order differs),
+    else the reference's bf16 matmuls."""
+    from kiln_cpu import fused_ops
+
+    monkeypatch.setattr(native, "fma_outruns_bf16_dots", lambda: fma_outruns)
+    widened = []
+    kernel = fused_ops.widened_linear
+    monkeypatch.setattr(fused_ops, "widened_linear", lambda *a: widened.append(a[1].shape) or kernel(*a))
+    module = Experts(8, 64, 96, torch.bfloat16)
+    x, weights, ids = routed(BF16_EXPERTS_MAX_TOKENS + 7, 8, 2, 64, torch.bfloat16)
+    got = fused_experts(x, module.w13.detach(), module.w2.detach(), weights, ids)
+    expected = REFERENCE_OPS["fused_experts"](x, module.w13.detach(), module.w2.detach(), weights, ids)
+    if fma_outruns:
+        assert_close_in_bf16(got, expected)
+        assert len(widened) == 2 * len(set(ids.flatten().tolist()) - {-1})  # each expert chosen: w13, w2
+    else:
+        assert torch.equal(got, expected) and widened == []
+    assert not got[2].any()
+
+
 _BF16_RESULTS = """
 import json, sys, torch
 sys.path.insert(0, {here!r})

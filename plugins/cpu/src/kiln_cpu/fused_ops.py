@@ -18,6 +18,7 @@ from kiln.interfaces import model as reference
 from kiln.interfaces.lora import LoRAMapping
 from kiln_cpu import native
 from kiln_cpu.experts import PackedExperts
+from kiln_cpu.packed_linear import widened_linear
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
@@ -126,12 +127,17 @@ def fused_experts(
     x: torch.Tensor, w13: torch.Tensor | PackedExperts, w2: torch.Tensor | PackedExperts, weights, ids
 ) -> torch.Tensor:
     """``kiln.interfaces.model.fused_experts`` in one C call (``csrc/experts.c``): fp32 experts
-    in their tiles (``kiln_cpu.experts``), bf16 ones as loaded at decode batch sizes; else the
-    reference."""
+    in their tiles (``kiln_cpu.experts``), bf16 ones as loaded at decode batch sizes; beyond
+    those, bf16 experts through ``widened_linear`` where FMAs outrun bf16 products (the
+    reference's roundings, each expert's matmuls as fp32 GEMMs); else the reference."""
     if isinstance(w13, PackedExperts):
         return _fused_experts_tiled(x, w13, w2, weights, ids)
     if _bf16_experts_kernel_takes(x, w13, w2):
         return _fused_experts_bf16(x, w13, w2, weights, ids)
+    if x.dtype == w13.dtype == w2.dtype == torch.bfloat16 and native.fma_outruns_bf16_dots():
+        return reference.route_to_experts(
+            x, weights, ids, lambda e, rows: widened_linear(silu_and_mul(widened_linear(rows, w13[e])), w2[e])
+        )
     return reference.fused_experts(x, w13, w2, weights, ids)
 
 

@@ -19,7 +19,11 @@ With AMX, oneDNN multiplies on its tiles, which this kernel has not been measure
 Where vdpbf16ps multiplies fewer values a cycle than fp32 FMAs (a Xeon whose AMX the VM
 hides: half as many), weights past that size (an LM head, a large projection) are kept in
 bf16 tiles instead and multiplied in fp32 by the tile kernel (``Bf16TiledLinear``): the same
-products from the same bytes, at the FMA rate.
+products from the same bytes, at the FMA rate; so are all bf16 weights where oneDNN has no
+bf16 GEMM (AVX2, with no bf16 instructions: torch's own bf16 matmul is far slower). There, prefill-sized products of plain bf16
+weights (``Bf16Linear``'s past ``KERNEL_MAX_ROWS`` rows, a mixture of experts' beyond decode
+sizes) run as fp32 GEMMs on widened copies (``widened_linear``): on a 2-core Xeon without AMX,
+512 rows of a 512x2048 projection took 3.6 ms against oneDNN's 6.4 in bf16.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ logger = logging.getLogger("kiln.cpu")
 BATCH_HINT = 256
 KERNEL_MAX_ROWS = 16  # a decode step's rows; more (prefills) go to oneDNN
 KERNEL_MAX_ELEMENTS = 1 << 20  # 2 MB of bf16 weight
+WIDEN_MAX_ELEMENTS = 1 << 20  # of a weight widened at once by widened_linear: 4 MB of fp32
 
 
 @cache
@@ -65,6 +70,22 @@ def kernel_works() -> bool:
     return lib is not None and bool(lib.linear_bf16_native()) and not native.has_amx_bf16()
 
 
+def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` of bf16 ``x`` and ``weight`` (N, K) through fp32 GEMMs on their widened values,
+    each output (plus ``bias``, fp32) summed in fp32 and rounded to bf16 once: oneDNN's bf16 GEMM's
+    products, at the FMA rate. The weight widens up to ``WIDEN_MAX_ELEMENTS`` values at a time
+    (whole rows), so that a large one never has a whole fp32 copy."""
+    rows = weight.shape[0] if weight.shape[1] == 0 else max(1, WIDEN_MAX_ELEMENTS // weight.shape[1])
+    xf = x.float()
+    if rows >= weight.shape[0]:
+        return nn.functional.linear(xf, weight.float(), bias).to(x.dtype)
+    out = x.new_empty(*x.shape[:-1], weight.shape[0])
+    for n in range(0, weight.shape[0], rows):
+        part = None if bias is None else bias[n : n + rows]
+        out[..., n : n + rows] = nn.functional.linear(xf, weight[n : n + rows].float(), part)
+    return out
+
+
 class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -80,10 +101,11 @@ class PackedLinear(nn.Module):
 class Bf16Linear(nn.Module):
     """A bf16 linear layer on its plain weight: ``csrc/bf16_linear.c`` for up to
     ``KERNEL_MAX_ROWS`` contiguous bf16 rows (each output summed in fp32 and rounded once,
-    bias included, as oneDNN does), ``F.linear`` otherwise. That reorders the weight every
-    call (there is no packed copy: it would double these layers' memory), which costs
-    3-10 % on these small layers at prefill sizes (2048 rows of 512x1024: 2.18 against 2.12 ms
-    packed; of 1536x576: 3.9 against 3.6 ms)."""
+    bias included, as oneDNN does); more bf16 rows through ``widened_linear`` where FMAs outrun
+    bf16 products, else ``F.linear``. That reorders the weight every call (there is no packed
+    copy: it would double these layers' memory), which costs 3-10 % on these small layers at
+    prefill sizes (2048 rows of 512x1024: 2.18 against 2.12 ms packed; of 1536x576: 3.9 against
+    3.6 ms)."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -95,6 +117,8 @@ class Bf16Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features if self.in_features else 0
+        if rows > KERNEL_MAX_ROWS and x.dtype == torch.bfloat16 and native.fma_outruns_bf16_dots():
+            return widened_linear(x, self.weight, self.bias_f32)
         if not 0 < rows <= KERNEL_MAX_ROWS or x.dtype != torch.bfloat16 or not x.is_contiguous():
             return nn.functional.linear(x, self.weight, self.bias)
         out = x.new_empty(*x.shape[:-1], self.out_features)
@@ -122,11 +146,14 @@ class Bf16TiledLinear(TiledLinear):
 
 def bf16_linear(linear: nn.Linear) -> nn.Module:
     """The layout for a bf16 ``nn.Linear``: ``Bf16Linear`` where its kernel runs and the weight
-    is small enough; past that ``Bf16TiledLinear`` where FMAs outrun bf16 products, else
-    ``PackedLinear``."""
+    is small enough; ``Bf16TiledLinear`` where FMAs outrun bf16 products and the weight is past
+    that size, or oneDNN has no bf16 GEMM to prepack for (AVX2, where torch's own bf16 matmul took
+    6x as long as the tiles at 512 rows and 3.5x at 16, level at one); else ``PackedLinear``, or
+    the layer as it is without oneDNN's bf16."""
     small = linear.weight.numel() <= KERNEL_MAX_ELEMENTS
     if small and kernel_works() and linear.in_features % native.load_kernels().linear_bf16_multiple() == 0:
         return Bf16Linear(linear)
-    if not small and linear.out_features % TILE == 0 and native.fma_outruns_bf16_dots():
+    tiles = linear.out_features % TILE == 0 and native.fma_outruns_bf16_dots()
+    if tiles and (not small or not prepacking_works()):
         return Bf16TiledLinear(linear)
-    return PackedLinear(linear)
+    return PackedLinear(linear) if prepacking_works() else linear

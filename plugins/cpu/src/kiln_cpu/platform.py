@@ -176,7 +176,7 @@ class CpuPlatform(Platform):
         """The weights of ``module`` (a layer, or the model: what is left) into the kernels' layouts;
         counts what changed into ``_repacked`` for ``process_weights``'s log."""
         from kiln_cpu.experts import use_packed_experts
-        from kiln_cpu.packed_linear import bf16_linear, prepacking_works
+        from kiln_cpu.packed_linear import bf16_linear
         from kiln_cpu.tiled_weights import use_tiled_weights
 
         # fp32: tiled for the C matmul kernel; GGUF models' weights back in their 4/8-bit
@@ -186,8 +186,7 @@ class CpuPlatform(Platform):
         swapped, gguf = use_tiled_weights(module, int8_activations=int8)
         if "fused_experts" in self.custom_ops():  # packed experts need it (absent without the C kernels)
             use_packed_experts(module, _integer_activations(module, int8))
-        if prepacking_works():
-            replace_linears(module, {torch.bfloat16: bf16_linear})
+        replace_linears(module, {torch.bfloat16: bf16_linear})  # bf16: each in the layout its matmul prefers
         self._repacked[0] += swapped
         self._repacked[1] += gguf
 
