@@ -257,15 +257,29 @@ static inline __m512 load16_scale(const float *p, int64_t i, int f16) {
     return f16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i))) : _mm512_loadu_ps(p + i);
 }
 
+/* Q8's correction for unsigned activations, once a tile (not once a pass over it): per block and
+ * scale, -128 * sum(w) of each of the 16 features, with which every row's integer sums start. */
+static void unsigned_offsets(int32_t *offsets, const int8_t *w, int64_t nb, int subs) {
+    const __m512i ones = _mm512_set1_epi8(1);
+    for (int64_t b = 0; b < nb; b++)
+        for (int sub = 0; sub < subs; sub++) {
+            __m512i wsum = _mm512_setzero_si512();
+            for (int g = sub * 8 / subs; g < (sub + 1) * 8 / subs; g++)
+                wsum = _mm512_dpbusd_epi32(wsum, ones, _mm512_loadu_si512(w + b * 512 + g * 64));
+            _mm512_storeu_si512(offsets + (b * subs + sub) * TILE, _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(wsum, 7)));
+        }
+}
+
 static inline __attribute__((always_inline)) void rows_times_tile_512(float *out, int64_t N, const int8_t *xq,
                                                                       const float *xd, const float *xs, int64_t r,
                                                                       int R, int P, int fmt, const float *scale,
                                                                       const float *min, const void *q, int64_t t,
-                                                                      int64_t K, const float *bias) {
+                                                                      int64_t K, const float *bias,
+                                                                      const int32_t *offsets) {
     const int subs = scales_per_block(fmt), groups = 8 / subs, f16 = fmt & F16_SCALES; /* groups: Q8's per scale */
     fmt = block_fmt(fmt);
     const int64_t nb = K / 32, bytes = fmt == 4 ? 256 : 512;
-    const __m512i low = _mm512_set1_epi8(15), ones = _mm512_set1_epi8(1);
+    const __m512i low = _mm512_set1_epi8(15);
     row_lane(r, K, &xq, &xd, &xs);
     __m512 f[ROWS];
     for (int i = 0; i < R; i++) f[i] = _mm512_setzero_ps();
@@ -274,8 +288,8 @@ static inline __attribute__((always_inline)) void rows_times_tile_512(float *out
         const int8_t *x = xq + b * 32 * P;
         for (int sub = 0; sub < subs; sub++) {
             __m512i acc[ROWS];
-            for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_si512();
             if (fmt == 4) {
+                for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_si512();
                 for (int g = 0; g < 4; g++) {
                     const __m512i v = _mm512_loadu_si512(w + g * 64);
                     const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
@@ -285,15 +299,13 @@ static inline __attribute__((always_inline)) void rows_times_tile_512(float *out
                     }
                 }
             } else {
-                __m512i wsum = _mm512_setzero_si512();
+                const __m512i offset = _mm512_loadu_si512(offsets + (b * subs + sub) * TILE);
+                for (int i = 0; i < R; i++) acc[i] = offset;
                 for (int g = sub * groups; g < (sub + 1) * groups; g++) {
                     const __m512i v = _mm512_loadu_si512(w + g * 64);
-                    wsum = _mm512_dpbusd_epi32(wsum, ones, v);
                     for (int i = 0; i < R; i++)
                         acc[i] = _mm512_dpbusd_epi32(acc[i], _mm512_set1_epi32(load4(group(x, g, i, P))), v);
                 }
-                const __m512i offset = _mm512_slli_epi32(wsum, 7); /* the unsigned activations' 128 * sum(w) */
-                for (int i = 0; i < R; i++) acc[i] = _mm512_sub_epi32(acc[i], offset);
             }
             const int64_t at = ((t * nb + b) * subs + sub) * TILE;
             const __m512 dw = load16_scale(scale, at, f16);
@@ -310,7 +322,7 @@ static inline __attribute__((always_inline)) void rows_times_tile_512(float *out
     const __m512 bv = bias ? _mm512_loadu_ps(bias + t * TILE) : _mm512_setzero_ps();
     for (int i = 0; i < R; i++) _mm512_storeu_ps(out + (r + i) * N + t * TILE, _mm512_add_ps(f[i], bv));
 }
-#define ROWS_TIMES_TILE rows_times_tile_512
+#define ROWS_TIMES_TILE(...) rows_times_tile_512(__VA_ARGS__, offsets)
 #else
 #define AVX512_VNNI 0
 #define ROWS_TIMES_TILE rows_times_tile
@@ -328,6 +340,12 @@ static void tile_rows(float *out, int64_t N, const int8_t *xq, const float *xd, 
         for (int64_t i = 0; min && i < nb * TILE * size; i += 64)
             __builtin_prefetch((const char *)min + (t + 1) * nb * TILE * size + i);
     }
+#if AVX512_VNNI
+    /* Q8's offsets once for every pass over the tile: each pass computed them again, 8 of a block's
+     * 104 vector instructions at 8 rows, and took 8 more to subtract them */
+    int32_t offsets[block_fmt(fmt) == 4 ? 1 : nb * scales_per_block(fmt) * TILE];
+    if (block_fmt(fmt) != 4) unsigned_offsets(offsets, (const int8_t *)q + t * nb * bytes, nb, scales_per_block(fmt));
+#endif
     /* Full panels, then the last one's rows in one pass (r1 ends every chunk but the last on a
      * panel). A literal R and P each: the compiler unrolls every row loop and folds each
      * broadcast's offset (with P a variable, a single row's products ran ~5 % slower). */
