@@ -19,11 +19,12 @@ With AMX, oneDNN multiplies on its tiles, which this kernel has not been measure
 Where vdpbf16ps multiplies fewer values a cycle than fp32 FMAs (a Xeon whose AMX the VM
 hides: half as many), weights past that size (an LM head, a large projection) are kept in
 bf16 tiles instead and multiplied in fp32 by the tile kernel (``Bf16TiledLinear``): the same
-products from the same bytes, at the FMA rate; so are all bf16 weights where oneDNN has no
-bf16 GEMM (AVX2, with no bf16 instructions: torch's own bf16 matmul is far slower). There, prefill-sized products of plain bf16
-weights (``Bf16Linear``'s past ``KERNEL_MAX_ROWS`` rows, a mixture of experts' beyond decode
-sizes) run as fp32 GEMMs on widened copies (``widened_linear``): on a 2-core Xeon without AMX,
-512 rows of a 512x2048 projection took 3.6 ms against oneDNN's 6.4 in bf16.
+products from the same bytes, at the FMA rate; so are all bf16 weights that tile where oneDNN
+has no bf16 GEMM (AVX2, without bf16 instructions, where torch's own bf16 matmul is far slower).
+Where FMAs outrun bf16 products, prefill-sized products of plain bf16 weights (``Bf16Linear``'s
+past ``KERNEL_MAX_ROWS`` rows, a mixture of experts' beyond decode sizes) run as fp32 GEMMs on
+widened copies (``widened_linear``): on a 2-core Xeon without AMX, 512 rows of a 512x2048
+projection took 3.6 ms against oneDNN's 6.4 in bf16.
 """
 
 from __future__ import annotations
