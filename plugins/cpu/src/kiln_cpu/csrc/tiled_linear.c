@@ -81,53 +81,72 @@ Tile tile_of(float *buf, int fmt, const float *scale, const float *min, const vo
 }
 
 /* The tile kernel for R rows of x (a literal R each: one row must not pay for twelve), for fp32
- * tiles and for bf16 ones widened as they are read. A row's 16 sums are TILE / VL vectors; on
+ * tiles and for bf16 ones widened as they are read, over one tile or two (`pair`, literal: the
+ * tile and the next one, which follows it in memory). A row's 16 sums are TILE / VL vectors; on
  * AVX-512 one zmm each, where ymm pairs left half the FMA width unused: on a 2-core AVX-512 Xeon,
  * 128 rows of a 1536x576 fp32 projection went from 84 to 139-156 GMAC/s (torch's GEMM: 161-185),
- * 16 rows of a 49152x512 LM head from 5.2 to 3.5-3.9 ms. */
+ * 16 rows of a 49152x512 LM head from 5.2 to 3.5-3.9 ms. A pair has each broadcast of x feed two
+ * FMAs: with one zmm a row, every FMA took a load of its own (the broadcast) beside the weight's,
+ * and the loads, not the FMAs, set the pace (see tiled_linear). */
 static inline __attribute__((always_inline)) void rows_times(float *out, const float *x, int64_t x_stride, int64_t r,
                                                              Tile tile, const float *bias, int64_t n, int64_t K,
-                                                             int64_t N, const int R) {
+                                                             int64_t N, const int R, const int pair) {
     enum { V = TILE / VL };
+    const int T = pair ? 2 : 1;
     const float *f = tile.p;
     const uint16_t *h = tile.p;
     const char *ahead = tile.ahead;
-    const int64_t lines = tile.bf16 ? K / 2 : K; /* of the tile ahead, of this one's type */
-    vf a[ROWS][V];
+    const int64_t lines = (tile.bf16 ? K / 2 : K) * T; /* of the tiles ahead, of these ones' type */
+    vf a[ROWS][2 * V];
     for (int i = 0; i < R; i++)
-        for (int v = 0; v < V; v++) a[i][v] = splatf(0.0f);
+        for (int v = 0; v < T * V; v++) a[i][v] = splatf(0.0f);
     for (int64_t c = 0; c < K; c++) {
-        if (ahead && c < lines) __builtin_prefetch(ahead + c * 64);
-        vf w[V];
-        for (int v = 0; v < V; v++) w[v] = tile.bf16 ? loadf_bf16(h + c * TILE + v * VL) : loadf(f + c * TILE + v * VL);
+        for (int s = 0; s < T; s++)
+            if (ahead && c * T + s < lines) __builtin_prefetch(ahead + (c * T + s) * 64);
+        vf w[2 * V];
+        for (int s = 0; s < T; s++)
+            for (int v = 0; v < V; v++) {
+                const int64_t at = s * K * TILE + c * TILE + v * VL;
+                w[s * V + v] = tile.bf16 ? loadf_bf16(h + at) : loadf(f + at);
+            }
         for (int i = 0; i < R; i++) {
             const vf xi = splatf(x[(r + i) * x_stride + c]);
-            for (int v = 0; v < V; v++) a[i][v] += w[v] * xi;
+            for (int v = 0; v < T * V; v++) a[i][v] += w[v] * xi;
         }
     }
-    for (int v = 0; v < V; v++) {
+    for (int v = 0; v < T * V; v++) {
         const vf b = bias ? loadf(bias + n + v * VL) : splatf(0.0f);
         for (int i = 0; i < R; i++) storef(out + (r + i) * N + n + v * VL, a[i][v] + b);
     }
 }
 
-/* The loops over R unroll only with R known: one copy per R and tile type. */
-#define PASS(R)                                                                                  \
-    case R:                                                                                      \
-        if (tile.bf16)                                                                           \
-            rows_times(out, x, x_stride, r, (Tile){tile.p, 1, tile.ahead}, bias, n, K, N, R);     \
-        else                                                                                     \
-            rows_times(out, x, x_stride, r, (Tile){tile.p, 0, tile.ahead}, bias, n, K, N, R);     \
+/* The loops over R unroll only with R known: one copy per R, tile type and count. */
+#define PASS(R)                                                                                       \
+    case R:                                                                                           \
+        if (VL == 16 && pair && tile.bf16)                                                            \
+            rows_times(out, x, x_stride, r, (Tile){tile.p, 1, tile.ahead}, bias, n, K, N, R, 1);       \
+        else if (VL == 16 && pair)                                                                    \
+            rows_times(out, x, x_stride, r, (Tile){tile.p, 0, tile.ahead}, bias, n, K, N, R, 1);       \
+        else if (tile.bf16)                                                                           \
+            rows_times(out, x, x_stride, r, (Tile){tile.p, 1, tile.ahead}, bias, n, K, N, R, 0);       \
+        else                                                                                          \
+            rows_times(out, x, x_stride, r, (Tile){tile.p, 0, tile.ahead}, bias, n, K, N, R, 0);       \
         break;
 
-void rows_times_tile(float *out, const float *x, int64_t rows, int64_t x_stride, int64_t r, Tile tile,
-                     const float *bias, int64_t n, int64_t K, int64_t N) {
+/* rows_times_tile over tile t and, with pair, tile t + 1 (out's features n..n+32). */
+static void rows_times_tiles(float *out, const float *x, int64_t rows, int64_t x_stride, int64_t r, Tile tile,
+                             const float *bias, int64_t n, int64_t K, int64_t N, int pair) {
     switch (rows - r < ROWS ? rows - r : ROWS) {
         PASS(1) PASS(2) PASS(3) PASS(4) PASS(5) PASS(6)
 #if TILE_ROWS > 6
         PASS(7) PASS(8) PASS(9) PASS(10) PASS(11) PASS(12)
 #endif
     }
+}
+
+void rows_times_tile(float *out, const float *x, int64_t rows, int64_t x_stride, int64_t r, Tile tile,
+                     const float *bias, int64_t n, int64_t K, int64_t N) {
+    rows_times_tiles(out, x, rows, x_stride, r, tile, bias, n, K, N, 0);
 }
 
 typedef void tile_fn(Tile tile, int64_t t, void *ctx);
@@ -156,29 +175,40 @@ struct linear_args {
     const char *ahead; /* tiles read in place by more than one pass (see linear_tile), else NULL */
 };
 
-static void linear_tile(Tile tile, int64_t t, void *ctx) {
-    const struct linear_args *a = ctx;
+/* Tile t and the next `count - 1` (one or two tiles, read in place if two) for every row. */
+static void linear_tiles(Tile tile, int64_t t, int count, const struct linear_args *a) {
     /* With more rows than one pass takes, the last pass over a tile (read from L1 by then) also
      * asks for the thread's next tile, so that the next first pass does not wait on memory: 16 rows
      * of a bf16-tiled 49152x512 LM head from memory took 5.1-5.8 ms, 5.8-6.6 without (and 6.0
      * without against 4.1-4.5 with for fp32 tiles, asked for in the first pass then). One pass (a
      * decode step of a few sequences) streams a tile once, and asking ahead only slowed it. */
     Tile last = tile;
-    if (a->ahead && t + 1 < a->N / TILE) last.ahead = a->ahead + (t + 1) * a->K * TILE * (tile.bf16 ? 2 : 4);
+    if (a->ahead && t + count < a->N / TILE) last.ahead = a->ahead + (t + count) * a->K * TILE * (tile.bf16 ? 2 : 4);
     /* passes of even sizes: 16 rows as 8 and 8, not 12 and 4 (four FMA chains wait on their latency) */
     for (int64_t r = 0, passes = (a->rows + ROWS - 1) / ROWS; r < a->rows; passes--) {
         const int64_t size = (a->rows - r + passes - 1) / passes;
         const Tile pass = r + size < a->rows ? tile : last;
-        rows_times_tile(a->out, a->x, r + size, a->x_stride, r, pass, a->bias, t * TILE, a->K, a->N);
+        rows_times_tiles(a->out, a->x, r + size, a->x_stride, r, pass, a->bias, t * TILE, a->K, a->N, count == 2);
         r += size;
     }
 }
 
-/* out = x W^T + bias; nonzero when out of memory. */
+static void linear_tile(Tile tile, int64_t t, void *ctx) { linear_tiles(tile, t, 1, ctx); }
+
+/* out = x W^T + bias; nonzero when out of memory. Tiles read in place go two at a time where a
+ * row's 16 sums are one register (AVX-512): 16 rows of a 49152x512 fp32 LM head in cache took
+ * 4.3 ms one tile at a time, at ~100 GMAC/s of the ~220 that two cores' FMAs allow (see
+ * rows_times). */
 int tiled_linear(float *out, const float *x, int64_t rows, int64_t x_stride, int fmt, const float *scale,
                  const float *min, const void *q, const float *bias, int64_t K, int64_t N) {
     const int in_place = fmt == 32 || !tile_widens(fmt, rows);
     struct linear_args args = {out, x, bias, rows, x_stride, K, N, in_place && rows > ROWS ? q : NULL};
+    const int64_t tiles = N / TILE;
+    if (VL == 16 && in_place && tiles > 1) {
+        _Pragma("omp parallel for schedule(static)") for (int64_t p = 0; p < (tiles + 1) / 2; p++)
+            linear_tiles(tile_of(NULL, fmt, scale, min, q, 2 * p, K, rows), 2 * p, 2 * p + 1 < tiles ? 2 : 1, &args);
+        return 0;
+    }
     return for_each_tile(fmt, scale, min, q, K, N, rows, linear_tile, &args);
 }
 
