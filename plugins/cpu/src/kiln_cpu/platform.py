@@ -15,7 +15,7 @@ import torch
 from kiln.interfaces.platform import Platform
 from kiln_cpu import form_cache
 from kiln_cpu.module_swap import replace_linears
-from kiln_cpu.native import bf16_dots_outrun_fma, has_amx_bf16
+from kiln_cpu.native import bf16_dots_outrun_fma, fma_outruns_bf16_dots, has_amx_bf16
 from kiln_cpu.packed_linear import kernel_works
 
 logger = logging.getLogger("kiln.cpu")
@@ -176,7 +176,7 @@ class CpuPlatform(Platform):
         """The weights of ``module`` (a layer, or the model: what is left) into the kernels' layouts;
         counts what changed into ``_repacked`` for ``process_weights``'s log."""
         from kiln_cpu.experts import use_packed_experts
-        from kiln_cpu.packed_linear import bf16_linear
+        from kiln_cpu.packed_linear import bf16_linear, prepacking_works
         from kiln_cpu.tiled_weights import use_tiled_weights
 
         # fp32: tiled for the C matmul kernel; GGUF models' weights back in their 4/8-bit
@@ -186,7 +186,12 @@ class CpuPlatform(Platform):
         swapped, gguf = use_tiled_weights(module, int8_activations=int8)
         if "fused_experts" in self.custom_ops():  # packed experts need it (absent without the C kernels)
             use_packed_experts(module, _integer_activations(module, int8))
-        replace_linears(module, {torch.bfloat16: bf16_linear})  # bf16: each in the layout its matmul prefers
+        # bf16: each in the layout its matmul prefers (tiles, where oneDNN has no bf16, on AVX2).
+        # NOTE: prepacking_works first, as at every start before: its oneDNN reorder left the
+        # default model's fp32 decode steps faster after it (a C decoder layer at 16 rows: 1.15-1.19
+        # against 1.29-1.37 ms, 2-core Xeon, 2026-11-30; a bf16 F.linear did not; why, not found).
+        if prepacking_works() or fma_outruns_bf16_dots():
+            replace_linears(module, {torch.bfloat16: bf16_linear})
         self._repacked[0] += swapped
         self._repacked[1] += gguf
 
