@@ -19,7 +19,8 @@ from kiln_cpu.packed_linear import (
 )
 
 needs_kernel = pytest.mark.skipif(
-    not packed_linear.kernel_works(), reason="the bf16 linear kernel runs only with AVX512-BF16 and without AMX"
+    not packed_linear.kernel_works(),
+    reason="the bf16 linear kernel runs only without AMX, and with AVX512-BF16 or without oneDNN's bf16",
 )
 
 
@@ -132,7 +133,9 @@ def test_decode_shaped_inputs_keep_their_leading_dims():
 def test_small_weights_take_the_kernel_and_large_ones_tiles_or_onednn():
     multiple = native.load_kernels().linear_bf16_multiple()
     assert type(bf16_linear(_linear(multiple * 2, 40, True))) is Bf16Linear
-    assert type(bf16_linear(_linear(multiple + 2, 40, True))) is PackedLinear  # K the kernel cannot step through
+    # K the kernel cannot step through, and N no tiles: oneDNN's, or torch's own without oneDNN's bf16 (AVX2)
+    unfit = _linear(multiple + 2, 40, True)
+    assert type(bf16_linear(unfit)) is (PackedLinear if packed_linear.prepacking_works() else nn.Linear)
     big = nn.Linear(512, KERNEL_MAX_ELEMENTS // 512 + 16, bias=False, dtype=torch.bfloat16)
     # an LM head: fp32 FMAs on bf16 tiles where they outrun bf16 products, else oneDNN
     assert type(bf16_linear(big)) is (Bf16TiledLinear if native.fma_outruns_bf16_dots() else PackedLinear)
@@ -152,13 +155,26 @@ def test_without_onednn_bf16_weights_take_tiles_where_fmas_outrun_bf16_products(
     assert bf16_linear(untiled) is untiled
 
 
+@pytest.mark.skipif(native.load_kernels() is None, reason="needs the CPU plugin's C kernels")
+@pytest.mark.parametrize("prepacking", [False, True])
+def test_the_kernel_runs_where_onednn_has_no_bf16_or_the_build_has_vdpbf16ps(monkeypatch, prepacking):
+    """Without AMX, ``kernel_works`` holds where oneDNN has no bf16 GEMM (AVX2: the kernel's split
+    bf16 words beat the tiles) and, beside oneDNN's, where the build multiplies with vdpbf16ps."""
+    monkeypatch.setattr(packed_linear, "prepacking_works", lambda: prepacking)
+    monkeypatch.setattr(native, "has_amx_bf16", lambda: False)
+    native_dots = bool(native.load_kernels().linear_bf16_native())
+    assert packed_linear.kernel_works.__wrapped__() is (native_dots or not prepacking)
+    monkeypatch.setattr(native, "has_amx_bf16", lambda: True)
+    assert packed_linear.kernel_works.__wrapped__() is False
+
+
 def test_bf16_model_linears_take_the_layout_bf16_linear_picks(tiny_model_dir):
     from kiln import LLM
 
     model = LLM(tiny_model_dir("llama"), dtype="bfloat16", max_model_len=64).engine.executor.runner.model
     layers = [m for m in model.modules() if type(m) in (Bf16Linear, Bf16TiledLinear, PackedLinear, nn.Linear)]
-    if not packed_linear.prepacking_works():  # AVX2: tiles where the kernels run, else torch's own
-        assert {type(m) for m in layers} == {Bf16TiledLinear if native.fma_outruns_bf16_dots() else nn.Linear}
+    if not packed_linear.prepacking_works() and not packed_linear.kernel_works():  # no C kernels: torch's own
+        assert {type(m) for m in layers} == {nn.Linear}
         return
     kernel = {type(m) is Bf16Linear for m in layers if m.in_features * m.out_features <= KERNEL_MAX_ELEMENTS}
     assert kernel == {packed_linear.kernel_works()}  # the projections

@@ -19,8 +19,9 @@ With AMX, oneDNN multiplies on its tiles, which this kernel has not been measure
 Where vdpbf16ps multiplies fewer values a cycle than fp32 FMAs (a Xeon whose AMX the VM
 hides: half as many), weights past that size (an LM head, a large projection) are kept in
 bf16 tiles instead and multiplied in fp32 by the tile kernel (``Bf16TiledLinear``): the same
-products from the same bytes, at the FMA rate; so are all bf16 weights that tile where oneDNN
-has no bf16 GEMM (AVX2, without bf16 instructions, where torch's own bf16 matmul is far slower).
+products from the same bytes, at the FMA rate. Where oneDNN has no bf16 GEMM (AVX2, without bf16
+instructions, where torch's own bf16 matmul is far slower), small weights take ``Bf16Linear``
+(its kernel splits each bf16 word into two fp32 values) and larger ones that tile the tiles.
 Where FMAs outrun bf16 products, prefill-sized products of plain bf16 weights (``Bf16Linear``'s
 past ``KERNEL_MAX_ROWS`` rows, a mixture of experts' beyond decode sizes) run as fp32 GEMMs on
 widened copies (``widened_linear``): on a 2-core Xeon without AMX, 512 rows of a 512x2048
@@ -66,9 +67,15 @@ def prepacking_works() -> bool:
 
 @cache
 def kernel_works() -> bool:
-    """The C kernel is built with vdpbf16ps products, and the CPU has no AMX."""
+    """The C kernel outruns the other layouts at decode sizes: the CPU has no AMX, and the kernel
+    is built with vdpbf16ps products or oneDNN has no bf16 GEMM (AVX2). There its fp32 products of
+    bf16 words split in two beat the tiles: under AVX2 on a 2-core Xeon, one row of 512x1024 took
+    20 against 44 us, 16 rows 124 against 141; from memory 51-59 against 91-208 and 157-162
+    against 178-189."""
     lib = native.load_kernels()
-    return lib is not None and bool(lib.linear_bf16_native()) and not native.has_amx_bf16()
+    if lib is None or native.has_amx_bf16():
+        return False
+    return bool(lib.linear_bf16_native()) or not prepacking_works()
 
 
 def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
