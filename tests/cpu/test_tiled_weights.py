@@ -82,6 +82,18 @@ def test_bf16_tiles_compute_what_fp32_tiles_compute(monkeypatch, rows):
     assert torch.equal(narrow(x), wide(x))  # the same values, summed in the same order
 
 
+@pytest.mark.parametrize("kind", ["bf16", None])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 13])
+def test_tiles_taken_in_groups_sum_as_one_at_a_time(kind, rows):
+    """Tiles read in place go two or four at a time (more FMA chains a row at decode sizes): each
+    output is the same, bit for bit, as its tile's product on its own."""
+    w, x, bias = gguf_weight(256, 96, kind, seed=rows), torch.randn(rows, 96), torch.randn(256)
+    whole = TiledLinear(tiled_form(w), bias)(x)  # 16 tiles: in fours (AVX-512, up to 4 rows) or pairs
+    for t in range(16):
+        one = TiledLinear(tiled_form(w[16 * t : 16 * t + 16]), bias[16 * t : 16 * t + 16])(x)
+        assert torch.equal(whole[:, 16 * t : 16 * t + 16], one)
+
+
 @pytest.mark.parametrize("kind", FORMATS)
 # passes over a tile of 1 to 6 rows (AVX2) or 1 to 12 (AVX-512), even sizes: 300 = 25 x 12, 127 = 10 x 12 + 7
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 11, 16, 64, 127, 128, 300])

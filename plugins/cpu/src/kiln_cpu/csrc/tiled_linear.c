@@ -26,6 +26,8 @@
 #include "vec.h"
 
 #define ROWS TILE_ROWS
+/* How far ahead in its own tiles a single pass asks for the weights (see rows_times) */
+#define STREAM_AHEAD 4096
 
 /* Tile t of a block-format W as fp32, (K, 16): tile[c * 16 + j] = W[16 t + j, c]. Lane j
  * of a 32-byte load holds 4 inputs of feature j (of 8); shifts pick out byte i. */
@@ -81,8 +83,8 @@ Tile tile_of(float *buf, int fmt, const float *scale, const float *min, const vo
 }
 
 /* The tile kernel for R rows of x (a literal R each: one row must not pay for twelve), for fp32
- * tiles and for bf16 ones widened as they are read, over one tile or two (`pair`, literal: the
- * tile and the next one, which follows it in memory). A row's 16 sums are TILE / VL vectors; on
+ * tiles and for bf16 ones widened as they are read, over T tiles (1, 2 or 4, literal: the tile
+ * and those that follow it in memory). A row's 16 sums are TILE / VL vectors; on
  * AVX-512 one zmm each, where ymm pairs left half the FMA width unused: on a 2-core AVX-512 Xeon,
  * 128 rows of a 1536x576 fp32 projection went from 84 to 139-156 GMAC/s (torch's GEMM: 161-185),
  * 16 rows of a 49152x512 LM head from 5.2 to 3.5-3.9 ms. A pair has each broadcast of x feed two
@@ -90,22 +92,28 @@ Tile tile_of(float *buf, int fmt, const float *scale, const float *min, const vo
  * and the loads, not the FMAs, set the pace (see tiled_linear). */
 static inline __attribute__((always_inline)) void rows_times(float *out, const float *x, int64_t x_stride, int64_t r,
                                                              Tile tile, const float *bias, int64_t n, int64_t K,
-                                                             int64_t N, const int R, const int pair) {
+                                                             int64_t N, const int R, const int T) {
     enum { V = TILE / VL };
-    const int T = pair ? 2 : 1;
     const float *f = tile.p;
     const uint16_t *h = tile.p;
     const char *ahead = tile.ahead;
     const int64_t lines = (tile.bf16 ? K / 2 : K) * T; /* of the tiles ahead, of these ones' type */
-    vf a[ROWS][2 * V];
-    for (int i = 0; i < R; i++)
-        for (int v = 0; v < T * V; v++) a[i][v] = splatf(0.0f);
+    vf a[ROWS * 2 * V]; /* row i's sums at i * T * V: R * T <= 2 * ROWS */
+    for (int i = 0; i < R * T * V; i++) a[i] = splatf(0.0f);
     for (int64_t c = 0; c < K; c++) {
         /* a pair's next tiles into L2, not L1, which the pair and the rows fill: the default model's
          * 120 fp32 projections at 16 rows from memory took 26.5-28.4 ms a step, 28.9-30.0 into L1 */
         for (int s = 0; s < T; s++)
-            if (ahead && c * T + s < lines) __builtin_prefetch(ahead + (c * T + s) * 64, 0, pair ? 2 : 3);
-        vf w[2 * V];
+            if (ahead && c * T + s < lines) __builtin_prefetch(ahead + (c * T + s) * 64, 0, T > 1 ? 2 : 3);
+        /* A single pass (no tiles ahead: a decode step of a few rows) asks for its own tiles' lines
+         * STREAM_AHEAD bytes on, one a line: with few FMA chains to a row, too few loads were in
+         * flight for memory's latency, and bf16 tiles (half the bytes an FMA) streamed at 16-19 GB/s
+         * where the machine gives ~27 (2-core Xeon). (A tile widened into a buffer is in cache
+         * already; the asks cost an instruction a line there.) */
+        if (!ahead && (!tile.bf16 || c % 2 == 0))
+            for (int s = 0; s < T; s++)
+                __builtin_prefetch((const char *)tile.p + (s * K * TILE + c * TILE) * (tile.bf16 ? 2 : 4) + STREAM_AHEAD, 0, 3);
+        vf w[4 * V];
         for (int s = 0; s < T; s++)
             for (int v = 0; v < V; v++) {
                 const int64_t at = s * K * TILE + c * TILE + v * VL;
@@ -113,31 +121,35 @@ static inline __attribute__((always_inline)) void rows_times(float *out, const f
             }
         for (int i = 0; i < R; i++) {
             const vf xi = splatf(x[(r + i) * x_stride + c]);
-            for (int v = 0; v < T * V; v++) a[i][v] += w[v] * xi;
+            for (int v = 0; v < T * V; v++) a[i * T * V + v] += w[v] * xi;
         }
     }
     for (int v = 0; v < T * V; v++) {
         const vf b = bias ? loadf(bias + n + v * VL) : splatf(0.0f);
-        for (int i = 0; i < R; i++) storef(out + (r + i) * N + n + v * VL, a[i][v] + b);
+        for (int i = 0; i < R; i++) storef(out + (r + i) * N + n + v * VL, a[i * T * V + v] + b);
     }
 }
 
 /* The loops over R unroll only with R known: one copy per R, tile type and count. */
 #define PASS(R)                                                                                       \
     case R:                                                                                           \
-        if (VL == 16 && pair && tile.bf16)                                                            \
-            rows_times(out, x, x_stride, r, (Tile){tile.p, 1, tile.ahead}, bias, n, K, N, R, 1);       \
-        else if (VL == 16 && pair)                                                                    \
-            rows_times(out, x, x_stride, r, (Tile){tile.p, 0, tile.ahead}, bias, n, K, N, R, 1);       \
+        if (VL == 16 && R <= 4 && count == 4 && tile.bf16)                                            \
+            rows_times(out, x, x_stride, r, (Tile){tile.p, 1, tile.ahead}, bias, n, K, N, R, 4);       \
+        else if (VL == 16 && R <= 4 && count == 4)                                                    \
+            rows_times(out, x, x_stride, r, (Tile){tile.p, 0, tile.ahead}, bias, n, K, N, R, 4);       \
+        else if ((VL == 16 || R <= 2) && count == 2 && tile.bf16)                                     \
+            rows_times(out, x, x_stride, r, (Tile){tile.p, 1, tile.ahead}, bias, n, K, N, R, 2);       \
+        else if ((VL == 16 || R <= 2) && count == 2)                                                  \
+            rows_times(out, x, x_stride, r, (Tile){tile.p, 0, tile.ahead}, bias, n, K, N, R, 2);       \
         else if (tile.bf16)                                                                           \
-            rows_times(out, x, x_stride, r, (Tile){tile.p, 1, tile.ahead}, bias, n, K, N, R, 0);       \
+            rows_times(out, x, x_stride, r, (Tile){tile.p, 1, tile.ahead}, bias, n, K, N, R, 1);       \
         else                                                                                          \
-            rows_times(out, x, x_stride, r, (Tile){tile.p, 0, tile.ahead}, bias, n, K, N, R, 0);       \
+            rows_times(out, x, x_stride, r, (Tile){tile.p, 0, tile.ahead}, bias, n, K, N, R, 1);       \
         break;
 
-/* rows_times_tile over tile t and, with pair, tile t + 1 (out's features n..n+32). */
+/* rows_times over tile t and the count - 1 after it (out's features n..n+16 count). */
 static void rows_times_tiles(float *out, const float *x, int64_t rows, int64_t x_stride, int64_t r, Tile tile,
-                             const float *bias, int64_t n, int64_t K, int64_t N, int pair) {
+                             const float *bias, int64_t n, int64_t K, int64_t N, int count) {
     switch (rows - r < ROWS ? rows - r : ROWS) {
         PASS(1) PASS(2) PASS(3) PASS(4) PASS(5) PASS(6)
 #if TILE_ROWS > 6
@@ -148,7 +160,7 @@ static void rows_times_tiles(float *out, const float *x, int64_t rows, int64_t x
 
 void rows_times_tile(float *out, const float *x, int64_t rows, int64_t x_stride, int64_t r, Tile tile,
                      const float *bias, int64_t n, int64_t K, int64_t N) {
-    rows_times_tiles(out, x, rows, x_stride, r, tile, bias, n, K, N, 0);
+    rows_times_tiles(out, x, rows, x_stride, r, tile, bias, n, K, N, 1);
 }
 
 typedef void tile_fn(Tile tile, int64_t t, void *ctx);
@@ -190,7 +202,7 @@ static void linear_tiles(Tile tile, int64_t t, int count, const struct linear_ar
     for (int64_t r = 0, passes = (a->rows + ROWS - 1) / ROWS; r < a->rows; passes--) {
         const int64_t size = (a->rows - r + passes - 1) / passes;
         const Tile pass = r + size < a->rows ? tile : last;
-        rows_times_tiles(a->out, a->x, r + size, a->x_stride, r, pass, a->bias, t * TILE, a->K, a->N, count == 2);
+        rows_times_tiles(a->out, a->x, r + size, a->x_stride, r, pass, a->bias, t * TILE, a->K, a->N, count);
         r += size;
     }
 }
@@ -200,15 +212,20 @@ static void linear_tile(Tile tile, int64_t t, void *ctx) { linear_tiles(tile, t,
 /* out = x W^T + bias; nonzero when out of memory. Tiles read in place go two at a time where a
  * row's 16 sums are one register (AVX-512): 16 rows of a 49152x512 fp32 LM head in cache took
  * 4.3 ms one tile at a time, at ~100 GMAC/s of the ~220 that two cores' FMAs allow (see
- * rows_times). */
+ * rows_times). Up to 4 rows take them four at a time there, and up to 2 rows two at a time on
+ * AVX2, so that each row has 4 FMA chains or more: with 2 (a row of a pair), a decode step of one
+ * or two sequences waited on the FMAs' latency. With the stream prefetch of rows_times, a 1024x2048
+ * projection from memory went from 223-249 to 176-207 us for one row in bf16 tiles, 392-412 to
+ * 290-364 for four in fp32 (2-core Xeon); under AVX2 335-360 to 231-252 and 404-413 to 305 for one. */
 int tiled_linear(float *out, const float *x, int64_t rows, int64_t x_stride, int fmt, const float *scale,
                  const float *min, const void *q, const float *bias, int64_t K, int64_t N) {
     const int in_place = fmt == 32 || !tile_widens(fmt, rows);
     struct linear_args args = {out, x, bias, rows, x_stride, K, N, in_place && rows > ROWS ? q : NULL};
     const int64_t tiles = N / TILE;
-    if (VL == 16 && in_place && tiles > 1) {
-        _Pragma("omp parallel for schedule(static)") for (int64_t p = 0; p < (tiles + 1) / 2; p++)
-            linear_tiles(tile_of(NULL, fmt, scale, min, q, 2 * p, K, rows), 2 * p, 2 * p + 1 < tiles ? 2 : 1, &args);
+    const int64_t g = VL == 16 && rows <= 4 && tiles % 4 == 0 ? 4 : 2; /* tiles a group */
+    if ((VL == 16 || rows <= 2) && in_place && tiles > 1) {
+        _Pragma("omp parallel for schedule(static)") for (int64_t p = 0; p < (tiles + g - 1) / g; p++)
+            linear_tiles(tile_of(NULL, fmt, scale, min, q, g * p, K, rows), g * p, g * p + g - 1 < tiles ? g : 1, &args);
         return 0;
     }
     return for_each_tile(fmt, scale, min, q, K, N, rows, linear_tile, &args);
