@@ -215,8 +215,8 @@ static void linear_tile(Tile tile, int64_t t, void *ctx) { linear_tiles(tile, t,
  * rows_times). Up to 4 rows take them four at a time there, and up to 2 rows two at a time on
  * AVX2, so that each row has 4 FMA chains or more: with 2 (a row of a pair), a decode step of one
  * or two sequences waited on the FMAs' latency. With the stream prefetch of rows_times, a 1024x2048
- * projection from memory went from 223-249 to 176-207 us for one row in bf16 tiles, 392-412 to
- * 290-364 for four in fp32 (2-core Xeon); under AVX2 335-360 to 231-252 and 404-413 to 305 for one. */
+ * projection from memory went from 225-235 to 181-228 us for one row in bf16 tiles, 369-412 to
+ * 292-364 for four in fp32 (2-core Xeon, alternated); under AVX2 335-360 to 231-252 and 404-413 to 305 for one. */
 int tiled_linear(float *out, const float *x, int64_t rows, int64_t x_stride, int fmt, const float *scale,
                  const float *min, const void *q, const float *bias, int64_t K, int64_t N) {
     const int in_place = fmt == 32 || !tile_widens(fmt, rows);
