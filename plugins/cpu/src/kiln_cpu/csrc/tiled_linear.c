@@ -26,8 +26,6 @@
 #include "vec.h"
 
 #define ROWS TILE_ROWS
-/* How far ahead in its own tiles a single pass asks for the weights (see rows_times) */
-#define STREAM_AHEAD 4096
 
 /* Tile t of a block-format W as fp32, (K, 16): tile[c * 16 + j] = W[16 t + j, c]. Lane j
  * of a 32-byte load holds 4 inputs of feature j (of 8); shifts pick out byte i. */

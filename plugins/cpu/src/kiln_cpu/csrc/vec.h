@@ -18,6 +18,10 @@ typedef uint32_t u32x8 __attribute__((vector_size(32)));
  * are): the same values from fewer bytes beside the codes. The kernels take the arrays as
  * `const float *` and read them through scale_at / load8_scale. */
 #define F16_SCALES 0x100
+
+/* How far ahead in a weight's bytes the kernels that stream it ask for its lines (tiled_linear.c's
+ * single passes, int8_linear.c): with few rows, too few loads were in flight for memory's latency. */
+#define STREAM_AHEAD 4096
 static inline int block_fmt(int fmt) { return fmt & ~F16_SCALES; }
 
 /* Scales per 32-input block of a tiled weight's format: two for fmt 6 (Q6_K's, one per 16
