@@ -148,8 +148,8 @@ static inline int32_t load4(const void *p) {
 static inline __m256i bcast4(const int8_t *p) { return _mm256_set1_epi32(load4(p)); }
 
 /* Asks for the lines STREAM_AHEAD bytes past a block of `bytes` weight bytes (tiles follow each other
- * in memory, so near a tile's end the next one's). Each pass over a tile did ask for the whole next
- * tile at its start instead: with that, 16 rows of a Q4_1 1024x2048 product from memory took 255-297
+ * in memory, so near a tile's end the next one's), in a tile's first pass. Each tile's passes (of
+ * up to 64 rows) did ask for the whole next tile first instead: with that, 16 rows of a Q4_1 1024x2048 product from memory took 255-297
  * us, 229-251 with this, Q8_0 380-433 against 317-360, and 4 rows of Q4_1 91-96 against 73-78;
  * level at 1 and 64 rows (2-core Xeon, alternated). */
 static inline void stream_ahead(const uint8_t *w, int64_t bytes) {
@@ -203,12 +203,13 @@ static inline __attribute__((always_inline)) void block_q8(__m256i acc[], const 
     }
 }
 
-/* out[rows r..r+R) x features 16t..16t+15, over every block. */
+/* out[rows r..r+R) x features 16t..16t+15, over every block; `stream`: the first pass over the
+ * tile, which asks for the weights ahead (see stream_ahead). */
 static inline __attribute__((always_inline)) void rows_times_tile(float *out, int64_t N, const int8_t *xq,
                                                                   const float *xd, const float *xs, int64_t r,
                                                                   int R, int P, int fmt, const float *scale,
                                                                   const float *min, const void *q, int64_t t,
-                                                                  int64_t K, const float *bias) {
+                                                                  int64_t K, const float *bias, int stream) {
     const int subs = scales_per_block(fmt), f16 = fmt & F16_SCALES;
     fmt = block_fmt(fmt);
     const int64_t nb = K / 32, bytes = fmt == 4 ? 256 : 512;
@@ -221,7 +222,7 @@ static inline __attribute__((always_inline)) void rows_times_tile(float *out, in
     for (int64_t b = 0; b < nb; b++) {
         const int8_t *x = xq + b * 32 * P;
         const uint8_t *w = (const uint8_t *)q + (t * nb + b) * bytes;
-        stream_ahead(w, bytes);
+        if (stream) stream_ahead(w, bytes);
         for (int sub = 0; sub < subs; sub++) {
             const int64_t at = ((t * nb + b) * subs + sub) * TILE;
             for (int h = 0; h < 2; h++) {
@@ -284,7 +285,7 @@ static inline __attribute__((always_inline)) void rows_times_tile_512(float *out
                                                                       const float *xd, const float *xs, int64_t r,
                                                                       int R, int P, int fmt, const float *scale,
                                                                       const float *min, const void *q, int64_t t,
-                                                                      int64_t K, const float *bias,
+                                                                      int64_t K, const float *bias, int stream,
                                                                       const int32_t *offsets) {
     const int subs = scales_per_block(fmt), groups = 8 / subs, f16 = fmt & F16_SCALES; /* groups: Q8's per scale */
     fmt = block_fmt(fmt);
@@ -296,7 +297,7 @@ static inline __attribute__((always_inline)) void rows_times_tile_512(float *out
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *w = (const uint8_t *)q + (t * nb + b) * bytes;
         const int8_t *x = xq + b * 32 * P;
-        stream_ahead(w, bytes);
+        if (stream) stream_ahead(w, bytes);
         for (int sub = 0; sub < subs; sub++) {
             __m512i acc[ROWS];
             if (fmt == 4) {
@@ -353,10 +354,11 @@ static void tile_rows(float *out, int64_t N, const int8_t *xq, const float *xd, 
      * panel). A literal R and P each: the compiler unrolls every row loop and folds each
      * broadcast's offset (with P a variable, a single row's products ran ~5 % slower). */
     int64_t r = r0;
-    for (; r + ROWS <= r1; r += ROWS) ROWS_TIMES_TILE(out, N, xq, xd, xs, r, ROWS, ROWS, fmt, scale, min, q, t, K, bias);
+    for (; r + ROWS <= r1; r += ROWS)
+        ROWS_TIMES_TILE(out, N, xq, xd, xs, r, ROWS, ROWS, fmt, scale, min, q, t, K, bias, r == r0);
     switch (r1 - r) {
 #define LAST_PANEL(P) \
-    case P: ROWS_TIMES_TILE(out, N, xq, xd, xs, r, P, P, fmt, scale, min, q, t, K, bias); break;
+    case P: ROWS_TIMES_TILE(out, N, xq, xd, xs, r, P, P, fmt, scale, min, q, t, K, bias, r == r0); break;
         LAST_PANEL(1) LAST_PANEL(2) LAST_PANEL(3) LAST_PANEL(4) LAST_PANEL(5) LAST_PANEL(6) LAST_PANEL(7)
 #undef LAST_PANEL
     }
