@@ -149,9 +149,9 @@ static inline __m256i bcast4(const int8_t *p) { return _mm256_set1_epi32(load4(p
 
 /* Asks for the lines STREAM_AHEAD bytes past a block of `bytes` weight bytes (tiles follow each other
  * in memory, so near a tile's end the next one's), in a tile's first pass. Each tile's passes (of
- * up to 64 rows) did ask for the whole next tile first instead: with that, 16 rows of a Q4_1 1024x2048 product from memory took 255-297
- * us, 229-251 with this, Q8_0 380-433 against 317-360, and 4 rows of Q4_1 91-96 against 73-78;
- * level at 1 and 64 rows (2-core Xeon, alternated). */
+ * up to 64 rows) had asked for the whole next tile first, a burst that waited on the fill buffers:
+ * a Q4_1 1024x2048 product from memory took 93-139 us at 4 rows, 77-86 with this; 195-280 against
+ * 174-178 at 16, Q8_0 303-383 against 260-345; level at 64 (2-core Xeon, alternated). */
 static inline void stream_ahead(const uint8_t *w, int64_t bytes) {
     for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(w + STREAM_AHEAD + i);
 }

@@ -103,8 +103,9 @@ static inline __attribute__((always_inline)) void rows_times(float *out, const f
          * 120 fp32 projections at 16 rows from memory took 26.5-28.4 ms a step, 28.9-30.0 into L1 */
         for (int s = 0; s < T; s++)
             if (ahead && c * T + s < lines) __builtin_prefetch(ahead + (c * T + s) * 64, 0, T > 1 ? 2 : 3);
-        /* A single pass (no tiles ahead: a decode step of a few rows) asks for its own tiles' lines
-         * STREAM_AHEAD bytes on, one a line: with few FMA chains to a row, too few loads were in
+        /* A pass that asks for no tiles ahead (a single pass: a decode step of a few rows; or one
+         * before the last) asks for its own tiles' lines STREAM_AHEAD bytes on, one a line (after
+         * the first pass, lines in cache already): with few FMA chains to a row, too few loads were in
          * flight for memory's latency, and bf16 tiles (half the bytes an FMA) streamed at 16-19 GB/s
          * where the machine gives ~27 (2-core Xeon). (A tile widened into a buffer is in cache
          * already; the asks cost an instruction a line there.) */
