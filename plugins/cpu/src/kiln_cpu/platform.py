@@ -186,7 +186,7 @@ class CpuPlatform(Platform):
         swapped, gguf = use_tiled_weights(module, int8_activations=int8)
         if "fused_experts" in self.custom_ops():  # packed experts need it (absent without the C kernels)
             use_packed_experts(module, _integer_activations(module, int8))
-        # bf16: each in the layout its matmul prefers (tiles, where oneDNN has no bf16, on AVX2).
+        # bf16: each in the layout its matmul prefers (where oneDNN has no bf16, AVX2: the C kernel or tiles).
         # NOTE: prepacking_works first, as at every start before: its oneDNN reorder left the
         # default model's fp32 decode steps faster after it (a C decoder layer at 16 rows: 1.15-1.19
         # against 1.29-1.37 ms, 2-core Xeon, 2026-11-30; a bf16 F.linear did not; why, not found).

@@ -185,10 +185,10 @@ struct linear_args {
     float *out;
     const float *x, *bias;
     int64_t rows, x_stride, K, N;
-    const char *ahead; /* tiles read in place by more than one pass (see linear_tile), else NULL */
+    const char *ahead; /* tiles read in place by more than one pass (see linear_tiles), else NULL */
 };
 
-/* Tile t and the next `count - 1` (one or two tiles, read in place if two) for every row. */
+/* Tile t and the next `count - 1` (one, two or four tiles; more than one only read in place) for every row. */
 static void linear_tiles(Tile tile, int64_t t, int count, const struct linear_args *a) {
     /* With more rows than one pass takes, the last pass over a tile (read from L1 by then) also
      * asks for the thread's next tile, so that the next first pass does not wait on memory: 16 rows
