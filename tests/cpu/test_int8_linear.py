@@ -5,6 +5,7 @@ every instruction-set path the kernel has, and end to end on the default model."
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -139,6 +140,24 @@ def test_every_instruction_set_path_gives_the_same_products(march, march_cache_d
     here = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
     for key, values in here.items():
         torch.testing.assert_close(torch.tensor(other[key]), torch.tensor(values), rtol=1e-5, atol=1e-4, msg=key)
+
+
+def test_another_copy_of_the_sources_builds_beside_these(tmp_path):
+    """``native.build_kernels`` (``bench/kernel_ab.py`` times two builds in one process): a copy
+    of the sources builds into its own library, loaded beside this one, whose products are this
+    one's bit for bit; a folder without them is an error that says which."""
+    shutil.copytree(native.CSRC, tmp_path / "csrc")
+    other = native.build_kernels(tmp_path / "csrc", tmp_path / "other.so")
+    assert other._name == str(tmp_path / "other.so") != native.load_kernels()._name
+    weight, x = tiled_form(gguf_weight(48, 256, KINDS["q4_1"], 0)), activations(9, 256, 0)
+    outs = []
+    for lib in (native.load_kernels(), other):
+        out = torch.empty(9, 48)
+        assert lib.int8_linear(out.data_ptr(), x.data_ptr(), 9, 256, *weight.kernel_args, None, 256, 48, 0) == 0
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1]) and outs[0].abs().sum() > 0
+    with pytest.raises(RuntimeError, match=f"building the CPU kernels of {tmp_path / 'none'} failed"):
+        native.build_kernels(tmp_path / "none", tmp_path / "none.so")
 
 
 def test_gguf_models_multiply_in_int8_unless_told_not_to(default_model_dir):

@@ -43,7 +43,7 @@ SOURCES = [
         "bf16_linear.c",
     )
 ]
-FLAGS = ["-O3", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c11", f"-I{CSRC}"]
+FLAGS = ["-O3", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
 
 def _cpu_flags() -> str:
@@ -78,19 +78,27 @@ def fma_outruns_bf16_dots() -> bool:
     return load_kernels() is not None and not has_amx_bf16() and not bf16_dots_outrun_fma()
 
 
-def _build(compiler: str, flags: list[str], target: Path) -> str | None:
-    """Compile ``SOURCES`` into ``target``, one compiler per source at a time on every core (the
-    first start on a machine waits for this: decode attention's 16 unrolled kernels, split over
-    two files, take ~17 s of GCC's ~23 s, the others ~6 s together), then link; the compiler's
-    errors, or None."""
+def _compiler_flags() -> list[str]:
+    # KILN_CPU_MARCH: compile for an older instruction set than this CPU's (e.g. x86-64-v3,
+    # AVX2 without VNNI), to run and test the kernels' other paths here.
+    return [*FLAGS, f"-march={os.environ.get('KILN_CPU_MARCH') or 'native'}"]
+
+
+def _build(compiler: str, flags: list[str], target: Path, csrc: Path = CSRC) -> str | None:
+    """Compile ``SOURCES`` (as found in ``csrc``) into ``target``, one compiler per source at a
+    time on every core (the first start on a machine waits for this: decode attention's 16
+    unrolled kernels, split over two files, take ~17 s of GCC's ~23 s, the others ~6 s
+    together), then link; the compiler's errors, or None."""
+    sources = [csrc / src.name for src in SOURCES]
+    flags = [*flags, f"-I{csrc}"]
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        objects = [os.path.join(tmp, f"{src.stem}.o") for src in SOURCES]
+        objects = [os.path.join(tmp, f"{src.stem}.o") for src in sources]
         with ThreadPoolExecutor(os.cpu_count() or 1) as pool:  # the slowest (paged_attention*.c) first
             compiled = pool.map(
                 lambda src, obj: subprocess.run(
                     [compiler, *flags, "-c", str(src), "-o", obj], capture_output=True, text=True
                 ),
-                SOURCES,
+                sources,
                 objects,
             )
             failed = [r.stderr for r in compiled if r.returncode != 0]
@@ -109,13 +117,11 @@ def load_kernels() -> ctypes.CDLL | None:
     """The compiled library, or None when native kernels are off or cannot be built."""
     if os.environ.get("KILN_CPU_NATIVE", "1") == "0":
         return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = _compiler()
     if compiler is None:
         logger.warning("no C compiler found: CPU attention falls back to torch (slower)")
         return None
-    # KILN_CPU_MARCH: compile for an older instruction set than this CPU's (e.g. x86-64-v3,
-    # AVX2 without VNNI), to run and test the kernels' other paths here.
-    flags = [*FLAGS, f"-march={os.environ.get('KILN_CPU_MARCH') or 'native'}"]
+    flags = _compiler_flags()
     sources = b"".join(p.read_bytes() for p in [*SOURCES, *sorted(CSRC.glob("*.h"))])
     key = hashlib.sha256(sources + " ".join(flags).encode() + _cpu_flags().encode())
     target = cache_dir() / "cpu-kernels" / f"kiln-cpu-{key.hexdigest()[:16]}.so"
@@ -125,7 +131,26 @@ def load_kernels() -> ctypes.CDLL | None:
         if error is not None:
             logger.warning("building CPU kernels failed, falling back to torch:\n%s", error[-2000:])
             return None
-    lib = ctypes.CDLL(str(target))
+    return _declared(ctypes.CDLL(str(target)))
+
+
+def build_kernels(csrc: Path, target: Path) -> ctypes.CDLL:
+    """The kernels of another copy of ``csrc`` (e.g. an older revision's), built into ``target``
+    as ``load_kernels`` builds this one's and loaded beside it (``bench/kernel_ab.py`` times
+    two builds in one process). Raises RuntimeError with the compiler's errors."""
+    compiler = _compiler()
+    error = "no C compiler found" if compiler is None else _build(compiler, _compiler_flags(), target, csrc)
+    if error is not None:
+        raise RuntimeError(f"building the CPU kernels of {csrc} failed:\n{error[-2000:]}")
+    return _declared(ctypes.CDLL(str(target)))
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _declared(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """``lib`` with its entry points' argument and result types set."""
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     for fn in (getattr(lib, f"paged_decode_attention_{suffix}") for suffix in _ATTENTION_KERNELS.values()):
         fn.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float, i64]

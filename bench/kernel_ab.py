@@ -1,0 +1,184 @@
+"""The CPU plugin's C kernels as one git revision builds them (A) against the work tree's (B), in
+one process, on the same inputs.
+
+End-to-end runs on this project's shared 2-core machines drift by 10-20 % from minute to minute,
+more than most kernel changes gain, so old and new builds compared in separate runs say little.
+Here both libraries are loaded side by side and each case is timed in rounds that alternate
+A-then-B and B-then-A (whichever runs second was measured up to ~10 % slower), and every output
+of B is compared with A's bit for bit.
+
+Kernels (``--kernels``):
+
+- ``linear``: the integer products (``csrc/int8_linear.c``) on the default model's own GGUF
+  weights: layer 0's four projections (Q4_1) and the LM head (Q8_0), ``--rows`` rows of random
+  activations each.
+- ``attention``: decode attention (fp32 queries, bf16 cache, the default model's 9 query and 3
+  K/V heads of 64) of ``--seqs`` requests of ~``--keys`` keys through 30 layers' caches, "cold"
+  (a 100 MB sweep before each round, as a decode step's weights would leave the caches) and
+  "hot" (one layer's cache 30 times).
+
+    python bench/kernel_ab.py [--rev HEAD] [--kernels linear,attention] [--rows 1,16,64,512]
+        [--seqs 16,64] [--keys 192] [--repeats 8]
+
+``KILN_CPU_MARCH`` builds both for another instruction set (``x86-64-v3``: AVX2 without VNNI).
+Prints a table (median time per call of each build, B/A, equal) and writes
+``bench/results/kernel_ab.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from kiln_cpu import native
+
+ROOT = Path(__file__).resolve().parent.parent
+CSRC = native.CSRC.relative_to(ROOT)
+RESULTS = Path(__file__).parent / "results" / "kernel_ab.json"
+LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 32  # the default model's, Kiln's CPU block size
+
+
+def libraries(rev: str, tmp: Path):
+    """(A, B): the kernels of ``rev`` and of the work tree, each built afresh."""
+    subprocess.run(f"git -C {ROOT} archive {rev} {CSRC} | tar -x -C {tmp}", shell=True, check=True)
+    return native.build_kernels(tmp / CSRC, tmp / "a.so"), native.build_kernels(native.CSRC, tmp / "b.so")
+
+
+def alternate(
+    run: Callable[[object], torch.Tensor], a, b, repeats: int, before: Callable[[], object] = lambda: None
+) -> dict:
+    """Median seconds of ``run(lib)`` for each build over ``repeats`` rounds, alternating which
+    goes first (``before()`` untimed before each), and whether their last outputs are identical."""
+    times: dict[str, list[float]] = {"A": [], "B": []}
+    outputs = {}
+    for i in range(repeats):
+        for tag in "AB" if i % 2 == 0 else "BA":
+            before()
+            start = time.perf_counter()
+            outputs[tag] = run(a if tag == "A" else b)
+            times[tag].append(time.perf_counter() - start)
+    a_s, b_s = statistics.median(times["A"]), statistics.median(times["B"])
+    return {
+        "a_ms": a_s * 1e3,
+        "b_ms": b_s * 1e3,
+        "b_over_a": b_s / a_s,
+        "equal": torch.equal(outputs["A"], outputs["B"]),
+    }
+
+
+def linear_cases(rows_list: list[int], repeats: int, a, b) -> list[dict]:
+    from kiln import LLM
+    from kiln.models.loader import default_model_path
+
+    llm = LLM(default_model_path(), max_num_seqs=1, max_model_len=256)
+    modules = dict(llm.engine.executor.runner.model.named_modules())
+    names = [n for n in modules if n.startswith("layers.0.") and hasattr(modules[n], "weight")]
+    cases = []
+    for name in [*[n for n in names if hasattr(modules[n].weight, "kernel_args")], "lm_head"]:
+        weight = modules[name].weight
+        n_out, k_in = weight.shape
+        for rows in rows_list:
+            x, out = torch.randn(rows, k_in), torch.empty(rows, n_out)
+            calls = max(3, int(4e8 / (rows * n_out * k_in)))  # ~0.1 s a round at ~100 GMAC/s
+            args = (out.data_ptr(), x.data_ptr(), rows, k_in, *weight.kernel_args, None, k_in, n_out, 0)
+
+            def run(lib, args=args, out=out, calls=calls):
+                for _ in range(calls):
+                    lib.int8_linear(*args)
+                return out.clone()
+
+            case = {"kernel": "linear", "case": f"{name} {n_out}x{k_in} fmt {weight.fmt}", "rows": rows}
+            case |= alternate(run, a, b, repeats)
+            for side in ("a", "b"):
+                case[f"{side}_ms"] /= calls
+                case[f"{side}_gmacs"] = rows * n_out * k_in / case[f"{side}_ms"] / 1e6
+            cases.append(case)
+            print(row(case), flush=True)
+    return cases
+
+
+def decode_attention(seqs: int, keys: int, cold: bool) -> Callable[[object], torch.Tensor]:
+    """A run of decode attention over 30 layers' caches (``cold``) or one layer's 30 times."""
+    width = (keys + BLOCK - 1) // BLOCK
+    blocks = 2 * seqs * width  # half the pool unused, so a request's blocks lie scattered
+    layers = LAYERS if cold else 1
+    planes = [torch.randn(2, blocks, KV_HEADS, BLOCK, HEAD_DIM).to(torch.bfloat16) for _ in range(layers)]
+    tables = [torch.randperm(blocks)[: seqs * width].view(seqs, width).to(torch.int32) for _ in range(layers)]
+    lens = torch.randint(keys - BLOCK, keys + 1, (seqs,), dtype=torch.int32)
+    q, out = torch.randn(seqs, HEADS, HEAD_DIM), torch.empty(seqs, HEADS, HEAD_DIM)
+
+    def run(lib) -> torch.Tensor:
+        for layer in range(LAYERS):
+            kv, table = planes[layer % layers], tables[layer % layers]
+            lib.paged_decode_attention_f32_bf16(
+                out.data_ptr(), q.data_ptr(), q.stride(0), kv[0].data_ptr(), kv[1].data_ptr(), table.data_ptr(),
+                table.stride(0), lens.data_ptr(), seqs, HEADS, KV_HEADS, HEAD_DIM, BLOCK, 0.125, 0,
+            )  # fmt: skip
+        return out.clone()
+
+    return run
+
+
+def attention_cases(seqs_list: list[int], keys: int, repeats: int, a, b) -> list[dict]:
+    torch.manual_seed(0)
+    sweep = torch.empty(25_000_000)  # 100 MB, between the cold rounds
+    cases = []
+    for seqs in seqs_list:
+        for cold in (True, False):
+            run = decode_attention(seqs, keys, cold)
+            case = {"kernel": "attention", "case": f"{LAYERS} layers, {'cold' if cold else 'hot'}", "rows": seqs}
+            cases.append(case | alternate(run, a, b, repeats, (lambda: sweep.add_(1.0)) if cold else lambda: None))
+            print(row(cases[-1]), flush=True)
+    return cases
+
+
+def cpu_model() -> str:
+    with open("/proc/cpuinfo") as f:
+        return next((line.partition(":")[2].strip() for line in f if line.startswith("model name")), platform.machine())
+
+
+def row(case: dict) -> str:
+    rate = f" ({case['a_gmacs']:.0f} / {case['b_gmacs']:.0f} GMAC/s)" if "a_gmacs" in case else ""
+    return (
+        f"{case['kernel']:9} {case['case']:52} {case['rows']:5}  A {case['a_ms']:8.3f} ms  B {case['b_ms']:8.3f} ms"
+        f"{rate}  B/A {case['b_over_a']:.3f}  {'equal' if case['equal'] else 'DIFFERENT'}"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rev", default="HEAD", help="the revision built as A (B: the work tree)")
+    parser.add_argument("--kernels", default="linear,attention")
+    parser.add_argument("--rows", default="1,16,64,512", help="rows of the products")
+    parser.add_argument("--seqs", default="16,64", help="requests of decode attention")
+    parser.add_argument("--keys", type=int, default=192, help="keys a request has (up to a block fewer)")
+    parser.add_argument("--repeats", type=int, default=8, help="rounds per case (half of them B first)")
+    args = parser.parse_args()
+    kernels = args.kernels.split(",")
+    if unknown := set(kernels) - {"linear", "attention"}:
+        parser.error(f"--kernels: unknown {sorted(unknown)}; choose from linear, attention")
+    with tempfile.TemporaryDirectory() as tmp:
+        a, b = libraries(args.rev, Path(tmp))
+        print(f"A: {args.rev}'s kernels, B: the work tree's; median of {args.repeats} rounds, alternating", flush=True)
+        cases = []
+        if "linear" in kernels:
+            cases += linear_cases([int(r) for r in args.rows.split(",")], args.repeats, a, b)
+        if "attention" in kernels:
+            cases += attention_cases([int(s) for s in args.seqs.split(",")], args.keys, args.repeats, a, b)
+    RESULTS.parent.mkdir(exist_ok=True)
+    machine = {"cpu": cpu_model(), "flags": native._cpu_flags().partition(":")[2].split()}
+    RESULTS.write_text(json.dumps({"rev": args.rev, "machine": machine, "cases": cases}, indent=1) + "\n")
+    print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
