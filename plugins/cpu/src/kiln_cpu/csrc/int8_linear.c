@@ -177,12 +177,18 @@ static inline __m256i q4_step(__m256i acc, __m256i lo, __m256i xl, __m256i hi, _
 /* acc[r] = int32 sums of a block (x: its panel) for rows 0..R-1, features 8h..8h+7 (one half
  * of the tile at a time: R sums, two weight vectors and the broadcasts fit AVX2's 16 registers). */
 static inline __attribute__((always_inline)) void block_q4(__m256i acc[], const uint8_t *w, int h, const int8_t *x,
-                                                           int R, int P) {
+                                                           int R, int P, const uint8_t *nib) {
     const __m256i low = _mm256_set1_epi8(15);
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_si256();
     for (int g = 0; g < 4; g++) {
-        const __m256i v = _mm256_loadu_si256((const __m256i *)(w + g * 64 + h * 32));
-        const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        __m256i lo, hi;
+        if (nib) {
+            lo = _mm256_load_si256((const __m256i *)(nib + g * 128 + h * 32));
+            hi = _mm256_load_si256((const __m256i *)(nib + g * 128 + 64 + h * 32));
+        } else {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(w + g * 64 + h * 32));
+            lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        }
         for (int r = 0; r < R; r++) acc[r] = q4_step(acc[r], lo, bcast4(group(x, g, r, P)), hi, bcast4(group(x, 4 + g, r, P)));
     }
 #if !HAS_VNNI
@@ -203,13 +209,38 @@ static inline __attribute__((always_inline)) void block_q8(__m256i acc[], const 
     }
 }
 
+/* A Q4 tile that four or more passes read has its nibbles split into bytes once, per block and
+ * group its low nibbles (64 bytes: the 16 features' 4 inputs) then its high ones, and each pass
+ * loads them (the split was 12 instructions of each block that the pass's 8 rows share). The
+ * passes over such a tile are compiled apart from the others: a test of the pointer in the
+ * products' loop cost what the split saved. The default model's Q4_1 products on a 2-core Xeon
+ * (bench/kernel_ab.py, 12 rounds), 32-256 rows: AVX-512 VNNI 3-12 % faster, the AVX2 build 8-15 %;
+ * at 8-16 rows the stores and reloads cost what they save. A tile of up to 64 blocks (K <= 2048:
+ * 32 KB) goes on the stack. */
+#define UNPACK_MIN_ROWS (4 * ROWS)
+#define UNPACK_MAX_BLOCKS 64
+static void unpack_q4(uint8_t *nibbles, const uint8_t *w, int64_t nb) {
+    const __m256i low = _mm256_set1_epi8(15);
+    for (int64_t b = 0; b < nb; b++) {
+        stream_ahead(w + b * 256, 256);
+        for (int g = 0; g < 4; g++)
+            for (int h = 0; h < 2; h++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(w + b * 256 + g * 64 + h * 32));
+                uint8_t *o = nibbles + b * 512 + g * 128 + h * 32;
+                _mm256_store_si256((__m256i *)o, _mm256_and_si256(v, low));
+                _mm256_store_si256((__m256i *)(o + 64), _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
+            }
+    }
+}
+
 /* out[rows r..r+R) x features 16t..16t+15, over every block; `stream`: the first pass over the
  * tile, which asks for the weights ahead (see stream_ahead). */
 static inline __attribute__((always_inline)) void rows_times_tile(float *out, int64_t N, const int8_t *xq,
                                                                   const float *xd, const float *xs, int64_t r,
                                                                   int R, int P, int fmt, const float *scale,
                                                                   const float *min, const void *q, int64_t t,
-                                                                  int64_t K, const float *bias, int stream) {
+                                                                  int64_t K, const float *bias, int stream,
+                                                                  const uint8_t *nib) {
     const int subs = scales_per_block(fmt), f16 = fmt & F16_SCALES;
     fmt = block_fmt(fmt);
     const int64_t nb = K / 32, bytes = fmt == 4 ? 256 : 512;
@@ -228,7 +259,7 @@ static inline __attribute__((always_inline)) void rows_times_tile(float *out, in
             for (int h = 0; h < 2; h++) {
                 __m256i acc[ROWS];
                 if (fmt == 4)
-                    block_q4(acc, w, h, x, R, P);
+                    block_q4(acc, w, h, x, R, P, nib ? nib + b * 512 : NULL);
                 else if (fmt == 6)
                     block_q8(acc, (const int8_t *)w, h, x, R, P, 4 * sub, 4);
                 else
@@ -286,7 +317,7 @@ static inline __attribute__((always_inline)) void rows_times_tile_512(float *out
                                                                       int R, int P, int fmt, const float *scale,
                                                                       const float *min, const void *q, int64_t t,
                                                                       int64_t K, const float *bias, int stream,
-                                                                      const int32_t *offsets) {
+                                                                      const int32_t *offsets, const uint8_t *nib) {
     const int subs = scales_per_block(fmt), groups = 8 / subs, f16 = fmt & F16_SCALES; /* groups: Q8's per scale */
     fmt = block_fmt(fmt);
     const int64_t nb = K / 32, bytes = fmt == 4 ? 256 : 512;
@@ -303,8 +334,13 @@ static inline __attribute__((always_inline)) void rows_times_tile_512(float *out
             if (fmt == 4) {
                 for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_si512();
                 for (int g = 0; g < 4; g++) {
-                    const __m512i v = _mm512_loadu_si512(w + g * 64);
-                    const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                    __m512i lo, hi;
+                    if (nib) {
+                        lo = _mm512_load_si512(nib + b * 512 + g * 128), hi = _mm512_load_si512(nib + b * 512 + g * 128 + 64);
+                    } else {
+                        const __m512i v = _mm512_loadu_si512(w + g * 64);
+                        lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                    }
                     for (int i = 0; i < R; i++) {
                         acc[i] = _mm512_dpbusd_epi32(acc[i], lo, _mm512_set1_epi32(load4(group(x, g, i, P))));
                         acc[i] = _mm512_dpbusd_epi32(acc[i], hi, _mm512_set1_epi32(load4(group(x, 4 + g, i, P))));
@@ -334,33 +370,53 @@ static inline __attribute__((always_inline)) void rows_times_tile_512(float *out
     const __m512 bv = bias ? _mm512_loadu_ps(bias + t * TILE) : _mm512_setzero_ps();
     for (int i = 0; i < R; i++) _mm512_storeu_ps(out + (r + i) * N + t * TILE, _mm512_add_ps(f[i], bv));
 }
-#define ROWS_TIMES_TILE(...) rows_times_tile_512(__VA_ARGS__, offsets)
+#define ROWS_TIMES_TILE(...) rows_times_tile_512(__VA_ARGS__, offsets, nib)
 #else
 #define AVX512_VNNI 0
-#define ROWS_TIMES_TILE rows_times_tile
+#define ROWS_TIMES_TILE(...) rows_times_tile(__VA_ARGS__, nib)
+
 #endif
+
+/* Rows r0..r1 of tile t in passes of up to ROWS rows: full panels, then the last one's rows in one
+ * pass (r1 ends every chunk but the last on a panel). A literal R and P each: the compiler unrolls
+ * every row loop and folds each broadcast's offset (with P a variable, a single row's products ran
+ * ~5 % slower). The first pass streams the weights, unless they were unpacked (nib) before. */
+static inline __attribute__((always_inline)) void passes(float *out, int64_t N, const int8_t *xq, const float *xd,
+                                                         const float *xs, int64_t r0, int64_t r1, int fmt,
+                                                         const float *scale, const float *min, const void *q,
+                                                         int64_t t, int64_t K, const float *bias,
+                                                         const int32_t *offsets, const uint8_t *nib) {
+    (void)offsets, (void)nib;
+    int64_t r = r0;
+    for (; r + ROWS <= r1; r += ROWS)
+        ROWS_TIMES_TILE(out, N, xq, xd, xs, r, ROWS, ROWS, fmt, scale, min, q, t, K, bias, r == r0 && !nib);
+    switch (r1 - r) {
+#define LAST_PANEL(P) \
+    case P: ROWS_TIMES_TILE(out, N, xq, xd, xs, r, P, P, fmt, scale, min, q, t, K, bias, r == r0 && !nib); break;
+        LAST_PANEL(1) LAST_PANEL(2) LAST_PANEL(3) LAST_PANEL(4) LAST_PANEL(5) LAST_PANEL(6) LAST_PANEL(7)
+#undef LAST_PANEL
+    }
+}
 
 static void tile_rows(float *out, int64_t N, const int8_t *xq, const float *xd, const float *xs, int64_t r0,
                       int64_t r1, int fmt, const float *scale, const float *min, const void *q, int64_t t, int64_t K,
                       const float *bias) {
+    const int64_t nb = K / 32;
 #if AVX512_VNNI
     /* Q8's offsets once for every pass over the tile: each pass computed them again, 8 of a block's
      * 104 vector instructions at 8 rows, and took 8 more to subtract them */
-    const int64_t nb = K / 32, bytes = block_fmt(fmt) == 4 ? 256 : 512;
+    const int64_t bytes = block_fmt(fmt) == 4 ? 256 : 512;
     int32_t offsets[block_fmt(fmt) == 4 ? 1 : nb * scales_per_block(fmt) * TILE];
     if (block_fmt(fmt) != 4) unsigned_offsets(offsets, (const int8_t *)q + t * nb * bytes, nb, scales_per_block(fmt));
+#else
+    const int32_t *offsets = NULL;
 #endif
-    /* Full panels, then the last one's rows in one pass (r1 ends every chunk but the last on a
-     * panel). A literal R and P each: the compiler unrolls every row loop and folds each
-     * broadcast's offset (with P a variable, a single row's products ran ~5 % slower). */
-    int64_t r = r0;
-    for (; r + ROWS <= r1; r += ROWS)
-        ROWS_TIMES_TILE(out, N, xq, xd, xs, r, ROWS, ROWS, fmt, scale, min, q, t, K, bias, r == r0);
-    switch (r1 - r) {
-#define LAST_PANEL(P) \
-    case P: ROWS_TIMES_TILE(out, N, xq, xd, xs, r, P, P, fmt, scale, min, q, t, K, bias, r == r0); break;
-        LAST_PANEL(1) LAST_PANEL(2) LAST_PANEL(3) LAST_PANEL(4) LAST_PANEL(5) LAST_PANEL(6) LAST_PANEL(7)
-#undef LAST_PANEL
+    if (block_fmt(fmt) == 4 && r1 - r0 >= UNPACK_MIN_ROWS && nb <= UNPACK_MAX_BLOCKS) {
+        uint8_t nibbles[nb * 512] __attribute__((aligned(64)));
+        unpack_q4(nibbles, (const uint8_t *)q + t * nb * 256, nb);
+        passes(out, N, xq, xd, xs, r0, r1, fmt, scale, min, q, t, K, bias, offsets, nibbles);
+    } else {
+        passes(out, N, xq, xd, xs, r0, r1, fmt, scale, min, q, t, K, bias, offsets, NULL);
     }
 }
 
