@@ -211,12 +211,12 @@ static inline __attribute__((always_inline)) void block_q8(__m256i acc[], const 
 
 /* A Q4 tile that four or more passes read has its nibbles split into bytes once, per block and
  * group its low nibbles (64 bytes: the 16 features' 4 inputs) then its high ones, and each pass
- * loads them (the split was 12 instructions of each block that the pass's 8 rows share). The
- * passes over such a tile are compiled apart from the others: a test of the pointer in the
- * products' loop cost what the split saved. The default model's Q4_1 products on a 2-core Xeon
- * (bench/kernel_ab.py, 12 rounds), 32-256 rows: AVX-512 VNNI 3-12 % faster, the AVX2 build 8-15 %;
- * at 8-16 rows the stores and reloads cost what they save. A tile of up to 64 blocks (K <= 2048:
- * 32 KB) goes on the stack. */
+ * loads them (the split was 12 instructions of each block that the pass's 8 rows share). Those
+ * passes are compiled apart (split_passes): with a test of the pointer in the products' loop the
+ * split saved nothing. The default model's Q4_1 products on a 2-core Xeon (bench/kernel_ab.py, 12
+ * rounds), 32-256 rows: AVX-512 VNNI 1-12 % faster, the AVX2 build 4-12 %; fewer rows keep the
+ * passes that split as they go, where the stores and reloads cost what they saved. A tile of up
+ * to 64 blocks (K <= 2048: 32 KB) goes on the stack. */
 #define UNPACK_MIN_ROWS (4 * ROWS)
 #define UNPACK_MAX_BLOCKS 64
 static void unpack_q4(uint8_t *nibbles, const uint8_t *w, int64_t nb) {
@@ -377,31 +377,30 @@ static inline __attribute__((always_inline)) void rows_times_tile_512(float *out
 
 #endif
 
-/* Rows r0..r1 of tile t in passes of up to ROWS rows: full panels, then the last one's rows in one
- * pass (r1 ends every chunk but the last on a panel). A literal R and P each: the compiler unrolls
- * every row loop and folds each broadcast's offset (with P a variable, a single row's products ran
- * ~5 % slower). The first pass streams the weights, unless they were unpacked (nib) before. */
-static inline __attribute__((always_inline)) void passes(float *out, int64_t N, const int8_t *xq, const float *xd,
-                                                         const float *xs, int64_t r0, int64_t r1, int fmt,
-                                                         const float *scale, const float *min, const void *q,
-                                                         int64_t t, int64_t K, const float *bias,
-                                                         const int32_t *offsets, const uint8_t *nib) {
-    (void)offsets, (void)nib;
+/* The full panels of rows r0..r1 over a Q4 tile split once (unpack_q4): the rows passed. Apart
+ * from tile_rows, so that its passes over unsplit tiles compile as before (with the split ones
+ * inlined beside them, products of 1-4 rows ran 4-26 % slower). */
+static __attribute__((noinline)) int64_t split_passes(float *out, int64_t N, const int8_t *xq, const float *xd,
+                                                      const float *xs, int64_t r0, int64_t r1, int fmt,
+                                                      const float *scale, const float *min, const void *q, int64_t t,
+                                                      int64_t K, const float *bias, const int32_t *offsets) {
+    (void)offsets;
+    const int64_t nb = K / 32;
+    uint8_t split[nb * 512] __attribute__((aligned(64)));
+    unpack_q4(split, (const uint8_t *)q + t * nb * 256, nb);
+    const uint8_t *nib = split;
     int64_t r = r0;
-    for (; r + ROWS <= r1; r += ROWS)
-        ROWS_TIMES_TILE(out, N, xq, xd, xs, r, ROWS, ROWS, fmt, scale, min, q, t, K, bias, r == r0 && !nib);
-    switch (r1 - r) {
-#define LAST_PANEL(P) \
-    case P: ROWS_TIMES_TILE(out, N, xq, xd, xs, r, P, P, fmt, scale, min, q, t, K, bias, r == r0 && !nib); break;
-        LAST_PANEL(1) LAST_PANEL(2) LAST_PANEL(3) LAST_PANEL(4) LAST_PANEL(5) LAST_PANEL(6) LAST_PANEL(7)
-#undef LAST_PANEL
-    }
+    fmt = 4 | (fmt & F16_SCALES); /* what the compiler can see: Q4's products only */
+    for (; r + ROWS <= r1; r += ROWS) ROWS_TIMES_TILE(out, N, xq, xd, xs, r, ROWS, ROWS, fmt, scale, min, q, t, K, bias, 0);
+    return r;
 }
 
 static void tile_rows(float *out, int64_t N, const int8_t *xq, const float *xd, const float *xs, int64_t r0,
                       int64_t r1, int fmt, const float *scale, const float *min, const void *q, int64_t t, int64_t K,
                       const float *bias) {
     const int64_t nb = K / 32;
+    const uint8_t *nib = NULL; /* the passes below split the nibbles themselves */
+    (void)nib;
 #if AVX512_VNNI
     /* Q8's offsets once for every pass over the tile: each pass computed them again, 8 of a block's
      * 104 vector instructions at 8 rows, and took 8 more to subtract them */
@@ -411,12 +410,19 @@ static void tile_rows(float *out, int64_t N, const int8_t *xq, const float *xd, 
 #else
     const int32_t *offsets = NULL;
 #endif
-    if (block_fmt(fmt) == 4 && r1 - r0 >= UNPACK_MIN_ROWS && nb <= UNPACK_MAX_BLOCKS) {
-        uint8_t nibbles[nb * 512] __attribute__((aligned(64)));
-        unpack_q4(nibbles, (const uint8_t *)q + t * nb * 256, nb);
-        passes(out, N, xq, xd, xs, r0, r1, fmt, scale, min, q, t, K, bias, offsets, nibbles);
-    } else {
-        passes(out, N, xq, xd, xs, r0, r1, fmt, scale, min, q, t, K, bias, offsets, NULL);
+    /* Full panels, then the last one's rows in one pass (r1 ends every chunk but the last on a
+     * panel). A literal R and P each: the compiler unrolls every row loop and folds each
+     * broadcast's offset (with P a variable, a single row's products ran ~5 % slower). */
+    int64_t r = r0;
+    if (block_fmt(fmt) == 4 && r1 - r0 >= UNPACK_MIN_ROWS && nb <= UNPACK_MAX_BLOCKS)
+        r = split_passes(out, N, xq, xd, xs, r0, r1, fmt, scale, min, q, t, K, bias, offsets);
+    for (; r + ROWS <= r1; r += ROWS)
+        ROWS_TIMES_TILE(out, N, xq, xd, xs, r, ROWS, ROWS, fmt, scale, min, q, t, K, bias, r == r0);
+    switch (r1 - r) {
+#define LAST_PANEL(P) \
+    case P: ROWS_TIMES_TILE(out, N, xq, xd, xs, r, P, P, fmt, scale, min, q, t, K, bias, r == r0); break;
+        LAST_PANEL(1) LAST_PANEL(2) LAST_PANEL(3) LAST_PANEL(4) LAST_PANEL(5) LAST_PANEL(6) LAST_PANEL(7)
+#undef LAST_PANEL
     }
 }
 
