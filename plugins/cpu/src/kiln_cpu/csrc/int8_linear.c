@@ -336,7 +336,8 @@ static inline __attribute__((always_inline)) void rows_times_tile_512(float *out
                 for (int g = 0; g < 4; g++) {
                     __m512i lo, hi;
                     if (nib) {
-                        lo = _mm512_load_si512(nib + b * 512 + g * 128), hi = _mm512_load_si512(nib + b * 512 + g * 128 + 64);
+                        lo = _mm512_load_si512(nib + b * 512 + g * 128);
+                        hi = _mm512_load_si512(nib + b * 512 + g * 128 + 64);
                     } else {
                         const __m512i v = _mm512_loadu_si512(w + g * 64);
                         lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
@@ -374,7 +375,6 @@ static inline __attribute__((always_inline)) void rows_times_tile_512(float *out
 #else
 #define AVX512_VNNI 0
 #define ROWS_TIMES_TILE(...) rows_times_tile(__VA_ARGS__, nib)
-
 #endif
 
 /* The full panels of rows r0..r1 over a Q4 tile split once (unpack_q4): the rows passed. Apart
@@ -391,7 +391,8 @@ static __attribute__((noinline)) int64_t split_passes(float *out, int64_t N, con
     const uint8_t *nib = split;
     int64_t r = r0;
     fmt = 4 | (fmt & F16_SCALES); /* what the compiler can see: Q4's products only */
-    for (; r + ROWS <= r1; r += ROWS) ROWS_TIMES_TILE(out, N, xq, xd, xs, r, ROWS, ROWS, fmt, scale, min, q, t, K, bias, 0);
+    for (; r + ROWS <= r1; r += ROWS)
+        ROWS_TIMES_TILE(out, N, xq, xd, xs, r, ROWS, ROWS, fmt, scale, min, q, t, K, bias, 0);
     return r;
 }
 
