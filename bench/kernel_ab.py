@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import subprocess
 import tempfile
@@ -38,6 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from serve_compare import machine
 
 from kiln_cpu import native
 
@@ -141,11 +141,6 @@ def attention_cases(seqs_list: list[int], keys: int, repeats: int, a, b) -> list
     return cases
 
 
-def cpu_model() -> str:
-    with open("/proc/cpuinfo") as f:
-        return next((line.partition(":")[2].strip() for line in f if line.startswith("model name")), platform.machine())
-
-
 def row(case: dict) -> str:
     rate = f" ({case['a_gmacs']:.0f} / {case['b_gmacs']:.0f} GMAC/s)" if "a_gmacs" in case else ""
     return (
@@ -175,8 +170,7 @@ def main() -> None:
         if "attention" in kernels:
             cases += attention_cases([int(s) for s in args.seqs.split(",")], args.keys, args.repeats, a, b)
     RESULTS.parent.mkdir(exist_ok=True)
-    machine = {"cpu": cpu_model(), "flags": native._cpu_flags().partition(":")[2].split()}
-    RESULTS.write_text(json.dumps({"rev": args.rev, "machine": machine, "cases": cases}, indent=1) + "\n")
+    RESULTS.write_text(json.dumps({"rev": args.rev, "machine": machine(), "cases": cases}, indent=1) + "\n")
     print(f"wrote {RESULTS}")
 
 
