@@ -121,8 +121,8 @@ def decode_attention(seqs: int, keys: int, cold: bool) -> Callable[[object], tor
             kv, table = planes[layer % layers], tables[layer % layers]
             lib.paged_decode_attention_f32_bf16(
                 out.data_ptr(), q.data_ptr(), q.stride(0), kv[0].data_ptr(), kv[1].data_ptr(), table.data_ptr(),
-                table.stride(0), lens.data_ptr(), seqs, HEADS, KV_HEADS, HEAD_DIM, BLOCK, 0.125, 0,
-            )  # fmt: skip
+                table.stride(0), lens.data_ptr(), seqs, HEADS, KV_HEADS, HEAD_DIM, BLOCK, 0.125, 0, 0.0,
+            )  # fmt: skip  # no window, no soft cap (a build from before the cap ignores that argument)
         return out.clone()
 
     return run

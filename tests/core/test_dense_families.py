@@ -22,6 +22,7 @@ FAMILIES = {
     "gemma": ({}, {}),
     "gemma2": ({}, {}),  # soft caps on scores and logits
     "gemma2-reference-attention": ({}, dict(attention_backend="torch_ref")),
+    "gemma2-head256": (dict(head_dim=256), {}),  # Gemma 2's real head size: the CPU plugin's C kernels cap the scores
     "gemma3_text": ({}, {}),  # q/k norms; sliding and full layers with ropes of their own
     "gemma3_text-head256": (dict(head_dim=256), {}),  # Gemma's real head size: the CPU plugin's C kernels take it
 }

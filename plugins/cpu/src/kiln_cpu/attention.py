@@ -28,6 +28,9 @@ through and that gathers turn straight into SDPA's (heads, len, dim) shape.
 * A sliding window (Mistral, some Qwen layers) masks keys more than ``w - 1``
   positions back; the C kernel and cached-prefix chunks skip blocks wholly
   before the window. Blocks are never freed for it: the cache holds every token.
+* Gemma 2's soft cap (``logit_softcap``): the C kernels cap each score as they compute it; a
+  step that any torch path above would run (no kernel for its shapes or dtypes) takes the
+  reference computation whole instead, as every capped step did before the kernels had it.
 * Encoder steps (``forward_encoder``, BERT-style models): one SDPA call over the sequences
   padded to the longest, keys past each one's end masked, unless padding would more than
   double the work; then the base class's call per sequence. (One batched call ran twice as
@@ -121,7 +124,7 @@ class CpuAttentionBackend(AttentionBackend):
     ):
         if self.k_scale != 1.0 or self.v_scale != 1.0:
             raise NotImplementedError("the CPU attention stores K/V at scale 1 (no calibrated KV-cache scales)")
-        if logit_softcap is not None:  # Gemma 2's soft-capped layers: the reference computation (no kernel has it)
+        if logit_softcap is not None and not self._native_caps(metadata):  # the torch paths have no soft cap
             return paged_attention(q, k, v, self.reference_view(kv_cache), metadata.layout, scale, sliding_window,
                                    logit_softcap)  # fmt: skip
         self._write(k, v, kv_cache, metadata.layout)
@@ -132,14 +135,14 @@ class CpuAttentionBackend(AttentionBackend):
                 layout = metadata.layout
                 native.paged_decode_attention(
                     out[:nd], q[:nd], kv_cache[0], kv_cache[1], layout.block_table[:nd], layout.seq_lens[:nd], scale,
-                    sliding_window,
+                    sliding_window, logit_softcap,
                 )  # fmt: skip
             else:
                 out[:nd] = self._decode(q[:nd], kv_cache, metadata, scale, sliding_window)
         if metadata.prefill_seqs is not None:
             layout = metadata.layout
             native.prefill_attention(
-                out, q, k, v, kv_cache, layout.block_table, metadata.prefill_seqs, scale, sliding_window
+                out, q, k, v, kv_cache, layout.block_table, metadata.prefill_seqs, scale, sliding_window, logit_softcap
             )
             return out
         bs = metadata.layout.block_size
@@ -162,6 +165,11 @@ class CpuAttentionBackend(AttentionBackend):
             )
             out[q_start:q_end] = o[0].transpose(0, 1)
         return out
+
+    def _native_caps(self, metadata: CpuMetadata) -> bool:
+        """Whether the C kernels run every part of this step, so that they can soft-cap its scores."""
+        decodes_ok = metadata.decode_blocks is None or self.native is not None
+        return decodes_ok and (not metadata.prefills or metadata.prefill_seqs is not None)
 
     def forward_encoder(self, q, k, v, layout: BatchLayout, *, scale):
         lens, width = layout.query_lens_cpu, layout.max_query_len

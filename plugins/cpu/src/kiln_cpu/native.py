@@ -151,18 +151,17 @@ def _compiler() -> str | None:
 
 def _declared(lib: ctypes.CDLL) -> ctypes.CDLL:
     """``lib`` with its entry points' argument and result types set."""
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     for fn in (getattr(lib, f"paged_decode_attention_{suffix}") for suffix in _ATTENTION_KERNELS.values()):
-        fn.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_float, i64]
+        fn.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, f32, i64, f32]
         fn.restype = ctypes.c_int
-    prefill_common = [ptr, i64, ptr, *[i64] * 5, ctypes.c_float, i64]  # block table .. window
+    prefill_common = [ptr, i64, ptr, *[i64] * 5, f32, i64, f32]  # block table .. soft cap
     head = [ptr, i64, ptr, i64]  # out, its row stride, q, its row stride
     lib.prefill_attention_bf16.argtypes = [*head, ptr, ptr, *prefill_common]
     lib.prefill_attention_f32.argtypes = [*head, ptr, ptr, i64, i64, ptr, ptr, ctypes.c_int, *prefill_common]
     for fn in (lib.prefill_attention_bf16, lib.prefill_attention_f32):
         fn.restype = ctypes.c_int
     lib.prefill_attention_bf16_available.restype = ctypes.c_int
-    f32 = ctypes.c_float
     for dt in ("f32", "bf16"):
         getattr(lib, f"rms_norm_{dt}").argtypes = [ptr, ptr, ptr, i64, i64, i64, f32]
         getattr(lib, f"add_rms_norm_{dt}").argtypes = [ptr, ptr, ptr, i64, i64, f32]
@@ -221,9 +220,11 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,  # (reqs,) int32
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
     """Decode attention into ``out`` over each request's last ``sliding_window`` keys (all
-    without one); computed in fp32."""
+    without one), scores soft-capped to ``softcap * tanh(s / softcap)`` where given (Gemma 2);
+    computed in fp32."""
     suffix = _ATTENTION_KERNELS.get((q.dtype, k_cache.dtype))
     num_reqs, num_heads, head_dim = q.shape
     if q.stride(2) != 1 or q.stride(1) != head_dim or not out.is_contiguous() or suffix is None:
@@ -245,6 +246,7 @@ def paged_decode_attention(
         k_cache.shape[2],  # block size
         scale,
         sliding_window or 0,  # 0: no window
+        softcap or 0.0,  # 0: no cap
     )
     if status != 0:
         raise ValueError(f"native decode attention does not support head_dim={head_dim}, heads={num_heads}")
@@ -260,9 +262,11 @@ def prefill_attention(
     seqs: torch.Tensor,  # (prefills, 4) int64: first token row, query length, context length, block-table row
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
     """Causal attention of prefill queries (and chunks on a cached prefix) over the keys up to
-    each query's position (its last ``sliding_window`` of them): a cached prefix's from the
+    each query's position (its last ``sliding_window`` of them), scores soft-capped as in
+    ``paged_decode_attention``: a cached prefix's from the
     cache; the prompt's own from ``k``/``v`` for fp32 queries (unrounded under a bf16 cache),
     from the cache, which holds them too, for bf16 ones."""
     dtype = q.dtype
@@ -277,7 +281,7 @@ def prefill_attention(
     seqs = seqs.contiguous()
     window = min(sliding_window or 0, 2**31 - 1)  # the kernels compare positions in 32 bits
     common = (block_table.data_ptr(), block_table.stride(0), seqs.data_ptr(), seqs.shape[0], q.shape[1],
-              kv_cache.shape[2], q.shape[2], kv_cache.shape[3], scale, window)  # fmt: skip
+              kv_cache.shape[2], q.shape[2], kv_cache.shape[3], scale, window, softcap or 0.0)  # fmt: skip
     head = (out.data_ptr(), out.stride(0), q.data_ptr(), q.stride(0))
     cache = (kv_cache[0].data_ptr(), kv_cache[1].data_ptr())
     lib = load_kernels()

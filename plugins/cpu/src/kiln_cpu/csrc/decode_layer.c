@@ -33,10 +33,10 @@ void write_kv_bf16(uint16_t *, uint16_t *, const uint16_t *, const uint16_t *, c
                    int64_t, int64_t, int64_t, int64_t);
 int paged_decode_attention_f32(float *, const float *, int64_t, const float *, const float *, const int32_t *,
                                int64_t, const int32_t *, int64_t, int64_t, int64_t, int64_t, int64_t, float,
-                               int64_t);
+                               int64_t, float);
 int paged_decode_attention_f32_bf16(float *, const float *, int64_t, const uint16_t *, const uint16_t *,
                                     const int32_t *, int64_t, const int32_t *, int64_t, int64_t, int64_t, int64_t,
-                                    int64_t, float, int64_t);
+                                    int64_t, float, int64_t, float);
 
 int lora_add_f32(float *, int64_t, const float *, int64_t, int64_t, const int64_t *, const float *, const float *,
                  const float *, int64_t, int64_t, int64_t, int64_t, const int64_t *, const int64_t *);
@@ -143,13 +143,13 @@ int decode_layer(const struct layer *L, const struct step *S, float *hidden, flo
                       2 * kv_size, 2 * kv_size);
         failed = paged_decode_attention_f32_bf16(attn, qkv, qkv_size, L->k_cache, L->v_cache, S->block_table,
                                                  S->table_stride, S->seq_lens, rows, L->heads, L->kv_heads, D,
-                                                 S->block_size, (float)L->scale, L->window);
+                                                 S->block_size, (float)L->scale, L->window, 0.0f);
     } else {
         write_kv_f32(L->k_cache, L->v_cache, k, v, S->slots, rows, L->kv_heads, D, S->block_size, qkv_size,
                      qkv_size);
         failed = paged_decode_attention_f32(attn, qkv, qkv_size, L->k_cache, L->v_cache, S->block_table,
                                             S->table_stride, S->seq_lens, rows, L->heads, L->kv_heads, D,
-                                            S->block_size, (float)L->scale, L->window);
+                                            S->block_size, (float)L->scale, L->window, 0.0f);
     }
     if (failed || (failed = linear(&L->o, S, hidden, attn))) goto done;
     add_rms_norm_f32(hidden, residual, L->post_norm, rows, H, eps);
@@ -168,7 +168,7 @@ void rotary_bf16(const int64_t *, uint16_t *, uint16_t *, const float *, int64_t
                  int64_t);
 int paged_decode_attention_bf16(uint16_t *, const uint16_t *, int64_t, const uint16_t *, const uint16_t *,
                                 const int32_t *, int64_t, const int32_t *, int64_t, int64_t, int64_t, int64_t, int64_t,
-                                float, int64_t);
+                                float, int64_t, float);
 int linear_bf16(uint16_t *, const uint16_t *, int64_t, int64_t, const uint16_t *, const float *, int64_t);
 void silu_and_mul_bf16(uint16_t *, const uint16_t *, int64_t, int64_t);
 void moe_route_bf16(float *, int64_t *, const uint16_t *, int64_t, int64_t, int64_t, int64_t);
@@ -259,7 +259,7 @@ int decode_moe_layer_bf16(const struct moe_layer *L, const struct step *S, uint1
     write_kv_bf16(L->k_cache, L->v_cache, k, v, S->slots, rows, L->kv_heads, D, S->block_size, qkv_size, qkv_size);
     failed = paged_decode_attention_bf16(attn, qkv, qkv_size, L->k_cache, L->v_cache, S->block_table,
                                          S->table_stride, S->seq_lens, rows, L->heads, L->kv_heads, D, S->block_size,
-                                         (float)L->scale, L->window);
+                                         (float)L->scale, L->window, 0.0f);
     /* normed now holds the attention block's output, then the experts' input */
     if (failed || (failed = linear_bf16(normed, attn, rows, q_size, L->o.w, L->o.bias, H))) goto done;
     add_rms_norm_bf16(normed, residual, L->post_norm, rows, H, eps);

@@ -10,7 +10,8 @@
  * by (request, kv head); the query heads sharing a kv head (the GQA group) reuse
  * every K/V vector they load. With a sliding window w (0: none) the query, at
  * position seq_len - 1, sees only the last w keys: first = max(0, seq_len - w),
- * and blocks wholly before it are not read.
+ * and blocks wholly before it are not read. With a soft cap c (Gemma 2's; 0: none) each
+ * score becomes c tanh(s / c) before the softmax.
  *
  *   s[g][t] = scale * q[g] . K[t]      first <= t < seq_len
  *   p[g][t] = exp(s[g][t] - max_t s[g][t])
@@ -167,7 +168,8 @@ static void permute(float *x, int64_t n, int back) {
 #define DEFINE_HEAD(NAME, T, LOAD, STORE, KT, WIDEN, PERMUTED, D)                                                \
     static void head_##NAME##_##D(T *out, const T *q, const KT *k, const KT *v, const int32_t *table,            \
                                   int64_t first, int64_t base, int64_t len, int64_t row, int64_t block_size,     \
-                                  float scale, float *scores, int64_t padded, int64_t G, float *tmp) {           \
+                                  float scale, float softcap, float *scores, int64_t padded, int64_t G,          \
+                                  float *tmp) {                                                                  \
         float qf[8 * D], acc[8 * D];                                                                             \
         for (int64_t i = 0; i < G * D; i += 8) {                                                                 \
             store8(qf + i, LOAD(q + i) * splat(scale));                                                          \
@@ -215,6 +217,9 @@ static void permute(float *x, int64_t n, int back) {
         }                                                                                                        \
         float inv[8];                                                                                            \
         for (int64_t g = 0; g < G; g++) {                                                                        \
+            if (softcap > 0.0f)                                                                                  \
+                for (int64_t t = 0; t < padded; t += 8)                                                          \
+                    store8(scores + g * padded + t, softcap8(load8_f32(scores + g * padded + t), softcap));      \
             for (int64_t t = 0; t < first - base; t++) scores[g * padded + t] = -INFINITY;                       \
             for (int64_t t = len - base; t < padded; t++) scores[g * padded + t] = -INFINITY;                    \
             inv[g] = 1.0f / softmax_numerators(scores + g * padded, padded);                                    \
@@ -257,11 +262,12 @@ static void permute(float *x, int64_t n, int back) {
                                       const KT *v_cache,                                                         \
                                       const int32_t *block_table, int64_t table_stride, const int32_t *seq_lens, \
                                       int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads,                 \
-                                      int64_t head_dim, int64_t block_size, float scale, int64_t window) {       \
+                                      int64_t head_dim, int64_t block_size, float scale, int64_t window,         \
+                                      float softcap) {                                                           \
         const int64_t group = num_heads / num_kv_heads;                                                          \
         if (group < 1 || group > 8 || group * num_kv_heads != num_heads) return -1;                              \
         void (*fn)(T *, const T *, const KT *, const KT *, const int32_t *, int64_t, int64_t, int64_t, int64_t,   \
-                   int64_t, float, float *, int64_t, int64_t, float *) =                                         \
+                   int64_t, float, float, float *, int64_t, int64_t, float *) =                                  \
             head_dim == 64    ? head_##NAME##_64                                                                 \
             : head_dim == 96  ? head_##NAME##_96                                                                 \
             : head_dim == 128 ? head_##NAME##_128                                                                \
@@ -288,8 +294,8 @@ static void permute(float *x, int64_t n, int back) {
                     }                                                                                            \
                     const int64_t first = (r * num_heads + h * group) * head_dim, kv = h * block_size * head_dim; \
                     fn(out + first, q + r * q_stride + h * group * head_dim, k_cache + kv, v_cache + kv,         \
-                       block_table + r * table_stride, start, base, len, row, block_size, scale, scores, padded,  \
-                       group, tmp);                                                                              \
+                       block_table + r * table_stride, start, base, len, row, block_size, scale, softcap, scores, \
+                       padded, group, tmp);                                                                      \
                 }                                                                                                \
             }                                                                                                    \
             free(scores);                                                                                        \

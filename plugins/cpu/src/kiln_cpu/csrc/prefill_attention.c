@@ -15,7 +15,8 @@
  *                  pair is broadcast.
  *   P   = exp(S - m)  online over KEYS keys at a time (m, l: running max and sum),
  *                  masked causally and by the sliding window (w: a row at position p
- *                  sees keys p - w + 1 .. p), rounded to bf16 as pairs of keys.
+ *                  sees keys p - w + 1 .. p), rounded to bf16 as pairs of keys; with a
+ *                  soft cap c (Gemma 2's), S is c tanh(S / c) first.
  *   O  += P V      lanes are 16 output dims; each row's key pair is broadcast against
  *                  the values interleaved as (key pair, dim) words.
  *
@@ -43,6 +44,7 @@ typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t i16 __attribute__((vector_size(64)));
 static inline v16 splat16(float x) { return (v16)_mm512_set1_ps(x); }
 DEFINE_VMAX_EXP(vmax16, exp16_nonpositive, v16, i16, splat16)
+DEFINE_SOFTCAP(softcap16, exp16_nonpositive, v16, i16, splat16)
 
 /* Two bf16 as one 32-bit word (a pair of dims or of keys: vdpbf16ps's operand unit). */
 static inline uint32_t word(const uint16_t *p) {
@@ -126,7 +128,7 @@ static inline __attribute__((always_inline)) void accumulate_pv(float *o, const 
  * against the item's gathered keys key0.. (those before a row's window are masked). */
 static void tile(uint16_t *out, int64_t out_stride, const uint16_t *q, int64_t q_stride, int64_t rows,
                  int64_t pos0, const Buffers *b, int64_t key0, int64_t end, int64_t window, float scale,
-                 int64_t D) {
+                 float softcap, int64_t D) {
     uint32_t qt[MAX_D / 2 * ROWS] __attribute__((aligned(64))); /* (dim pair, row) */
     float s[KEYS * ROWS] __attribute__((aligned(64)));       /* (key, row) */
     uint32_t p[KEYS / 2 * ROWS] __attribute__((aligned(64))); /* (key pair, row) bf16 pairs */
@@ -164,8 +166,9 @@ static void tile(uint16_t *out, int64_t out_stride, const uint16_t *q, int64_t q
                 for (int h = 0; h < 2; h++) {
                     __mmask16 see = _mm512_cmpge_epi32_mask(pos[h], key);
                     if (window > 0) see &= _mm512_cmplt_epi32_mask(_mm512_sub_epi32(pos[h], key), _mm512_set1_epi32(window));
-                    _mm512_store_ps(s + (t + i) * ROWS + 16 * h,
-                                    _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), see, acc[i][h], _mm512_set1_ps(scale)));
+                    __m512 score = _mm512_mul_ps(acc[i][h], _mm512_set1_ps(scale));
+                    if (softcap > 0.0f) score = (__m512)softcap16((v16)score, softcap);
+                    _mm512_store_ps(s + (t + i) * ROWS + 16 * h, _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), see, score));
                 }
             }
         }
@@ -210,7 +213,8 @@ static void tile(uint16_t *out, int64_t out_stride, const uint16_t *q, int64_t q
 int prefill_attention_bf16(uint16_t *out, int64_t out_stride, const uint16_t *q, int64_t q_stride,
                            const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *block_table,
                            int64_t table_stride, const int64_t *seqs, int64_t num_seqs, int64_t num_heads,
-                           int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window) {
+                           int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window,
+                           float softcap) {
     const int64_t group = num_heads / num_kv_heads;
     if (head_dim % 32 != 0 || head_dim > MAX_D || group * num_kv_heads != num_heads) return -1;
     int64_t items;
@@ -236,7 +240,8 @@ int prefill_attention_bf16(uint16_t *out, int64_t out_stride, const uint16_t *q,
                 for (int64_t r = 0; r < rows; r += ROWS) {
                     const int64_t token = sq[0] + c + r;
                     tile(out + token * out_stride + head * head_dim, out_stride, q + token * q_stride + head * head_dim,
-                         q_stride, rows - r < ROWS ? rows - r : ROWS, pos0 + r, &b, key0, end, window, scale, head_dim);
+                         q_stride, rows - r < ROWS ? rows - r : ROWS, pos0 + r, &b, key0, end, window, scale, softcap,
+                         head_dim);
                 }
             }
         }

@@ -14,7 +14,8 @@
  *   S^T = K Q^T    lanes are the tile's rows, so softmax's maxima and sums are lane-wise;
  *                  each key's dims are broadcast against Q^T's (dim, row) vectors.
  *   P   = exp(S - m)  online over KEYS keys at a time, masked causally and by the sliding
- *                  window (a row at position p sees keys p - w + 1 .. p).
+ *                  window (a row at position p sees keys p - w + 1 .. p); with a soft cap c
+ *                  (Gemma 2's), S is c tanh(S / c) first.
  *   O  += P V      lanes are output dims; each row's probability is broadcast.
  *
  * All in fp32: out = O / l.
@@ -42,6 +43,7 @@
 typedef float vfu __attribute__((vector_size(4 * VL), aligned(4))); /* unaligned loads and stores */
 static inline vi splati(int32_t x) { return (vi){0} + x; }
 DEFINE_VMAX_EXP(vmaxf, expf_nonpositive, vf, vi, splatf)
+DEFINE_SOFTCAP(softcapf, expf_nonpositive, vf, vi, splatf)
 
 static const float zero_row[MAX_D] __attribute__((aligned(64)));
 
@@ -69,7 +71,7 @@ static inline __attribute__((always_inline)) void pv_block(float *o, int64_t D, 
  * against keys key0..end-1 (keys[i], values[i]: key key0 + i's rows; past end, zero_row). */
 static void tile(float *out, int64_t out_stride, const float *q, int64_t q_stride, int64_t rows, int64_t pos0,
                  const float **keys, const float **values, int64_t key0, int64_t end, int64_t window,
-                 float scale, int64_t D) {
+                 float scale, float softcap, int64_t D) {
     vf qt[MAX_D * 2];            /* (dim, half of the rows) */
     vf s[KEYS * 2];              /* (key, half): scores, then probabilities */
     float o[ROWS * MAX_D] __attribute__((aligned(64))); /* (row, dim) */
@@ -106,7 +108,8 @@ static void tile(float *out, int64_t out_stride, const float *q, int64_t q_strid
                 for (int h = 0; h < 2; h++) {
                     vi see = pos[h] >= key;
                     if (window > 0) see &= (pos[h] - key) < splati((int32_t)window);
-                    s[2 * (t + i) + h] = (vf)((see & (vi)(acc[i][h] * scale)) | (~see & (vi)splatf(-INFINITY)));
+                    const vf score = softcap > 0.0f ? softcapf(acc[i][h] * scale, softcap) : acc[i][h] * scale;
+                    s[2 * (t + i) + h] = (vf)((see & (vi)score) | (~see & (vi)splatf(-INFINITY)));
                 }
             }
         }
@@ -152,7 +155,7 @@ int prefill_attention_f32(float *out, int64_t out_stride, const float *q, int64_
                           const float *v, int64_t k_stride, int64_t v_stride, const void *k_cache, const void *v_cache, int cache_bf16,
                           const int32_t *block_table, int64_t table_stride, const int64_t *seqs, int64_t num_seqs,
                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                          int64_t window) {
+                          int64_t window, float softcap) {
     if (num_kv_heads < 1 || num_heads % num_kv_heads != 0) return -1;
     if (head_dim != 64 && head_dim != 96 && head_dim != 128 && head_dim != MAX_D) return -1;
     const int64_t group = num_heads / num_kv_heads, D = head_dim;
@@ -209,7 +212,7 @@ int prefill_attention_f32(float *out, int64_t out_stride, const float *q, int64_
                 for (int64_t r = 0; r < rows; r += ROWS) {
                     const int64_t token = sq[0] + c + r;
                     tile(out + token * out_stride + head * D, out_stride, q + token * q_stride + head * D, q_stride,
-                         rows - r < ROWS ? rows - r : ROWS, pos0 + r, keys, values, key0, end, window, scale, D);
+                         rows - r < ROWS ? rows - r : ROWS, pos0 + r, keys, values, key0, end, window, scale, softcap, D);
                 }
             }
         }

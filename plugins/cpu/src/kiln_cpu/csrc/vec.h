@@ -109,7 +109,20 @@ static inline float hsum8(v8 a) { return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4
         return p * (V)((n + 127) << 23);                                         \
     }
 
+/* cap * tanh(s / cap), Gemma 2's soft cap on attention scores (cap > 0), over the vector types
+ * of a DEFINE_VMAX_EXP and its EXP: tanh|x| = (1 - e) / (1 + e) with e = exp(-2|x|) (no
+ * overflow), the sign then put back. Within ~cap * 6e-8 of the exact value. */
+#define DEFINE_SOFTCAP(SOFTCAP, EXP, V, I, SPLAT)                               \
+    static inline V SOFTCAP(V s, float cap) {                                    \
+        const V x = s / SPLAT(cap);                                              \
+        const I magnitude = (I)x & 0x7fffffff;                                   \
+        const V e = EXP(SPLAT(-2.0f) * (V)magnitude);                            \
+        const V t = (SPLAT(1.0f) - e) / (SPLAT(1.0f) + e);                       \
+        return SPLAT(cap) * (V)((I)t | ((I)x ^ magnitude));                      \
+    }
+
 DEFINE_VMAX_EXP(vmax, exp8_nonpositive, v8, i8, splat)
+DEFINE_SOFTCAP(softcap8, exp8_nonpositive, v8, i8, splat)
 
 static inline v8 vselect(i8 mask, v8 a, v8 b) { return (v8)(((i8)a & mask) | ((i8)b & ~mask)); }
 
