@@ -31,6 +31,8 @@ void write_kv_f32(float *, float *, const float *, const float *, const int64_t 
                   int64_t, int64_t, int64_t);
 void write_kv_bf16(uint16_t *, uint16_t *, const uint16_t *, const uint16_t *, const int64_t *, int64_t, int64_t,
                    int64_t, int64_t, int64_t, int64_t);
+/* The attention kernels' last argument is the soft cap: 0 here, since the layouts these layers
+ * serve have none (Gemma 2's norms after each sublayer keep it out of them). */
 int paged_decode_attention_f32(float *, const float *, int64_t, const float *, const float *, const int32_t *,
                                int64_t, const int32_t *, int64_t, int64_t, int64_t, int64_t, int64_t, float,
                                int64_t, float);
