@@ -12,13 +12,15 @@ Kernels (``--kernels``):
 - ``linear``: the integer products (``csrc/int8_linear.c``) on the default model's own GGUF
   weights: layer 0's four projections (Q4_1) and the LM head (Q8_0), ``--rows`` rows of random
   activations each.
+- ``wide``: the same on random Q4_1 weights of ``--wide`` shapes (outputs x inputs; by default a
+  7B-class model's attention, up and down projections), for inputs wider than the default model's.
 - ``attention``: decode attention (fp32 queries, bf16 cache, the default model's 9 query and 3
   K/V heads of 64) of ``--seqs`` requests of ~``--keys`` keys through 30 layers' caches, "cold"
   (a 100 MB sweep before each round, as a decode step's weights would leave the caches) and
   "hot" (one layer's cache 30 times).
 
-    python bench/kernel_ab.py [--rev HEAD] [--kernels linear,attention] [--rows 1,16,64,512]
-        [--seqs 16,64] [--keys 192] [--repeats 8]
+    python bench/kernel_ab.py [--rev HEAD] [--kernels linear,attention,wide] [--rows 1,16,64,512]
+        [--seqs 16,64] [--keys 192] [--wide 4096x4096,14336x4096,4096x14336] [--repeats 8]
 
 ``KILN_CPU_MARCH`` builds both for another instruction set (``x86-64-v3``: AVX2 without VNNI).
 Prints a table (median time per call of each build, B/A, equal) and writes
@@ -75,16 +77,37 @@ def alternate(
     }
 
 
-def linear_cases(rows_list: list[int], repeats: int, a, b) -> list[dict]:
+def model_weights() -> list[tuple[str, object]]:
+    """The default model's layer 0 projections and LM head, as the CPU plugin tiles them."""
     from kiln import LLM
     from kiln.models.loader import default_model_path
 
     llm = LLM(default_model_path(), max_num_seqs=1, max_model_len=256)
     modules = dict(llm.engine.executor.runner.model.named_modules())
     names = [n for n in modules if n.startswith("layers.0.") and hasattr(modules[n], "weight")]
+    return [
+        (n, modules[n].weight) for n in [*[n for n in names if hasattr(modules[n].weight, "kernel_args")], "lm_head"]
+    ]
+
+
+def wide_weights(shapes: list[tuple[int, int]]) -> list[tuple[str, object]]:
+    """Random Q4_1 weights of ``shapes`` (outputs, inputs), quantized by gguf-py and tiled."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, dequantize, quantize
+
+    from kiln_cpu.tiled_weights import tiled_form
+
+    q4_1, weights = GGMLQuantizationType.Q4_1, []
+    for n_out, k_in in shapes:
+        x = np.random.default_rng(0).standard_normal((n_out, k_in), dtype=np.float32)
+        w = torch.from_numpy(dequantize(quantize(x, q4_1), q4_1).astype(np.float32).reshape(n_out, k_in))
+        weights.append(("random Q4_1", tiled_form(w)))
+    return weights
+
+
+def linear_cases(weights: list[tuple[str, object]], rows_list: list[int], repeats: int, a, b) -> list[dict]:
     cases = []
-    for name in [*[n for n in names if hasattr(modules[n].weight, "kernel_args")], "lm_head"]:
-        weight = modules[name].weight
+    for name, weight in weights:
         n_out, k_in = weight.shape
         for rows in rows_list:
             x, out = torch.randn(rows, k_in), torch.empty(rows, n_out)
@@ -156,17 +179,22 @@ def main() -> None:
     parser.add_argument("--rows", default="1,16,64,512", help="rows of the products")
     parser.add_argument("--seqs", default="16,64", help="requests of decode attention")
     parser.add_argument("--keys", type=int, default=192, help="keys a request has (up to a block fewer)")
+    parser.add_argument("--wide", default="4096x4096,14336x4096,4096x14336", help="shapes of the wide weights")
     parser.add_argument("--repeats", type=int, default=8, help="rounds per case (half of them B first)")
     args = parser.parse_args()
     kernels = args.kernels.split(",")
-    if unknown := set(kernels) - {"linear", "attention"}:
-        parser.error(f"--kernels: unknown {sorted(unknown)}; choose from linear, attention")
+    if unknown := set(kernels) - {"linear", "attention", "wide"}:
+        parser.error(f"--kernels: unknown {sorted(unknown)}; choose from linear, attention, wide")
+    rows = [int(r) for r in args.rows.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         a, b = libraries(args.rev, Path(tmp))
         print(f"A: {args.rev}'s kernels, B: the work tree's; median of {args.repeats} rounds, alternating", flush=True)
         cases = []
         if "linear" in kernels:
-            cases += linear_cases([int(r) for r in args.rows.split(",")], args.repeats, a, b)
+            cases += linear_cases(model_weights(), rows, args.repeats, a, b)
+        if "wide" in kernels:
+            shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.wide.split(",")]
+            cases += linear_cases(wide_weights(shapes), rows, args.repeats, a, b)
         if "attention" in kernels:
             cases += attention_cases([int(s) for s in args.seqs.split(",")], args.keys, args.repeats, a, b)
     RESULTS.parent.mkdir(exist_ok=True)

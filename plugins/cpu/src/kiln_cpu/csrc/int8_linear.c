@@ -216,7 +216,9 @@ static inline __attribute__((always_inline)) void block_q8(__m256i acc[], const 
  * split saved nothing. The default model's Q4_1 products on a 2-core Xeon (bench/kernel_ab.py, 12
  * rounds), 32-256 rows: AVX-512 VNNI 1-12 % faster, the AVX2 build 4-12 %; fewer rows keep the
  * passes that split as they go, where the stores and reloads cost what they saved. A tile of up
- * to 64 blocks (K <= 2048: 32 KB) goes on the stack. */
+ * to 64 blocks (K <= 2048: 32 KB) goes on the stack. Wider ones split into a heap buffer per thread
+ * measured no faster (kernel_ab's wide weights, K 4096 and 14336: B/A 0.98-1.01 at 64-256 rows,
+ * 1.08-1.11 at 32), their split past L1. */
 #define UNPACK_MIN_ROWS (4 * ROWS)
 #define UNPACK_MAX_BLOCKS 64
 static void unpack_q4(uint8_t *nibbles, const uint8_t *w, int64_t nb) {
