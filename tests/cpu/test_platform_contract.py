@@ -45,6 +45,6 @@ class TestCpuLoRAContract(LoRAOpsContract):
 def test_the_ops_contract_runs_the_c_kernels():
     """Without the C kernels (no compiler) custom_ops is empty and the ops contract skips everything."""
     assert native.load_kernels() is not None and set(TestCpuOpsContract.ops) == {
-        "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "add_lora", "fused_experts",
-        "moe_route", "argmax",
+        "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "gelu_tanh_and_mul", "add_lora",
+        "fused_experts", "moe_route", "argmax",
     }  # fmt: skip

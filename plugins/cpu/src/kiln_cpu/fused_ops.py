@@ -65,13 +65,22 @@ def rotary_embedding(
     return q, k
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def _act_and_mul(op: str, x: torch.Tensor) -> torch.Tensor:
     if x.dtype not in _SUFFIX or not x.is_contiguous():
-        return reference.silu_and_mul(x)
+        return getattr(reference, op)(x)
     d = x.shape[-1] // 2
     out = torch.empty((*x.shape[:-1], d), dtype=x.dtype)
-    _kernel("silu_and_mul", x.dtype)(out.data_ptr(), x.data_ptr(), x.numel() // (2 * d), d)
+    _kernel(op, x.dtype)(out.data_ptr(), x.data_ptr(), x.numel() // (2 * d), d)
     return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    return _act_and_mul("silu_and_mul", x)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """Gemma's GeGLU (``gelu_pytorch_tanh``): a prefill's was ~2.3x as long through torch."""
+    return _act_and_mul("gelu_tanh_and_mul", x)
 
 
 LORA_KERNELS = {torch.float32: "lora_add_f32", torch.bfloat16: "lora_add_bf16w"}  # by the slots' dtype
@@ -235,6 +244,7 @@ def fused_ops() -> dict[str, Callable]:
         "fused_add_rms_norm": fused_add_rms_norm,
         "rotary_embedding": rotary_embedding,
         "silu_and_mul": silu_and_mul,
+        "gelu_tanh_and_mul": gelu_tanh_and_mul,
         "add_lora": add_lora,
         "moe_route": moe_route,
         "fused_experts": fused_experts,

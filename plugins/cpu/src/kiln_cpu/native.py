@@ -166,7 +166,8 @@ def _declared(lib: ctypes.CDLL) -> ctypes.CDLL:
         getattr(lib, f"rms_norm_{dt}").argtypes = [ptr, ptr, ptr, i64, i64, i64, f32]
         getattr(lib, f"add_rms_norm_{dt}").argtypes = [ptr, ptr, ptr, i64, i64, f32]
         getattr(lib, f"rotary_{dt}").argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64]
-        getattr(lib, f"silu_and_mul_{dt}").argtypes = [ptr, ptr, i64, i64]
+        for op in ("silu_and_mul", "gelu_tanh_and_mul"):
+            getattr(lib, f"{op}_{dt}").argtypes = [ptr, ptr, i64, i64]
         getattr(lib, f"write_kv_{dt}").argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64]
         for op in ("rms_norm", "add_rms_norm", "rotary", "silu_and_mul", "write_kv"):
             getattr(lib, f"{op}_{dt}").restype = None

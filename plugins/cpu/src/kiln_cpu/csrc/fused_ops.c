@@ -1,6 +1,6 @@
 /*
  * Fused element-wise ops for Kiln's CPU plugin: RMSNorm, add + RMSNorm, rotary
- * embedding (NeoX rotate-half) and SiLU-and-mul. Each replaces 3 to 20 small
+ * embedding (NeoX rotate-half), SiLU-and-mul and GeGLU (tanh GELU). Each replaces 3 to 20 small
  * torch ops per layer, whose dispatch costs more than the arithmetic at decode
  * batch sizes.
  *
@@ -10,6 +10,7 @@
  *   rms_norm:     out = w * bf16(x * rsqrt(mean(x^2) + eps))
  *   add_rms_norm: r = bf16(x + r); x = w * bf16(r * rsqrt(mean(r^2) + eps))
  *   silu_and_mul: out = bf16(silu(gate)) * up
+ *   gelu_tanh_and_mul: out = bf16(gelu_tanh(gate)) * up (Gemma's GeGLU)
  * Work is split over rows with OpenMP only when there is enough of it.
  */
 #include <math.h>
@@ -27,6 +28,17 @@
         for (int64_t i_ = 0; i_ < (n); i_ += 8) acc_ += LOAD8((x) + i_) * LOAD8((x) + i_); \
         hsum8(acc_);                                                               \
     })
+
+/* out = act(gate) * up for the rows of x (gate then up, d each), act rounded where the reference
+ * rounds it (bf16). */
+#define ACT_AND_MUL(ACT8, ACT1, T, LD, ST, ROUND, LOAD8, STORE8, ROUND8)                                       \
+    _Pragma("omp parallel for if (rows * d >= PARALLEL_MIN_ELEMS)") for (int64_t r = 0; r < rows; r++) {       \
+        const T *g = x + r * 2 * d, *u = g + d;                                                                 \
+        T *o = out + r * d;                                                                                     \
+        int64_t i = 0;                                                                                          \
+        for (; i + 8 <= d; i += 8) STORE8(o + i, ROUND8(ACT8(LOAD8(g + i))) * LOAD8(u + i));                    \
+        for (; i < d; i++) o[i] = ST(ROUND(ACT1(LD(g[i]))) * LD(u[i]));                                         \
+    }
 
 #define DEFINE_FUSED_OPS(SUFFIX, T, LD, ST, ROUND, LOAD8, STORE8, ROUND8)                                       \
     void rms_norm_##SUFFIX(T *out, const T *x, const T *w, int64_t rows, int64_t dim, int64_t x_stride,      \
@@ -85,13 +97,11 @@
     }                                                                                                           \
                                                                                                                 \
     void silu_and_mul_##SUFFIX(T *out, const T *x, int64_t rows, int64_t d) {                                   \
-        _Pragma("omp parallel for if (rows * d >= PARALLEL_MIN_ELEMS)") for (int64_t r = 0; r < rows; r++) {   \
-            const T *g = x + r * 2 * d, *u = g + d;                                                             \
-            T *o = out + r * d;                                                                                 \
-            int64_t i = 0;                                                                                      \
-            for (; i + 8 <= d; i += 8) STORE8(o + i, ROUND8(silu8(LOAD8(g + i))) * LOAD8(u + i));               \
-            for (; i < d; i++) o[i] = ST(ROUND(silu1(LD(g[i]))) * LD(u[i]));                                    \
-        }                                                                                                       \
+        ACT_AND_MUL(silu8, silu1, T, LD, ST, ROUND, LOAD8, STORE8, ROUND8);                                     \
+    }                                                                                                           \
+                                                                                                                \
+    void gelu_tanh_and_mul_##SUFFIX(T *out, const T *x, int64_t rows, int64_t d) {                              \
+        ACT_AND_MUL(gelu_tanh8, gelu_tanh1, T, LD, ST, ROUND, LOAD8, STORE8, ROUND8);                           \
     }                                                                                                           \
                                                                                                                 \
     /* New K/V rows into the paged cache (blocks, kv_heads, block_size, dim); slot < 0 is padding. */          \

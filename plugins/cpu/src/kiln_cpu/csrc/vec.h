@@ -126,17 +126,28 @@ DEFINE_SOFTCAP(softcap8, exp8_nonpositive, v8, i8, splat)
 
 static inline v8 vselect(i8 mask, v8 a, v8 b) { return (v8)(((i8)a & mask) | ((i8)b & ~mask)); }
 
-/* silu(g) = g * sigmoid(g), with exp taken of -|g| only (no overflow). */
-static inline v8 silu8(v8 g) {
-    const i8 positive = g >= splat(0.0f);
-    const v8 e = exp8_nonpositive(vselect(positive, -g, g));
-    return g * vselect(positive, splat(1.0f), e) / (splat(1.0f) + e);
+/* x * sigmoid(z), with exp taken of -|z| only (no overflow). */
+static inline v8 times_sigmoid8(v8 x, v8 z) {
+    const i8 positive = z >= splat(0.0f);
+    const v8 e = exp8_nonpositive(vselect(positive, -z, z));
+    return x * vselect(positive, splat(1.0f), e) / (splat(1.0f) + e);
 }
 
-static inline float silu1(float g) {
-    const float e = expf(-fabsf(g));
-    return g * (g >= 0.0f ? 1.0f : e) / (1.0f + e);
+static inline float times_sigmoid1(float x, float z) {
+    const float e = expf(-fabsf(z));
+    return x * (z >= 0.0f ? 1.0f : e) / (1.0f + e);
 }
+
+/* silu(g) = g * sigmoid(g) */
+static inline v8 silu8(v8 g) { return times_sigmoid8(g, g); }
+static inline float silu1(float g) { return times_sigmoid1(g, g); }
+
+/* GELU's tanh form (Gemma's gelu_pytorch_tanh), 0.5 x (1 + tanh(u)) with u = sqrt(2/pi) (x + 0.044715
+ * x^3), as x * sigmoid(2u): the same value, from one exp that cannot overflow. */
+static inline v8 gelu_tanh8(v8 x) {
+    return times_sigmoid8(x, splat(1.5957691216057308f) * (x + splat(0.044715f) * x * x * x));
+}
+static inline float gelu_tanh1(float x) { return times_sigmoid1(x, 1.5957691216057308f * (x + 0.044715f * x * x * x)); }
 
 /* VL-float vectors: sixteen lanes where the build targets AVX-512, else eight. */
 #if defined(__AVX512F__)
