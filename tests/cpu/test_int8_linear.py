@@ -145,8 +145,11 @@ def test_every_instruction_set_path_gives_the_same_products(march, march_cache_d
 def test_another_copy_of_the_sources_builds_beside_these(tmp_path):
     """``native.build_kernels`` (``bench/kernel_ab.py`` times two builds in one process): a copy
     of the sources builds into its own library, loaded beside this one, whose products are this
-    one's bit for bit; a folder without them is an error that says which."""
+    one's bit for bit, even where it lacks an entry point (an older revision's, from before an
+    op was added); a folder without them is an error that says which."""
     shutil.copytree(native.CSRC, tmp_path / "csrc")
+    fused = tmp_path / "csrc" / "fused_ops.c"
+    fused.write_text("#define gelu_tanh_and_mul_f32 not_in_older_builds\n" + fused.read_text())
     other = native.build_kernels(tmp_path / "csrc", tmp_path / "other.so")
     assert other._name == str(tmp_path / "other.so") != native.load_kernels()._name
     weight, x = tiled_form(gguf_weight(48, 256, KINDS["q4_1"], 0)), activations(9, 256, 0)

@@ -16,6 +16,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import types
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from pathlib import Path
@@ -134,6 +135,17 @@ def load_kernels() -> ctypes.CDLL | None:
     return _declared(ctypes.CDLL(str(target)))
 
 
+class _OlderBuild:
+    """A library's entry points as ``_declared`` sees them where the library may be an older
+    revision's (``build_kernels``), which lacks entry points added since: those are skipped."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._lib = lib
+
+    def __getattr__(self, name: str):
+        return getattr(self._lib, name, None) or types.SimpleNamespace()
+
+
 def build_kernels(csrc: Path, target: Path) -> ctypes.CDLL:
     """The kernels of another copy of ``csrc`` (e.g. an older revision's), built into ``target``
     as ``load_kernels`` builds this one's and loaded beside it (``bench/kernel_ab.py`` times
@@ -142,14 +154,16 @@ def build_kernels(csrc: Path, target: Path) -> ctypes.CDLL:
     error = "no C compiler found" if compiler is None else _build(compiler, _compiler_flags(), target, csrc)
     if error is not None:
         raise RuntimeError(f"building the CPU kernels of {csrc} failed:\n{error[-2000:]}")
-    return _declared(ctypes.CDLL(str(target)))
+    lib = ctypes.CDLL(str(target))
+    _declared(_OlderBuild(lib))
+    return lib
 
 
 def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def _declared(lib: ctypes.CDLL) -> ctypes.CDLL:
+def _declared(lib):
     """``lib`` with its entry points' argument and result types set."""
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     for fn in (getattr(lib, f"paged_decode_attention_{suffix}") for suffix in _ATTENTION_KERNELS.values()):
@@ -169,7 +183,7 @@ def _declared(lib: ctypes.CDLL) -> ctypes.CDLL:
         for op in ("silu_and_mul", "gelu_tanh_and_mul"):
             getattr(lib, f"{op}_{dt}").argtypes = [ptr, ptr, i64, i64]
         getattr(lib, f"write_kv_{dt}").argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64]
-        for op in ("rms_norm", "add_rms_norm", "rotary", "silu_and_mul", "write_kv"):
+        for op in ("rms_norm", "add_rms_norm", "rotary", "silu_and_mul", "gelu_tanh_and_mul", "write_kv"):
             getattr(lib, f"{op}_{dt}").restype = None
     fmt = ctypes.c_int
     lib.tiled_linear.argtypes = [ptr, ptr, i64, i64, fmt, ptr, ptr, ptr, ptr, i64, i64]
@@ -266,10 +280,9 @@ def prefill_attention(
     softcap: float | None = None,
 ) -> None:
     """Causal attention of prefill queries (and chunks on a cached prefix) over the keys up to
-    each query's position (its last ``sliding_window`` of them), scores soft-capped as in
-    ``paged_decode_attention``: a cached prefix's from the
+    each query's position (its last ``sliding_window`` of them): a cached prefix's from the
     cache; the prompt's own from ``k``/``v`` for fp32 queries (unrounded under a bf16 cache),
-    from the cache, which holds them too, for bf16 ones."""
+    from the cache, which holds them too, for bf16 ones. ``softcap`` as in ``paged_decode_attention``."""
     dtype = q.dtype
     for name, x in (("out", out), ("q", q)):
         if not _head_rows(x) or x.dtype != dtype or dtype not in _PREFILL_KERNELS:

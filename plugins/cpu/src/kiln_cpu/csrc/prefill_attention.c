@@ -166,9 +166,12 @@ static void tile(uint16_t *out, int64_t out_stride, const uint16_t *q, int64_t q
                 for (int h = 0; h < 2; h++) {
                     __mmask16 see = _mm512_cmpge_epi32_mask(pos[h], key);
                     if (window > 0) see &= _mm512_cmplt_epi32_mask(_mm512_sub_epi32(pos[h], key), _mm512_set1_epi32(window));
-                    __m512 score = _mm512_mul_ps(acc[i][h], _mm512_set1_ps(scale));
-                    if (softcap > 0.0f) score = (__m512)softcap16((v16)score, softcap);
-                    _mm512_store_ps(s + (t + i) * ROWS + 16 * h, _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), see, score));
+                    const __m512 none = _mm512_set1_ps(-INFINITY), sc = _mm512_set1_ps(scale);
+                    const __m512 score =
+                        softcap > 0.0f
+                            ? _mm512_mask_mov_ps(none, see, (__m512)softcap16((v16)_mm512_mul_ps(acc[i][h], sc), softcap))
+                            : _mm512_mask_mul_ps(none, see, acc[i][h], sc);
+                    _mm512_store_ps(s + (t + i) * ROWS + 16 * h, score);
                 }
             }
         }
