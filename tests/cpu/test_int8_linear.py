@@ -88,6 +88,23 @@ def test_products_over_rows_of_several_types(rows):
     torch.testing.assert_close(tiled_matmul(form, x, None, INT8_PER_BLOCK), want, rtol=1e-5, atol=5e-5)
 
 
+@pytest.mark.parametrize("rows", [32, 45, 64])
+def test_wide_q4_tiles_split_a_part_at_a_time_give_each_rows_products(rows):
+    """From 32 rows a Q4 tile is split into bytes once for its passes, 64 blocks at a time, the sums
+    of a tile wider than that (K 4192: two parts and 3 blocks) carried over between parts: each
+    row's products are, bit for bit, those it gets alone (one row is never split), the bias added
+    once, and the quantized rows times the weight."""
+    k = 2 * 64 * 32 + 3 * 32
+    w, bias = gguf_weight(48, k, KINDS["q4_1"], seed=rows), torch.randn(48)
+    x = activations(rows, k, seed=rows)
+    form = tiled_form(w)
+    got = tiled_matmul(form, x, bias, INT8_PER_BLOCK)
+    alone = torch.cat([tiled_matmul(form, x[i : i + 1], bias, INT8_PER_BLOCK) for i in range(rows)])
+    assert torch.equal(got, alone)
+    want = (int8_rows(x).double() @ w.double().T + bias.double()).float()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)  # fp32 sums of 131 blocks
+
+
 def test_strided_rows_and_the_exact_path():
     w = gguf_weight(64, 128, KINDS["q4_1"])
     x = torch.randn(5, 160)[:, 16:144]
@@ -121,6 +138,8 @@ for kind, form in forms.items():
     for rows in (1, 3, 4, 6, 9, 70):
         for mode in (1, 2):  # int8 per block, per row
             out[f"{{kind}}-{{rows}}-{{mode}}"] = tiled_matmul(form(rows), activations(rows, 256, rows), None, mode).tolist()
+wide = tiled_form(gguf_weight(48, 4192, KINDS["q4_1"], 0))  # split passes over 64 blocks at a time
+out["wide"] = tiled_matmul(wide, activations(40, 4192, 0), torch.ones(48), 1).tolist()
 print(json.dumps(out))
 """
 

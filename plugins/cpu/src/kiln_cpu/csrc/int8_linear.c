@@ -215,12 +215,14 @@ static inline __attribute__((always_inline)) void block_q8(__m256i acc[], const 
  * passes are compiled apart (split_passes): with a test of the pointer in the products' loop the
  * split saved nothing. The default model's Q4_1 products on a 2-core Xeon (bench/kernel_ab.py, 12
  * rounds), 32-256 rows: AVX-512 VNNI 1-12 % faster, the AVX2 build 4-12 %; fewer rows keep the
- * passes that split as they go, where the stores and reloads cost what they saved. A tile of up
- * to 64 blocks (K <= 2048: 32 KB) goes on the stack. Wider ones split into a heap buffer per thread
- * measured no faster (kernel_ab's wide weights, K 4096 and 14336: B/A 0.98-1.01 at 64-256 rows,
- * 1.08-1.11 at 32), their split past L1. */
+ * passes that split as they go, where the stores and reloads cost what they saved. The split is
+ * SPLIT_BLOCKS blocks at a time (K up to 2048: 32 KB on the stack, in L1): a wider tile's passes
+ * go over one part before the next is split, their sums left in out between parts. Split whole
+ * into a heap buffer, such tiles had measured no faster (bench/kernel_ab.py's wide weights, K 4096
+ * and 14336: B/A 1.08-1.11 at 32 rows); in parts, 0.85-0.96 at 32-256 rows in the AVX2 build, and
+ * with AVX-512 VNNI 0.90-1.00 at 64-256 and level at 32. */
 #define UNPACK_MIN_ROWS (4 * ROWS)
-#define UNPACK_MAX_BLOCKS 64
+#define SPLIT_BLOCKS 64
 static void unpack_q4(uint8_t *nibbles, const uint8_t *w, int64_t nb) {
     const __m256i low = _mm256_set1_epi8(15);
     for (int64_t b = 0; b < nb; b++) {
@@ -235,13 +237,16 @@ static void unpack_q4(uint8_t *nibbles, const uint8_t *w, int64_t nb) {
     }
 }
 
-/* out[rows r..r+R) x features 16t..16t+15, over every block; `stream`: the first pass over the
- * tile, which asks for the weights ahead (see stream_ahead). */
+/* out[rows r..r+R) x features 16t..16t+15, over blocks b0..b1 (every block but in split_passes,
+ * which passes over a wide tile a part at a time: `resume` takes up the sums left in out, and
+ * they are left there without the bias until the last block); `stream`: the first pass over the
+ * tile, which asks for the weights ahead (see stream_ahead); nib: blocks b0.. split (unpack_q4). */
 static inline __attribute__((always_inline)) void rows_times_tile(float *out, int64_t N, const int8_t *xq,
                                                                   const float *xd, const float *xs, int64_t r,
                                                                   int R, int P, int fmt, const float *scale,
                                                                   const float *min, const void *q, int64_t t,
                                                                   int64_t K, const float *bias, int stream,
+                                                                  int64_t b0, int64_t b1, int resume,
                                                                   const uint8_t *nib) {
     const int subs = scales_per_block(fmt), f16 = fmt & F16_SCALES;
     fmt = block_fmt(fmt);
@@ -251,8 +256,11 @@ static inline __attribute__((always_inline)) void rows_times_tile(float *out, in
      * block's integer sums, the weights and the broadcast activations (with the fp32 sums in
      * registers too the compiler spilled the integer ones inside the product loop). */
     float sums[ROWS][TILE] __attribute__((aligned(32)));
-    for (int i = 0; i < R; i++) memset(sums[i], 0, sizeof sums[i]);
-    for (int64_t b = 0; b < nb; b++) {
+    for (int i = 0; i < R; i++) {
+        if (resume) memcpy(sums[i], out + (r + i) * N + t * TILE, sizeof sums[i]);
+        else memset(sums[i], 0, sizeof sums[i]);
+    }
+    for (int64_t b = b0; b < b1; b++) {
         const int8_t *x = xq + b * 32 * P;
         const uint8_t *w = (const uint8_t *)q + (t * nb + b) * bytes;
         if (stream) stream_ahead(w, bytes);
@@ -261,7 +269,7 @@ static inline __attribute__((always_inline)) void rows_times_tile(float *out, in
             for (int h = 0; h < 2; h++) {
                 __m256i acc[ROWS];
                 if (fmt == 4)
-                    block_q4(acc, w, h, x, R, P, nib ? nib + b * 512 : NULL);
+                    block_q4(acc, w, h, x, R, P, nib ? nib + (b - b0) * 512 : NULL);
                 else if (fmt == 6)
                     block_q8(acc, (const int8_t *)w, h, x, R, P, 4 * sub, 4);
                 else
@@ -281,7 +289,7 @@ static inline __attribute__((always_inline)) void rows_times_tile(float *out, in
     }
     for (int i = 0; i < R; i++)
         for (int h = 0; h < 2; h++) {
-            const __m256 bv = bias ? _mm256_loadu_ps(bias + t * TILE + 8 * h) : _mm256_setzero_ps();
+            const __m256 bv = bias && b1 == nb ? _mm256_loadu_ps(bias + t * TILE + 8 * h) : _mm256_setzero_ps();
             _mm256_storeu_ps(out + (r + i) * N + t * TILE + 8 * h, _mm256_add_ps(_mm256_load_ps(sums[i] + 8 * h), bv));
         }
 }
@@ -319,6 +327,7 @@ static inline __attribute__((always_inline)) void rows_times_tile_512(float *out
                                                                       int R, int P, int fmt, const float *scale,
                                                                       const float *min, const void *q, int64_t t,
                                                                       int64_t K, const float *bias, int stream,
+                                                                      int64_t b0, int64_t b1, int resume,
                                                                       const int32_t *offsets, const uint8_t *nib) {
     const int subs = scales_per_block(fmt), groups = 8 / subs, f16 = fmt & F16_SCALES; /* groups: Q8's per scale */
     fmt = block_fmt(fmt);
@@ -326,8 +335,8 @@ static inline __attribute__((always_inline)) void rows_times_tile_512(float *out
     const __m512i low = _mm512_set1_epi8(15);
     row_lane(r, K, &xq, &xd, &xs);
     __m512 f[ROWS];
-    for (int i = 0; i < R; i++) f[i] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
+    for (int i = 0; i < R; i++) f[i] = resume ? _mm512_loadu_ps(out + (r + i) * N + t * TILE) : _mm512_setzero_ps();
+    for (int64_t b = b0; b < b1; b++) {
         const uint8_t *w = (const uint8_t *)q + (t * nb + b) * bytes;
         const int8_t *x = xq + b * 32 * P;
         if (stream) stream_ahead(w, bytes);
@@ -338,8 +347,8 @@ static inline __attribute__((always_inline)) void rows_times_tile_512(float *out
                 for (int g = 0; g < 4; g++) {
                     __m512i lo, hi;
                     if (nib) {
-                        lo = _mm512_load_si512(nib + b * 512 + g * 128);
-                        hi = _mm512_load_si512(nib + b * 512 + g * 128 + 64);
+                        lo = _mm512_load_si512(nib + (b - b0) * 512 + g * 128);
+                        hi = _mm512_load_si512(nib + (b - b0) * 512 + g * 128 + 64);
                     } else {
                         const __m512i v = _mm512_loadu_si512(w + g * 64);
                         lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
@@ -370,7 +379,7 @@ static inline __attribute__((always_inline)) void rows_times_tile_512(float *out
             }
         }
     }
-    const __m512 bv = bias ? _mm512_loadu_ps(bias + t * TILE) : _mm512_setzero_ps();
+    const __m512 bv = bias && b1 == nb ? _mm512_loadu_ps(bias + t * TILE) : _mm512_setzero_ps();
     for (int i = 0; i < R; i++) _mm512_storeu_ps(out + (r + i) * N + t * TILE, _mm512_add_ps(f[i], bv));
 }
 #define ROWS_TIMES_TILE(...) rows_times_tile_512(__VA_ARGS__, offsets, nib)
@@ -387,15 +396,17 @@ static __attribute__((noinline)) int64_t split_passes(float *out, int64_t N, con
                                                       const float *scale, const float *min, const void *q, int64_t t,
                                                       int64_t K, const float *bias, const int32_t *offsets) {
     (void)offsets;
-    const int64_t nb = K / 32;
-    uint8_t split[nb * 512] __attribute__((aligned(64)));
-    unpack_q4(split, (const uint8_t *)q + t * nb * 256, nb);
+    const int64_t nb = K / 32, end = r0 + (r1 - r0) / ROWS * ROWS;
+    uint8_t split[SPLIT_BLOCKS * 512] __attribute__((aligned(64)));
     const uint8_t *nib = split;
-    int64_t r = r0;
     fmt = 4 | (fmt & F16_SCALES); /* what the compiler can see: Q4's products only */
-    for (; r + ROWS <= r1; r += ROWS)
-        ROWS_TIMES_TILE(out, N, xq, xd, xs, r, ROWS, ROWS, fmt, scale, min, q, t, K, bias, 0);
-    return r;
+    for (int64_t b0 = 0; b0 < nb; b0 += SPLIT_BLOCKS) {
+        const int64_t b1 = b0 + SPLIT_BLOCKS < nb ? b0 + SPLIT_BLOCKS : nb;
+        unpack_q4(split, (const uint8_t *)q + (t * nb + b0) * 256, b1 - b0);
+        for (int64_t r = r0; r < end; r += ROWS)
+            ROWS_TIMES_TILE(out, N, xq, xd, xs, r, ROWS, ROWS, fmt, scale, min, q, t, K, bias, 0, b0, b1, b0 > 0);
+    }
+    return end;
 }
 
 static void tile_rows(float *out, int64_t N, const int8_t *xq, const float *xd, const float *xs, int64_t r0,
@@ -417,13 +428,13 @@ static void tile_rows(float *out, int64_t N, const int8_t *xq, const float *xd, 
      * panel). A literal R and P each: the compiler unrolls every row loop and folds each
      * broadcast's offset (with P a variable, a single row's products ran ~5 % slower). */
     int64_t r = r0;
-    if (block_fmt(fmt) == 4 && r1 - r0 >= UNPACK_MIN_ROWS && nb <= UNPACK_MAX_BLOCKS)
+    if (block_fmt(fmt) == 4 && r1 - r0 >= UNPACK_MIN_ROWS)
         r = split_passes(out, N, xq, xd, xs, r0, r1, fmt, scale, min, q, t, K, bias, offsets);
     for (; r + ROWS <= r1; r += ROWS)
-        ROWS_TIMES_TILE(out, N, xq, xd, xs, r, ROWS, ROWS, fmt, scale, min, q, t, K, bias, r == r0);
+        ROWS_TIMES_TILE(out, N, xq, xd, xs, r, ROWS, ROWS, fmt, scale, min, q, t, K, bias, r == r0, 0, nb, 0);
     switch (r1 - r) {
 #define LAST_PANEL(P) \
-    case P: ROWS_TIMES_TILE(out, N, xq, xd, xs, r, P, P, fmt, scale, min, q, t, K, bias, r == r0); break;
+    case P: ROWS_TIMES_TILE(out, N, xq, xd, xs, r, P, P, fmt, scale, min, q, t, K, bias, r == r0, 0, nb, 0); break;
         LAST_PANEL(1) LAST_PANEL(2) LAST_PANEL(3) LAST_PANEL(4) LAST_PANEL(5) LAST_PANEL(6) LAST_PANEL(7)
 #undef LAST_PANEL
     }
