@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kiln.attention.torch_ref import TorchRefAttentionBackend
-from kiln.testing.contracts import AttentionBackendContract, forward_kwargs, random_layout
+from kiln.testing.contracts import BATCHES, AttentionBackendContract, forward_kwargs, random_layout
 from kiln_cpu import fused_ops, native
 from kiln_cpu.attention import CpuAttentionBackend
 
@@ -102,7 +102,7 @@ def test_fp32_prefills_read_fused_qkv_rows_and_attend_their_own_keys_unrounded(w
 def test_kernels_built_for_older_instruction_sets_match_the_reference(march, march_cache_dir):
     """Their fp32 products on 8-float vectors, where an AVX-512 machine's build has 16."""
     env = {**os.environ, "KILN_CPU_MARCH": march, "KILN_CACHE_DIR": str(march_cache_dir)}
-    select = "(TestCpuAttentionNative or TestCpuAttentionBfloat16Cache or Fp8E5m2 or fused_qkv) and not Fallback"
+    select = "(TestCpuAttentionNative or TestCpuAttentionBfloat16Cache or Fp8E5m2 or fused_qkv or gemmas_head) and not Fallback"
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", select],
                          env=env, capture_output=True, text=True)  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:]
@@ -122,6 +122,18 @@ class TestCpuAttentionBfloat16Cache(LongPrefills, AttentionBackendContract):
 
 class TestCpuAttentionBfloat16CacheTorchFallback(TestCpuAttentionBfloat16Cache):
     backend_cls = TorchOnlyBackend
+
+
+@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize(
+    "contract", [TestCpuAttentionNative, TestCpuAttentionBfloat16, TestCpuAttentionBfloat16Cache],
+    ids=["fp32", "bf16", "bf16-cache"],
+)  # fmt: skip
+def test_soft_caps_at_gemmas_head_size(contract, window):
+    """Gemma 2's head size (8 query and 4 KV heads of 256; the contract checks caps at 64) through the
+    kernels that cap the scores (where the CPU runs them: see test_prefills_take_the_native_kernels):
+    decodes, fresh prefills and chunks on a cached prefix in one step."""
+    contract()._check_batch((8, 4), 256, 16, BATCHES[3], seed=7, sliding_window=window, logit_softcap=1.5)
 
 
 class TestCpuAttentionFp8E4m3Cache(AttentionBackendContract):
