@@ -18,9 +18,12 @@ Kernels (``--kernels``):
   K/V heads of 64) of ``--seqs`` requests of ~``--keys`` keys through 30 layers' caches, "cold"
   (a 100 MB sweep before each round, as a decode step's weights would leave the caches) and
   "hot" (one layer's cache 30 times).
+- ``prefill``: fp32 prefill attention (``csrc/prefill_attention_f32.c``, the same heads) of 16
+  fresh prompts of each of ``--prompt-lens`` tokens, one layer.
 
-    python bench/kernel_ab.py [--rev HEAD] [--kernels linear,attention,wide] [--rows 1,16,64,512]
-        [--seqs 16,64] [--keys 192] [--wide 4096x4096,14336x4096,4096x14336] [--repeats 8]
+    python bench/kernel_ab.py [--rev HEAD] [--kernels linear,attention,prefill,wide] [--rows 1,16,64,512]
+        [--seqs 16,64] [--keys 192] [--prompt-lens 128,512] [--wide 4096x4096,14336x4096,4096x14336]
+        [--repeats 8]
 
 ``KILN_CPU_MARCH`` builds both for another instruction set (``x86-64-v3``: AVX2 without VNNI).
 Prints a table (median time per call of each build, B/A, equal) and writes
@@ -47,6 +50,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CSRC = native.CSRC.relative_to(ROOT)
 RESULTS = Path(__file__).parent / "results" / "kernel_ab.json"
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 32  # the default model's, Kiln's CPU block size
+PREFILL_PROMPTS = 16
 
 
 def libraries(rev: str, tmp: Path):
@@ -164,6 +168,36 @@ def attention_cases(seqs_list: list[int], keys: int, repeats: int, a, b) -> list
     return cases
 
 
+def prefill_cases(prompt_lens: list[int], repeats: int, a, b) -> list[dict]:
+    torch.manual_seed(0)
+    cases = []
+    prompts = PREFILL_PROMPTS
+    for length in prompt_lens:
+        q = torch.randn(prompts * length, HEADS, HEAD_DIM)
+        k, v = (torch.randn(prompts * length, KV_HEADS, HEAD_DIM) for _ in "kv")
+        cache = torch.zeros(2, 1, KV_HEADS, BLOCK, HEAD_DIM)  # fresh prompts read no cached keys
+        table = torch.zeros(prompts, 1, dtype=torch.int32)
+        seqs = torch.tensor([[i * length, length, 0, i] for i in range(prompts)], dtype=torch.int64)
+        out = torch.empty_like(q)
+
+        def run(lib, q=q, k=k, v=v, cache=cache, table=table, seqs=seqs, out=out) -> torch.Tensor:
+            lib.prefill_attention_f32(
+                out.data_ptr(), out.stride(0), q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0),
+                v.stride(0), cache[0].data_ptr(), cache[1].data_ptr(), 0, table.data_ptr(), table.stride(0),
+                seqs.data_ptr(), PREFILL_PROMPTS, HEADS, KV_HEADS, HEAD_DIM, BLOCK, 0.125, 0, 0.0,
+            )  # fmt: skip  # no window, no soft cap (a build from before the cap ignores that argument)
+            return out.clone()
+
+        case = {
+            "kernel": "prefill",
+            "case": f"{prompts} prompts of {length} tokens, one layer",
+            "rows": prompts * length,
+        }
+        cases.append(case | alternate(run, a, b, repeats))
+        print(row(cases[-1]), flush=True)
+    return cases
+
+
 def row(case: dict) -> str:
     rate = f" ({case['a_gmacs']:.0f} / {case['b_gmacs']:.0f} GMAC/s)" if "a_gmacs" in case else ""
     return (
@@ -179,12 +213,13 @@ def main() -> None:
     parser.add_argument("--rows", default="1,16,64,512", help="rows of the products")
     parser.add_argument("--seqs", default="16,64", help="requests of decode attention")
     parser.add_argument("--keys", type=int, default=192, help="keys a request has (up to a block fewer)")
+    parser.add_argument("--prompt-lens", default="128,512", help="prompt lengths of prefill attention")
     parser.add_argument("--wide", default="4096x4096,14336x4096,4096x14336", help="shapes of the wide weights")
     parser.add_argument("--repeats", type=int, default=8, help="rounds per case (half of them B first)")
     args = parser.parse_args()
     kernels = args.kernels.split(",")
-    if unknown := set(kernels) - {"linear", "attention", "wide"}:
-        parser.error(f"--kernels: unknown {sorted(unknown)}; choose from linear, attention, wide")
+    if unknown := set(kernels) - {"linear", "attention", "prefill", "wide"}:
+        parser.error(f"--kernels: unknown {sorted(unknown)}; choose from linear, attention, prefill, wide")
     rows = [int(r) for r in args.rows.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         a, b = libraries(args.rev, Path(tmp))
@@ -197,6 +232,8 @@ def main() -> None:
             cases += linear_cases(wide_weights(shapes), rows, args.repeats, a, b)
         if "attention" in kernels:
             cases += attention_cases([int(s) for s in args.seqs.split(",")], args.keys, args.repeats, a, b)
+        if "prefill" in kernels:
+            cases += prefill_cases([int(n) for n in args.prompt_lens.split(",")], args.repeats, a, b)
     RESULTS.parent.mkdir(exist_ok=True)
     RESULTS.write_text(json.dumps({"rev": args.rev, "machine": machine(), "cases": cases}, indent=1) + "\n")
     print(f"wrote {RESULTS}")

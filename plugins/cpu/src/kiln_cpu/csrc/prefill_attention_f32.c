@@ -68,10 +68,14 @@ static inline __attribute__((always_inline)) void pv_block(float *o, int64_t D, 
 }
 
 /* One tile: `rows` (<= ROWS) query positions pos0.. of one head, strided by q_stride,
- * against keys key0..end-1 (keys[i], values[i]: key key0 + i's rows; past end, zero_row). */
-static void tile(float *out, int64_t out_stride, const float *q, int64_t q_stride, int64_t rows, int64_t pos0,
-                 const float **keys, const float **values, int64_t key0, int64_t end, int64_t window,
-                 float scale, float softcap, int64_t D) {
+ * against keys key0..end-1 (keys[i], values[i]: key key0 + i's rows; past end, zero_row).
+ * `capped` is a constant where tile() inlines it: a test of the cap per score vector had made
+ * uncapped prefills ~3 % slower. */
+static inline __attribute__((always_inline)) void tile_of(float *out, int64_t out_stride, const float *q,
+                                                          int64_t q_stride, int64_t rows, int64_t pos0,
+                                                          const float **keys, const float **values, int64_t key0,
+                                                          int64_t end, int64_t window, float scale, float softcap,
+                                                          int64_t D, const int capped) {
     vf qt[MAX_D * 2];            /* (dim, half of the rows) */
     vf s[KEYS * 2];              /* (key, half): scores, then probabilities */
     float o[ROWS * MAX_D] __attribute__((aligned(64))); /* (row, dim) */
@@ -108,7 +112,7 @@ static void tile(float *out, int64_t out_stride, const float *q, int64_t q_strid
                 for (int h = 0; h < 2; h++) {
                     vi see = pos[h] >= key;
                     if (window > 0) see &= (pos[h] - key) < splati((int32_t)window);
-                    const vf score = softcap > 0.0f ? softcapf(acc[i][h] * scale, softcap) : acc[i][h] * scale;
+                    const vf score = capped ? softcapf(acc[i][h] * scale, softcap) : acc[i][h] * scale;
                     s[2 * (t + i) + h] = (vf)((see & (vi)score) | (~see & (vi)splatf(-INFINITY)));
                 }
             }
@@ -141,6 +145,15 @@ static void tile(float *out, int64_t out_stride, const float *q, int64_t q_strid
     *(vfu *)(inv + VL) = splatf(1.0f) / l[1];
     for (int64_t r = 0; r < rows; r++)
         for (int64_t d = 0; d < D; d += VL) *(vfu *)(out + r * out_stride + d) = *(vfu *)(o + r * D + d) * inv[r];
+}
+
+static void tile(float *out, int64_t out_stride, const float *q, int64_t q_stride, int64_t rows, int64_t pos0,
+                 const float **keys, const float **values, int64_t key0, int64_t end, int64_t window, float scale,
+                 float softcap, int64_t D) {
+    if (softcap > 0.0f)
+        tile_of(out, out_stride, q, q_stride, rows, pos0, keys, values, key0, end, window, scale, softcap, D, 1);
+    else
+        tile_of(out, out_stride, q, q_stride, rows, pos0, keys, values, key0, end, window, scale, 0.0f, D, 0);
 }
 
 /* Widens n bf16 values. */
