@@ -171,13 +171,13 @@ def attention_cases(seqs_list: list[int], keys: int, repeats: int, a, b) -> list
 def prefill_cases(prompt_lens: list[int], repeats: int, a, b) -> list[dict]:
     torch.manual_seed(0)
     cases = []
-    prompts = PREFILL_PROMPTS
     for length in prompt_lens:
-        q = torch.randn(prompts * length, HEADS, HEAD_DIM)
-        k, v = (torch.randn(prompts * length, KV_HEADS, HEAD_DIM) for _ in "kv")
+        tokens = PREFILL_PROMPTS * length
+        q = torch.randn(tokens, HEADS, HEAD_DIM)
+        k, v = (torch.randn(tokens, KV_HEADS, HEAD_DIM) for _ in "kv")
         cache = torch.zeros(2, 1, KV_HEADS, BLOCK, HEAD_DIM)  # fresh prompts read no cached keys
-        table = torch.zeros(prompts, 1, dtype=torch.int32)
-        seqs = torch.tensor([[i * length, length, 0, i] for i in range(prompts)], dtype=torch.int64)
+        table = torch.zeros(PREFILL_PROMPTS, 1, dtype=torch.int32)
+        seqs = torch.tensor([[i * length, length, 0, i] for i in range(PREFILL_PROMPTS)], dtype=torch.int64)
         out = torch.empty_like(q)
 
         def run(lib, q=q, k=k, v=v, cache=cache, table=table, seqs=seqs, out=out) -> torch.Tensor:
@@ -188,11 +188,7 @@ def prefill_cases(prompt_lens: list[int], repeats: int, a, b) -> list[dict]:
             )  # fmt: skip  # no window, no soft cap (a build from before the cap ignores that argument)
             return out.clone()
 
-        case = {
-            "kernel": "prefill",
-            "case": f"{prompts} prompts of {length} tokens, one layer",
-            "rows": prompts * length,
-        }
+        case = {"kernel": "prefill", "case": f"{PREFILL_PROMPTS} prompts of {length} tokens, one layer", "rows": tokens}
         cases.append(case | alternate(run, a, b, repeats))
         print(row(cases[-1]), flush=True)
     return cases
