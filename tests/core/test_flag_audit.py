@@ -110,3 +110,35 @@ def test_underscored_flags_read_as_vllm_reads_them():
     argv = dashed(["serve", "org/my_model", "--tokenizer_mode", "mistral", "--max_model_len=128"])
     ns = build_parser(argv).parse_args(argv)
     assert (ns.model_tag, ns.tokenizer_mode, ns.max_model_len) == ("org/my_model", "mistral", 128)
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["m", "--multi-step-stream-outputs", "false"], False),
+        (["m", "--multi-step-stream-outputs=True"], True),
+        (["m", "--multi-step-stream-outputs"], True),
+        (["m", "--no-multi-step-stream-outputs"], False),
+        (["--multi-step-stream-outputs", "FALSE", "m"], False),
+    ],
+)
+def test_switches_vllm_spells_with_a_value_take_one(argv, expected):
+    args = serve_args(*argv)
+    assert args.multi_step_stream_outputs is expected and args.model_tag == "m"
+
+
+def test_a_switch_with_a_value_not_true_or_false_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        serve_args("m", "--enable-chunked-prefill", "maybe")
+    assert "--enable-chunked-prefill: expected true or false, got 'maybe'" in capsys.readouterr().err
+
+
+def test_seed_001s_start_command_parses(tmp_path):
+    # Seed 001's canonical flags (its start command for Ascend), with multi-step scheduling.
+    args = serve_args(
+        "--model", "m", "--max-num-seqs=256", "--max-model-len=4096", "--max-num-batched-tokens=4096",
+        "--tensor-parallel-size=1", "--block-size=128", "--gpu-memory-utilization=0.9", "--num-scheduler-steps=8",
+        "--trust-remote-code", "--enforce-eager",
+    )  # fmt: skip
+    config = EngineConfig.create(**{k: v for k, v in vars(args).items() if k in EngineConfig.model_fields})
+    assert config.num_scheduler_steps == 8 and config.multi_step_stream_outputs

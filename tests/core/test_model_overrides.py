@@ -55,8 +55,6 @@ def test_rope_flags_equal_editing_the_config(tiny_model_dir, varied_prompts, tmp
         (dict(rope_theta=-1.0), "--rope-theta"),
         (dict(tokenizer_mode="slow"), "--tokenizer-mode: slow is not supported: transformers 5 has no slow"),
         (dict(tokenizer_mode="custom"), "--tokenizer-mode"),
-        (dict(num_scheduler_steps=8), "--num-scheduler-steps: 8 is not supported: Kiln has no multi-step"),
-        (dict(multi_step_stream_outputs=False), "--multi-step-stream-outputs: false applies to multi-step"),
     ],
 )
 def test_bad_values_are_named(kwargs, message):

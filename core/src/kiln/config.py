@@ -46,10 +46,15 @@ class EngineConfig(SpeculativeFlags):
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     num_scheduler_steps: int = Field(
-        1, ge=1, description="decode steps per scheduling decision: Kiln schedules every step (only 1)"
+        1,
+        ge=1,
+        description="decode steps per scheduling decision: after a step of decodes only, the next N-1 steps "
+        "continue those requests and admit no waiting one",
     )
     multi_step_stream_outputs: bool = Field(
-        True, description="stream each step's tokens under multi-step scheduling: every step streams in Kiln"
+        True,
+        description="under multi-step scheduling, stream each step's tokens (true) or each request's tokens "
+        "once per N steps (false)",
     )
     seed: int = 0
     enforce_eager: bool = False
@@ -187,24 +192,6 @@ class EngineConfig(SpeculativeFlags):
             value = {k: 0 for k in value}
         return value
 
-    @field_validator("num_scheduler_steps")
-    @classmethod
-    def _one_step_per_decision(cls, value: int) -> int:
-        if value > 1:
-            raise ValueError(
-                f"{value} is not supported: Kiln has no multi-step scheduling. Scheduling and output bookkeeping "
-                "took 1 % of a decode step (0.03 of 3 ms, default model on CPU, measured), so there is little to "
-                "amortize; drop the flag"
-            )
-        return value
-
-    @field_validator("multi_step_stream_outputs")
-    @classmethod
-    def _every_step_streams(cls, value: bool) -> bool:
-        if not value:
-            raise ValueError("false applies to multi-step scheduling only, which Kiln does not run: every step streams")
-        return value
-
     @field_validator("tokenizer_mode")
     @classmethod
     def _no_slow_tokenizers(cls, value: str) -> str:
@@ -232,6 +219,15 @@ class EngineConfig(SpeculativeFlags):
             raise ValueError(
                 "--fully-sharded-loras: Kiln shards LoRA's B over column-parallel layers and A over row-parallel ones "
                 "(vLLM's default split); sharding both is not implemented, drop the flag"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _multi_step(self) -> EngineConfig:
+        if self.num_scheduler_steps > 1 and self.speculative_config is not None:
+            raise ValueError(
+                "--num-scheduler-steps: multi-step scheduling runs one token a step, speculative decoding several; "
+                "use one or the other"
             )
         return self
 

@@ -16,6 +16,25 @@ SHORT_FLAGS = {
     "quantization": "-q",
     "speculative_draft_tensor_parallel_size": "-spec-draft-tp",
 }
+# Switches that vLLM also takes with a value (seed 003: ``--enable-chunked-prefill [ENABLE_CHUNKED_PREFILL]``).
+VALUED_SWITCHES = {"enable_chunked_prefill", "multi_step_stream_outputs"}
+
+
+class ValuedSwitch(argparse.BooleanOptionalAction):
+    """``--flag``, ``--flag false`` / ``--flag=true`` (vLLM's spelling), or ``--no-flag``."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, **kwargs)
+        self.nargs = "?"
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        if values is None:
+            value = not option_string.startswith("--no-")
+        elif option_string.startswith("--no-") or values.lower() not in ("true", "false"):
+            parser.error(f"{option_string}: expected true or false, got {values!r}")
+        else:
+            value = values.lower() == "true"
+        setattr(namespace, self.dest, value)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -30,7 +49,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         args = [a for a in typing.get_args(ann) if a is not type(None)]
         help_text = field.description or ""
         if ann is bool:
-            kwargs["action"] = argparse.BooleanOptionalAction
+            kwargs["action"] = ValuedSwitch if name in VALUED_SWITCHES else argparse.BooleanOptionalAction
         elif typing.get_origin(ann) is typing.Literal or (args and typing.get_origin(args[0]) is typing.Literal):
             literal = ann if typing.get_origin(ann) is typing.Literal else args[0]
             kwargs["choices"] = list(typing.get_args(literal))

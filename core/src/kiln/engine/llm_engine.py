@@ -59,6 +59,8 @@ class LLMEngine:
         registry = self.plugins.registry
         self.platform = select_platform(config.device, registry)
         _note_unused_lora_flags(config)
+        if not config.multi_step_stream_outputs and config.num_scheduler_steps == 1:
+            logger.warning("--multi-step-stream-outputs false changes nothing without --num-scheduler-steps above 1")
         model_id = config.model
         gguf = is_gguf_file(model_id, config.load_format)
         config.quantization = quant_config.for_model_file(config.quantization, gguf)

@@ -166,3 +166,22 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     beams: list[BeamHypothesis] | None = None  # a finished beam search: its hypotheses, best first
     pooled: object = None  # a finished pooling request: its output (a float32 CPU tensor)
+
+    def then(self, later: EngineCoreOutput) -> EngineCoreOutput:
+        """This output and a later one of the same request, as one (multi-step scheduling holds a
+        window's outputs and reports them together)."""
+        return EngineCoreOutput(
+            self.request_id,
+            self.new_token_ids + later.new_token_ids,
+            _joined(self.new_logprobs, later.new_logprobs),
+            _joined(self.new_prompt_logprobs, later.new_prompt_logprobs),
+            later.finish_reason,
+            later.stop_reason,
+            later.num_cached_tokens,
+            later.beams,
+            later.pooled,
+        )
+
+
+def _joined(first: list | None, second: list | None) -> list | None:
+    return first if second is None else second if first is None else first + second

@@ -19,6 +19,12 @@ decoding one also gets the drafts its proposer offers, from the budget and block
 (drafts never preempt anyone; waiting requests are admitted after them);
 ``update_from_output`` appends the drafts the executor accepted and the token after them.
 
+Multi-step scheduling (``--num-scheduler-steps N``): a step that runs decodes only opens a window,
+and for its next N-1 steps the running requests go on decoding while no waiting request joins (a
+new request waits up to N-1 steps longer for its first token). The window closes early once no
+running request has a token to compute. ``EngineCore`` holds the window's outputs until it closes
+under ``--multi-step-stream-outputs false``.
+
 Admission keeps ``1 - kv_cache_ratio`` of the blocks free for the decodes of
 running requests (seed 000's ``kv_cache_ratio``), which makes preemption rarer.
 
@@ -98,6 +104,7 @@ class Scheduler:
             ngram = spec.method == "ngram"
             self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max) if ngram else DraftSlots()
         self.spec_stats = SpecDecodeStats()
+        self.window_left = 0  # multi-step scheduling: steps left in the window that admit no request
         self.requests: dict[str, Request] = {}  # unfinished, by id
         self.beam_groups: dict[str, BeamGroup] = {}  # unfinished beam searches, by request id
 
@@ -146,13 +153,16 @@ class Scheduler:
 
         if self.proposer is not None:
             budget = self._add_drafts(scheduled, budget)
+        if not scheduled:
+            self.window_left = 0  # the window's requests are done: admit again
+        admit = self.window_left == 0
 
         # Beams waiting for their siblings compute nothing: they take no place in the batch.
         busy = sum(not _idle_beam(r) for r in self.running)
         # At most --max-loras adapters among running requests: the model has that many slots.
         loras = {r.lora_request for r in self.running if r.lora_request is not None}
         starved = self._starved_adapter(loras)
-        while self.waiting and budget > 0 and busy < self.config.max_num_seqs and not preempted:
+        while admit and self.waiting and budget > 0 and busy < self.config.max_num_seqs and not preempted:
             ready = (r for r in self.waiting if not _idle_beam(r) and self._lora_fits(r, loras, starved))
             req = min(ready, key=self._key, default=None) if self.priority else next(ready, None)
             if req is None:
@@ -186,6 +196,10 @@ class Scheduler:
             scheduled.append((req, n))
             budget -= n
 
+        if self.window_left:
+            self.window_left -= 1
+        elif self.config.num_scheduler_steps > 1 and scheduled and all(_decodes(r, n) for r, n in scheduled):
+            self.window_left = self.config.num_scheduler_steps - 1
         copies = self.kv.take_copies() if scheduled else []  # kept for a step that runs
         return SchedulerOutput(scheduled, self.token_budget - budget, preempted, copies)
 
@@ -199,7 +213,7 @@ class Scheduler:
         for i, (req, n) in enumerate(scheduled):
             if budget <= 0:
                 break
-            if n != 1 or req.num_computed_tokens + 1 != req.num_tokens:
+            if not _decodes(req, n):
                 continue  # a prefill chunk
             drafts = self._propose(req, budget)
             if drafts and self.kv.allocate_slots(req, 1 + len(drafts)):
@@ -407,6 +421,11 @@ class Scheduler:
         del self.requests[req.request_id]
         if self.proposer is not None:
             self.proposer.free(req.request_id)
+
+
+def _decodes(req: Request, n: int) -> bool:
+    """Whether computing ``n`` tokens of ``req`` is a decode (its last token alone), not a prefill chunk."""
+    return n == 1 and req.num_computed_tokens + 1 == req.num_tokens
 
 
 def _idle_beam(req: Request) -> bool:
