@@ -56,7 +56,7 @@ def test_dtype_and_derived_values(tiny_model_dir):
     assert llm.engine.config.block_size == 32 and llm.engine.config.max_num_batched_tokens == 2048
     out = llm.generate("Hello", None)[0]
     assert out.outputs[0].token_ids
-    from kiln_cpu.platform import has_amx_bf16
+    from kiln_cpu.native import has_amx_bf16
 
     auto = LLM(tiny_model_dir("llama"), max_model_len=128).engine.dtype
     assert auto is (torch.bfloat16 if has_amx_bf16() else torch.float32)
@@ -66,24 +66,23 @@ def test_dtype_and_derived_values(tiny_model_dir):
 def test_auto_dtype_keeps_a_bf16_checkpoint_in_bf16_where_the_cpu_multiplies_bf16(
     quantization, tiny_model_dir, tmp_path
 ):
-    """With AVX512-BF16 (no AMX) whose bf16 products outrun fp32 FMAs, ``auto`` serves a bf16
-    checkpoint in bf16, but a quantized model in fp32, as everywhere without AMX (its layers'
-    products take fp32 activations)."""
+    """With AMX, or AVX512-BF16 whose bf16 products outrun fp32 FMAs, ``auto`` serves a bf16
+    checkpoint in bf16, but a quantized model in fp32, as everywhere (its layers' products take
+    fp32 activations)."""
     import json
     import shutil
 
     import torch
 
-    from kiln_cpu.native import bf16_dots_outrun_fma
+    from kiln_cpu.native import bf16_dots_outrun_fma, has_amx_bf16
     from kiln_cpu.packed_linear import kernel_works
-    from kiln_cpu.platform import has_amx_bf16
 
     folder = tmp_path / "bf16"
     shutil.copytree(tiny_model_dir("llama"), folder)
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
     llm = LLM(str(folder), max_model_len=128, quantization=quantization)
-    bf16 = has_amx_bf16() or (kernel_works() and bf16_dots_outrun_fma() and quantization is None)
+    bf16 = quantization is None and (has_amx_bf16() or (kernel_works() and bf16_dots_outrun_fma()))
     assert llm.engine.dtype is (torch.bfloat16 if bf16 else torch.float32)
     assert llm.generate("Hello", None)[0].outputs[0].token_ids
 

@@ -127,17 +127,21 @@ class CpuPlatform(Platform):
         # sequence, 380 against 143 at 16). Where it multiplies fewer (a Xeon whose AMX the VM
         # hides: half as many), fp32 on the bf16 tiles ran that Llama faster: 34-36 against
         # 29-33 tok/s at one sequence, 142-143 against 120-131 at 16 (2026-11-29).
-        if model_dtype is torch.bfloat16 and kernel_works() and bf16_dots_outrun_fma():
+        # With AMX (Xeon Sapphire Rapids and later) bf16 matmuls ran 8x faster than fp32 (2.7
+        # against 0.34 TFLOPS at 2048x576x3072): every unquantized model runs in bf16 there.
+        if has_amx_bf16() or (model_dtype is torch.bfloat16 and kernel_works() and bf16_dots_outrun_fma()):
             return torch.bfloat16
-        return self.quantized_dtype_for(model_dtype)
+        return torch.float32
 
     def quantized_dtype_for(self, model_dtype: torch.dtype | None) -> torch.dtype:
-        # NOTE: with AMX (Xeon Sapphire Rapids and later) bf16 matmuls ran 8x faster
-        # than fp32 here (2.7 vs 0.34 TFLOPS at 2048x576x3072); without it bf16 is no
-        # faster, and fp32 keeps outputs identical to an fp32 reference. Quantized layers
-        # multiply fp32 activations, and decode steps run in one C call per layer only in fp32:
-        # an AWQ Llama (the one above) in bf16 gave 151 output tok/s at one sequence against 185.
-        return torch.bfloat16 if has_amx_bf16() else torch.float32
+        # NOTE: fp32 everywhere, AMX too. Quantized layers multiply fp32 activations in integers
+        # (the tiles), and decode steps run in one C call per layer only in fp32: an AWQ Llama in
+        # bf16 gave 151 output tok/s at one sequence against 185. With AMX, bf16 had been the
+        # default, and a GGUF model then ran dequantized bf16 weights on oneDNN's AMX GEMMs: the
+        # default model on a 2-core AMX Xeon (2026-11-30), served, fp32 against bf16: one
+        # sequence 95-100 against 32-38 output tok/s (TPOT 8.5-8.9 against 26-30 ms), 16
+        # sequences level (292-296 against 274-299), 64 sequences 432-553 against 518-588.
+        return torch.float32
 
     def attention_backend(self) -> str:
         return "cpu"

@@ -16,7 +16,7 @@ the fused decoder layer (``fused_decode``).
   (bench/quantization.py). ``KILN_CPU_INT8_ACTIVATIONS=0`` keeps fp32 activations: the tiles
   are widened and the products are exactly those of the dequantized weights.
 
-bf16 models (the default with AMX) run the same tiles on their rows widened to fp32, the
+bf16 models (``--dtype bfloat16``) run the same tiles on their rows widened to fp32, the
 outputs rounded back to bf16: the reference method, their fallback before, widened every
 weight on every call (an AWQ MoE at bf16 ran at half its fp32 speed). Layers the tiles do not
 fit (fp16, widths not multiples of 16 and 32, act-order groups not multiples of 32 inputs):
