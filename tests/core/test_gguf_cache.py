@@ -142,7 +142,7 @@ def test_a_qwen3_gguf_of_another_head_size_serves_the_values_it_holds(tiny_model
     monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
     reference = str(tmp_path / "reference")
     gguf = hf_as_gguf(tiny_model_dir("qwen3"), str(tmp_path / "model.gguf"), "qwen3", "Q8_0", reference=reference)
-    llm = LLM(gguf, max_model_len=128, quantization="none")  # the exact products of the file's values
+    llm = LLM(gguf, max_model_len=128, quantization="none", dtype="float32")  # the exact products of the file's values
     assert llm.engine.executor.runner.model.layers[0].self_attn.head_dim == 64
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8], [40, 41, 42, 100, 7]]
     outputs = llm.generate(

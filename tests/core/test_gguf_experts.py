@@ -49,7 +49,7 @@ def test_moe_gguf_serves_the_values_it_holds(
     monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
     reference = str(tmp_path / "reference")
     gguf = _gguf(tiny_model_dir, tmp_path, family, "Q8_0", stacked_experts=stacked, reference=reference)
-    llm = LLM(gguf, max_model_len=256, quantization="none")  # the exact products of the file's values
+    llm = LLM(gguf, max_model_len=256, quantization="none", dtype="float32")  # the exact products of the file's values
     model = llm.engine.executor.runner.model
     assert type(model).__name__ == {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                                     "qwen3_moe": "Qwen3MoeForCausalLM"}[family]  # fmt: skip
@@ -98,7 +98,12 @@ def test_expert_sizes_missing_from_the_metadata_come_from_the_tensors(tiny_model
     reference = str(tmp_path / "reference")
     full = _gguf(tiny_model_dir, tmp_path, "qwen2_moe", "F32", reference=reference)
     sizes = ("qwen2moe.expert_feed_forward_length", "qwen2moe.expert_shared_feed_forward_length")
-    llm = LLM(_copy_without(full, str(tmp_path / "bare.gguf"), fields=sizes), max_model_len=256, quantization="none")
+    llm = LLM(
+        _copy_without(full, str(tmp_path / "bare.gguf"), fields=sizes),
+        max_model_len=256,
+        quantization="none",
+        dtype="float32",
+    )
     params = SamplingParams(max_tokens=16, min_tokens=16, temperature=0)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(reference, PROMPTS, 16)

@@ -50,7 +50,7 @@ def test_a_split_model_serves_the_values_it_holds(tiny_model_dir, tmp_path, monk
     reference = str(tmp_path / "reference")
     first = hf_as_gguf(tiny_model_dir("llama"), str(tmp_path / "model.gguf"), "llama", "Q8_0",
                        reference=reference, split_max_tensors=4)  # fmt: skip
-    llm = LLM(first, max_model_len=256, quantization="none")  # the exact products of the file's values
+    llm = LLM(first, max_model_len=256, quantization="none", dtype="float32")  # the exact products of the file's values
     params = SamplingParams(max_tokens=12, min_tokens=12, temperature=0)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(reference, PROMPTS, 12)

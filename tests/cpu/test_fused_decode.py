@@ -58,7 +58,8 @@ def check_fused_equals_python(
 @pytest.mark.parametrize("case", CASES)
 def test_fused_steps_match_the_python_forward(case, tiny_model_dir, varied_prompts, monkeypatch):
     model_type, overrides, engine_args = CASES[case]
-    check_fused_equals_python(tiny_model_dir(model_type, **overrides), varied_prompts, monkeypatch, **engine_args)
+    model = tiny_model_dir(model_type, **overrides)  # fp32: with AMX, auto would be bf16
+    check_fused_equals_python(model, varied_prompts, monkeypatch, dtype="float32", **engine_args)
 
 
 QUANTIZED = {  # kiln quantize arguments, environment
@@ -133,7 +134,7 @@ def test_lora_decode_steps_match_the_python_forward(tiny_model_dir, tmp_path, va
     model = tiny_model_dir("llama")
     adapters = [LoRARequest(f"a{i}", i + 1, build_lora_adapter(model, tmp_path / f"a{i}", seed=i)) for i in range(2)]
     loras = [adapters[0], None, adapters[1], adapters[0], None]  # one per prompt
-    flags = dict(enable_lora=True, max_loras=2, max_lora_rank=8, lora_dtype=lora_dtype)
+    flags = dict(enable_lora=True, max_loras=2, max_lora_rank=8, lora_dtype=lora_dtype, dtype="float32")
     python_calls = []
     forward = LlamaDecoderLayer.forward
 

@@ -198,9 +198,9 @@ def test_gguf_models_multiply_in_int8_unless_told_not_to(default_model_dir):
     assert kv_dtype(gguf) == torch.bfloat16
     reference = LLM(default_model_path(), max_model_len=256, attention_backend="torch_ref")
     assert qkv(reference).int8_activations and kv_dtype(reference) == torch.float32  # a backend without bf16 K/V
-    exact = LLM(default_model_path(), max_model_len=256, quantization="none")
+    exact = LLM(default_model_path(), max_model_len=256, quantization="none", dtype="float32")  # AMX: auto is bf16
     assert not qkv(exact).int8_activations and kv_dtype(exact) == torch.float32
-    folder = LLM(default_model_dir, max_model_len=256)  # the same weights as safetensors: exact
+    folder = LLM(default_model_dir, max_model_len=256, dtype="float32")  # the same weights as safetensors: exact
     assert folder.engine.config.quantization is None and not qkv(folder).int8_activations
     assert kv_dtype(folder) == torch.float32
     prompt = [{"prompt_token_ids": list(range(1000, 1040))}]
