@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.kiln-installed
 PYTEST_ARGS ?=
 # One pytest worker per core (pytest-xdist), each file on one worker, handed out in collection order
-# (tests/conftest.py puts the longest files first); PYTEST_WORKERS=0 runs in-process.
+# (tests/conftest.py puts the longest files first), listing the 15 slowest; PYTEST_WORKERS=0 runs in-process.
 PYTEST_WORKERS ?= auto
 
 .PHONY: setup serve test bench lint clean
@@ -33,7 +33,7 @@ serve: setup
 	$(VENV)/bin/kiln serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
 test: setup
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 $(PYTEST_ARGS)
 
 bench: setup
 	$(PY) bench/offline_throughput.py

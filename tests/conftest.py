@@ -32,6 +32,7 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
 # count, which put the longest file, with 6 tests, last: it then ran alone for minutes).
 LONG_FILES = (
     "tests/quantization/test_quant_accuracy.py",
+    "tests/quantization/test_vllm_reads_checkpoints.py",  # where the vLLM-CPU peer is set up
     "tests/cuda/test_triton_ops.py",
     "tests/ascend/test_ascend.py",
     "tests/cpu/test_int8_linear.py",
