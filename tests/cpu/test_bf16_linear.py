@@ -12,10 +12,13 @@ from kiln_cpu import native, packed_linear
 from kiln_cpu.packed_linear import (
     KERNEL_MAX_ELEMENTS,
     KERNEL_MAX_ROWS,
+    PAD_ROWS_FROM,
     Bf16Linear,
     Bf16TiledLinear,
     PackedLinear,
     bf16_linear,
+    on_padded_rows,
+    padded_rows,
 )
 
 needs_kernel = pytest.mark.skipif(
@@ -193,3 +196,39 @@ def test_bf16_dot_speed_is_timed_where_the_build_has_vdpbf16ps():
         assert native.bf16_dots_outrun_fma() == (speed > 1.0)
     else:
         assert speed == 0.0 and not native.bf16_dots_outrun_fma()
+
+
+def test_padded_rows_add_at_most_an_eighth_and_few_counts():
+    """Up to ``PAD_ROWS_FROM`` rows as they are; past it, each count rounds up by under an eighth
+    to one of eight counts per power of two, so oneDNN compiles a few dozen GEMMs up to 8k rows,
+    not thousands."""
+    assert [padded_rows(n) for n in range(PAD_ROWS_FROM + 1)] == list(range(PAD_ROWS_FROM + 1))
+    counts = {padded_rows(n) for n in range(PAD_ROWS_FROM + 1, 8193)}
+    assert all(n <= padded_rows(n) < n * 9 / 8 for n in range(PAD_ROWS_FROM + 1, 8193))
+    assert len(counts) <= 8 * 7 and padded_rows(500) == 512 and padded_rows(2049) == 2304
+
+
+@pytest.mark.skipif(not packed_linear.prepacking_works(), reason="needs oneDNN's bf16 GEMM")
+@pytest.mark.parametrize("shape", [(100,), (2, 50), (64,), (3, 1)])
+def test_packed_layer_pads_prefill_rows_and_returns_its_own(monkeypatch, shape):
+    """Past ``PAD_ROWS_FROM`` rows oneDNN multiplies zero-padded rows (one kernel for many counts);
+    the layer returns the rows it was given, with their leading dims, as ``F.linear`` computes them."""
+    linear = _linear(96, 40, True)
+    layer = PackedLinear(linear)
+    seen = []
+    multiply = layer._linear
+    monkeypatch.setattr(layer, "_linear", lambda x: seen.append(tuple(x.shape)) or multiply(x))
+    x = torch.randn(*shape, 96).bfloat16()
+    got = layer(x)
+    assert got.shape == (*shape, 40)
+    torch.testing.assert_close(got, nn.functional.linear(x, linear.weight, linear.bias), rtol=2**-7, atol=1e-2)
+    rows = x.numel() // 96
+    assert seen == [(padded_rows(rows), 96) if rows > PAD_ROWS_FROM else tuple(x.shape)]
+
+
+def test_padding_drops_the_padding_rows():
+    x = torch.arange(70 * 3, dtype=torch.float32).reshape(70, 3)
+    padded = []
+    got = on_padded_rows(lambda r: padded.append(r.clone()) or r.sum(-1, keepdim=True), x)
+    assert padded[0].shape == (72, 3) and not padded[0][70:].any()
+    assert torch.equal(got, x.sum(-1, keepdim=True))

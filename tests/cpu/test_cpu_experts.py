@@ -25,6 +25,7 @@ from kiln_cpu.fused_ops import (
     _fused_experts_bf16,
     fused_experts,
 )
+from kiln_cpu.packed_linear import padded_rows
 from kiln_cpu.tiled_weights import INT8_PER_BLOCK, INT8_PER_ROW, tiled_matmul
 
 pytestmark = pytest.mark.skipif(native.load_kernels() is None, reason="the C kernels did not build")
@@ -205,22 +206,26 @@ def test_the_bf16_decode_kernel_matches_the_reference(case):
 def test_bf16_prefills_take_widened_gemms_where_fmas_outrun_bf16_products(monkeypatch, fma_outruns):
     """Past the decode kernel's tokens, bf16 experts multiply as fp32 GEMMs on widened weights
     where FMAs outrun bf16 products (the reference's roundings, only the sums' order differs),
-    else the reference's bf16 matmuls."""
+    else as the reference's bf16 matmuls on each expert's rows padded to ``padded_rows`` (a new
+    row count is a new kernel for oneDNN to compile)."""
     from kiln_cpu import fused_ops
 
     monkeypatch.setattr(native, "fma_outruns_bf16_dots", lambda: fma_outruns)
-    widened = []
-    kernel = fused_ops.widened_linear
+    widened, padded = [], []
+    kernel, pad = fused_ops.widened_linear, fused_ops.on_padded_rows
     monkeypatch.setattr(fused_ops, "widened_linear", lambda *a: widened.append(a[1].shape) or kernel(*a))
+    monkeypatch.setattr(fused_ops, "on_padded_rows", lambda fn, rows: padded.append(len(rows)) or pad(fn, rows))
     module = Experts(8, 64, 96, torch.bfloat16)
-    x, weights, ids = routed(BF16_EXPERTS_MAX_TOKENS + 7, 8, 2, 64, torch.bfloat16)
+    x, weights, ids = routed(6 * BF16_EXPERTS_MAX_TOKENS + 7, 8, 2, 64, torch.bfloat16)  # ~100 rows an expert
     got = fused_experts(x, module.w13.detach(), module.w2.detach(), weights, ids)
     expected = REFERENCE_OPS["fused_experts"](x, module.w13.detach(), module.w2.detach(), weights, ids)
+    assert_close_in_bf16(got, expected)
+    chosen = torch.bincount(ids[ids >= 0], minlength=8)
     if fma_outruns:
-        assert_close_in_bf16(got, expected)
-        assert len(widened) == 2 * len(set(ids.flatten().tolist()) - {-1})  # each expert chosen: w13, w2
+        assert len(widened) == 2 * int((chosen > 0).sum()) and padded == []  # each expert chosen: w13, w2
     else:
-        assert torch.equal(got, expected) and widened == []
+        assert widened == [] and padded == [n for n in chosen.tolist() if n]
+        assert any(padded_rows(n) > n for n in padded)
     assert not got[2].any()
 
 

@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from functools import partial
 
 import torch
+import torch.nn.functional as F
 
 from kiln.interfaces import lora as lora_reference
 from kiln.interfaces import model as reference
 from kiln.interfaces.lora import LoRAMapping
 from kiln_cpu import native
 from kiln_cpu.experts import PackedExperts
-from kiln_cpu.packed_linear import widened_linear
+from kiln_cpu.packed_linear import on_padded_rows, widened_linear
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
@@ -138,16 +140,22 @@ def fused_experts(
     """``kiln.interfaces.model.fused_experts`` in one C call (``csrc/experts.c``): fp32 experts
     in their tiles (``kiln_cpu.experts``), bf16 ones as loaded at decode batch sizes; beyond
     those, bf16 experts through ``widened_linear`` where FMAs outrun bf16 products (the
-    reference's roundings, each expert's matmuls as fp32 GEMMs); else the reference."""
+    reference's roundings, each expert's matmuls as fp32 GEMMs), else through oneDNN on their
+    rows padded (``on_padded_rows``: each expert's count of rows would be a new kernel to compile);
+    else the reference."""
     if isinstance(w13, PackedExperts):
         return _fused_experts_tiled(x, w13, w2, weights, ids)
     if _bf16_experts_kernel_takes(x, w13, w2):
         return _fused_experts_bf16(x, w13, w2, weights, ids)
-    if x.dtype == w13.dtype == w2.dtype == torch.bfloat16 and native.fma_outruns_bf16_dots():
-        return reference.route_to_experts(
-            x, weights, ids, lambda e, rows: widened_linear(silu_and_mul(widened_linear(rows, w13[e])), w2[e])
-        )
+    if x.dtype == w13.dtype == w2.dtype == torch.bfloat16:
+        return reference.route_to_experts(x, weights, ids, partial(_bf16_expert, w13, w2))
     return reference.fused_experts(x, w13, w2, weights, ids)
+
+
+def _bf16_expert(w13: torch.Tensor, w2: torch.Tensor, e: int, rows: torch.Tensor) -> torch.Tensor:
+    if native.fma_outruns_bf16_dots():
+        return widened_linear(silu_and_mul(widened_linear(rows, w13[e])), w2[e])
+    return on_padded_rows(lambda r: F.linear(silu_and_mul(F.linear(r, w13[e])), w2[e]), rows)
 
 
 # Tokens up to which the bf16 experts kernel runs; more go to the reference's per-expert

@@ -45,6 +45,11 @@ logger = logging.getLogger("kiln.cpu")
 # other hint for 1-16 tokens and within 10% of plain F.linear at 2048.
 BATCH_HINT = 256
 KERNEL_MAX_ROWS = 16  # a decode step's rows; more (prefills) go to oneDNN
+# oneDNN compiles a kernel for each row count it multiplies: on a 2-core AMX Xeon a new count of
+# ~500 rows through a 2048x512 bf16 weight took 6-7 ms, the product itself 0.6. A server's
+# prefill and mixed steps, and a prefill's experts, bring new counts all the time, so bf16 GEMMs
+# past PAD_ROWS_FROM rows run on their rows padded with zeros (``padded_rows``).
+PAD_ROWS_FROM = 64
 KERNEL_MAX_ELEMENTS = 1 << 20  # 2 MB of bf16 weight
 WIDEN_MAX_ELEMENTS = 1 << 20  # of a weight widened at once by widened_linear: 4 MB of fp32
 
@@ -94,6 +99,28 @@ def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return out
 
 
+def padded_rows(rows: int) -> int:
+    """``rows`` rounded up to the next of eight steps per power of two past ``PAD_ROWS_FROM``:
+    at most an eighth more rows, and a few dozen counts for oneDNN to compile up to 8k rows."""
+    if rows <= PAD_ROWS_FROM:
+        return rows
+    step = 1 << (rows.bit_length() - 4)
+    return -(-rows // step) * step
+
+
+def on_padded_rows(fn, x: torch.Tensor) -> torch.Tensor:
+    """``fn(x)`` for a row-wise ``fn`` (a linear layer, an MLP), run on ``x``'s rows padded with
+    zero rows to ``padded_rows``; the padding's outputs are dropped."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    padded = padded_rows(rows)
+    if padded == rows:
+        return fn(x)
+    buffer = x.new_zeros(padded, x.shape[-1])
+    buffer[:rows] = x.reshape(rows, x.shape[-1])
+    out = fn(buffer)
+    return out[:rows].reshape(*x.shape[:-1], out.shape[-1])
+
+
 class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -103,6 +130,9 @@ class PackedLinear(nn.Module):
             self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return on_padded_rows(self._linear, x)
+
+    def _linear(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
