@@ -87,7 +87,8 @@ def test_tiled_layer_is_the_fp32_products_rounded_once(rows, bias):
 @pytest.mark.parametrize("fma_outruns", [False, True])
 def test_more_rows_or_other_inputs_go_to_torch(monkeypatch, fma_outruns):
     """Past ``KERNEL_MAX_ROWS`` rows, ``widened_linear`` where FMAs outrun bf16 products, else
-    ``F.linear`` on the same weight; strided or fp32 inputs too."""
+    ``F.linear`` on the same weight (past ``PAD_ROWS_FROM`` rows on padded rows); strided or fp32
+    inputs too."""
     lib, calls = native.load_kernels(), []
     monkeypatch.setattr(lib, "linear_bf16", lambda *a: calls.append(a[2]))
     monkeypatch.setattr(native, "fma_outruns_bf16_dots", lambda: fma_outruns)
@@ -105,6 +106,15 @@ def test_more_rows_or_other_inputs_go_to_torch(monkeypatch, fma_outruns):
     with pytest.raises(RuntimeError):  # F.linear's refusal of mismatched dtypes
         layer(torch.randn(3, 64))
     assert calls == [] and widened == ([prefill.shape] if fma_outruns else [])
+    padded = []
+    pad = packed_linear.on_padded_rows
+    monkeypatch.setattr(packed_linear, "on_padded_rows", lambda fn, x: padded.append(len(x)) or pad(fn, x))
+    longer = torch.randn(PAD_ROWS_FROM + 5, 64).bfloat16()  # oneDNN's rows padded where it multiplies
+    if fma_outruns:
+        _assert_rounded_once(layer(longer), _exact(longer, linear))
+    else:
+        torch.testing.assert_close(layer(longer), linear(longer), rtol=2**-7, atol=1e-2)
+    assert padded == ([] if fma_outruns else [len(longer)])
 
 
 @pytest.mark.parametrize("bias", [False, True])

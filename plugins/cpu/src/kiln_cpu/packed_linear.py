@@ -140,7 +140,7 @@ class Bf16Linear(nn.Module):
     """A bf16 linear layer on its plain weight: ``csrc/bf16_linear.c`` for up to
     ``KERNEL_MAX_ROWS`` contiguous bf16 rows (each output summed in fp32 and rounded once,
     bias included, as oneDNN does); more bf16 rows through ``widened_linear`` where FMAs outrun
-    bf16 products, else ``F.linear``. That reorders the weight every call (there is no packed
+    bf16 products, else ``F.linear`` (on padded rows past ``PAD_ROWS_FROM``). That reorders the weight every call (there is no packed
     copy: it would double these layers' memory), which costs 3-10 % on these small layers at
     prefill sizes (2048 rows of 512x1024: 2.18 against 2.12 ms packed; of 1536x576: 3.9 against
     3.6 ms)."""
@@ -155,8 +155,10 @@ class Bf16Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features if self.in_features else 0
-        if rows > KERNEL_MAX_ROWS and x.dtype == torch.bfloat16 and native.fma_outruns_bf16_dots():
-            return widened_linear(x, self.weight, self.bias_f32)
+        if rows > KERNEL_MAX_ROWS and x.dtype == torch.bfloat16:
+            if native.fma_outruns_bf16_dots():
+                return widened_linear(x, self.weight, self.bias_f32)
+            return on_padded_rows(self._onednn, x)
         if not 0 < rows <= KERNEL_MAX_ROWS or x.dtype != torch.bfloat16 or not x.is_contiguous():
             return nn.functional.linear(x, self.weight, self.bias)
         out = x.new_empty(*x.shape[:-1], self.out_features)
@@ -166,6 +168,9 @@ class Bf16Linear(nn.Module):
                            self.out_features):  # fmt: skip
             raise MemoryError("linear_bf16: no memory for its last block")
         return out
+
+    def _onednn(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight, self.bias)
 
 
 class Bf16TiledLinear(TiledLinear):
