@@ -140,10 +140,10 @@ class Bf16Linear(nn.Module):
     """A bf16 linear layer on its plain weight: ``csrc/bf16_linear.c`` for up to
     ``KERNEL_MAX_ROWS`` contiguous bf16 rows (each output summed in fp32 and rounded once,
     bias included, as oneDNN does); more bf16 rows through ``widened_linear`` where FMAs outrun
-    bf16 products, else ``F.linear`` (on padded rows past ``PAD_ROWS_FROM``). That reorders the weight every call (there is no packed
-    copy: it would double these layers' memory), which costs 3-10 % on these small layers at
-    prefill sizes (2048 rows of 512x1024: 2.18 against 2.12 ms packed; of 1536x576: 3.9 against
-    3.6 ms)."""
+    bf16 products, else ``F.linear`` (on padded rows past ``PAD_ROWS_FROM``). That reorders the
+    weight every call (there is no packed copy: it would double these layers' memory), which
+    costs 3-10 % on these small layers at prefill sizes (2048 rows of 512x1024: 2.18 against
+    2.12 ms packed; of 1536x576: 3.9 against 3.6 ms)."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
