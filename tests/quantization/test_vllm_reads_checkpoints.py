@@ -26,15 +26,15 @@ CALIBRATION = ["--num-calibration-samples", "8", "--seq-len", "128", "-t", "bf16
 # How far below Kiln's first choice (nats) a vLLM pick may lie: after "Paris.\n\nThe" Kiln's top five lie
 # within 0.7 nats, and there the two engines parted on CI's AVX2 machine; a misread checkpoint's picks lie far lower.
 NEAR_TIE = 1.0
+# Whether vLLM-CPU runs its AVX-512 build here (vLLM picks its build with this check).
+VLLM_AVX512 = torch.cpu._is_avx512_supported()
 # vLLM-CPU's 4-bit weight kernel (cpu_gemm_wna16) is in its AVX-512 builds only; its AVX2 build cannot serve them.
-# vLLM picks its build with this check.
 NEEDS_AVX512 = pytest.mark.skipif(
-    not torch.cpu._is_avx512_supported(),
-    reason="vLLM-CPU's AVX2 build has no 4-bit weight kernel (cpu_gemm_wna16)",
+    not VLLM_AVX512, reason="vLLM-CPU's AVX2 build has no 4-bit weight kernel (cpu_gemm_wna16)"
 )
 # vLLM-CPU's int8 W8A8 kernel takes fp32 activations in its AVX2 build and bf16 or fp16 only in its AVX-512 one
 # ("int8_scaled_mm_with_quant: expect A to be bfloat16 or half").
-W8A8_DTYPE = "bfloat16" if torch.cpu._is_avx512_supported() else "float32"
+W8A8_DTYPE = "bfloat16" if VLLM_AVX512 else "float32"
 
 
 def vllm_greedy(model: str, dtype: str, port: int) -> tuple[list[int], list[int], str]:
