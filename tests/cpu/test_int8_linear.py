@@ -105,6 +105,28 @@ def test_wide_q4_tiles_split_a_part_at_a_time_give_each_rows_products(rows):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)  # fp32 sums of 131 blocks
 
 
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "several"])
+@pytest.mark.parametrize("rows", [15, 16, 31, 33, 300])
+def test_a_rows_products_do_not_depend_on_the_rows_beside_it(kind, rows):
+    """Every row count gives each row, bit for bit, its products alone: on an AMX machine
+    (``int8_amx_rows``) the tile path from 16 or 32 rows against vpdpbusd's one row; elsewhere the
+    panels. 300 rows: two of the tile path's row chunks and a part-filled A tile."""
+    w = several_types(rows) if kind == "several" else gguf_weight(64, 512, KINDS[kind], seed=rows)
+    form, bias = tiled_form(w), torch.randn(w.shape[0])
+    x = activations(rows, w.shape[1], seed=rows)
+    for mode in (INT8_PER_BLOCK, INT8_PER_ROW):
+        got = tiled_matmul(form, x, bias, mode)
+        alone = torch.cat([tiled_matmul(form, x[i : i + 1], bias, mode) for i in range(rows)])
+        assert torch.equal(got, alone), mode
+
+
+@pytest.mark.skipif("amx_int8" not in native._cpu_flags().split(), reason="no AMX-INT8 on this CPU")
+def test_amx_machines_multiply_on_the_tiles():
+    """The build enables AMX where the CPU has it, and the kernel gets the process its tiles."""
+    lib = native.load_kernels()
+    assert lib.int8_amx_rows(4) == 32 and lib.int8_amx_rows(8) == lib.int8_amx_rows(6) == 16
+
+
 def test_strided_rows_and_the_exact_path():
     w = gguf_weight(64, 128, KINDS["q4_1"])
     x = torch.randn(5, 160)[:, 16:144]

@@ -190,6 +190,8 @@ def _declared(lib):
     lib.int8_linear.argtypes = [*lib.tiled_linear.argtypes, ctypes.c_int]
     for fn in (lib.tiled_linear, lib.int8_linear):
         fn.restype = ctypes.c_int
+    lib.int8_amx_rows.argtypes = [ctypes.c_int]
+    lib.int8_amx_rows.restype = ctypes.c_int
     for fn in (lib.lora_add_f32, lib.lora_add_bf16w):
         fn.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ptr, ptr]
         fn.restype = ctypes.c_int

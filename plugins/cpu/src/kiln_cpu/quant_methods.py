@@ -4,7 +4,7 @@ Every scheme goes into the 4/8-bit tiles of the GGUF Q4_1/Q8_0 path (``tiled_wei
 scale, and for 4 bits an offset, per 32 inputs, so groups of any multiple of 32 fit exactly;
 act-order (GPTQ ``g_idx``) sorts the inputs by group and the activations are read in that
 order. They are multiplied in integers by ``csrc/int8_linear.c`` (vpdpbusd with VNNI,
-vpmaddubsw on AVX2), one kernel family with the GGUF path, and decode steps run them inside
+vpmaddubsw on AVX2, AMX tiles from 16-32 rows), one kernel family with the GGUF path, and decode steps run them inside
 the fused decoder layer (``fused_decode``).
 
 - W8A8 (SmoothQuant / compressed-tensors int8): activations quantized per token, as the scheme

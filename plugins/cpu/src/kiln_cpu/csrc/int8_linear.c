@@ -22,8 +22,10 @@
  * and reloaded them from the stack), and a lone row's block is its 32 bytes in a row.
  * Instruction sets are chosen when the library is compiled (-march=native, on the
  * machine that runs it): AVX-VNNI or AVX-512 VNNI (vpdpbusd), AVX2 (vpmaddubsw),
- * else portable C. All give the same int32 block sums.
+ * else portable C. All give the same int32 block sums. With AMX-INT8, products of enough rows
+ * multiply on the tiles (amx_linear), the same outputs bit for bit as the zmm path's.
  */
+#define _DEFAULT_SOURCE /* syscall(), for AMX's permission */
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -58,13 +60,15 @@ static float absmax(const float *x, int64_t n) {
 }
 
 /* A row of x as int8 per 32-block, into its lane of a panel: the block's group g of 4 values at
- * q + (8 b + g) P 4 (P: the panel's rows), its scale d[b P] and s[b P] = d * sum(q). flip: each byte's top
+ * q + (8 b + g) P 4 (P: the panel's rows), its scale d[b D] and s[b D] = d * sum(q) (D: P, or
+ * the rows of amx_linear's block-major scales). flip: each byte's top
  * bit flipped (qx + 128 as unsigned, see int8_linear).
  * per_row 0: a scale per block, qx = round(x * 127 / amax_block) (llama.cpp's).
  * per_row 1: one scale for the row, qx = round(x / (max(amax_row, 1e-10) / 127)): the integers
  * of per-token quantization in torch (kiln.interfaces.quantization.quantize_per_token), so W8A8's
  * blocks sum exactly what its reference sums. */
-static void quantize_row(const float *x, int64_t K, int per_row, int flip, int P, int8_t *q, float *d, float *s) {
+static void quantize_row(const float *x, int64_t K, int per_row, int flip, int P, int64_t D, int8_t *q, float *d,
+                         float *s) {
     const float row_scale = per_row ? fmaxf(absmax(x, K), 1e-10f) / 127.0f : 0.0f;
     for (int64_t b = 0; b < K / 32; b++) {
         const float *xb = x + b * 32;
@@ -98,7 +102,7 @@ static void quantize_row(const float *x, int64_t K, int per_row, int flip, int P
             sum += v;
         }
 #endif
-        d[b * P] = scale, s[b * P] = scale * (float)sum;
+        d[b * D] = scale, s[b * D] = scale * (float)sum;
     }
 }
 
@@ -489,6 +493,172 @@ static void tile_rows(float *out, int64_t N, const int8_t *xq, const float *xd, 
 
 #endif
 
+#if defined(__AMX_INT8__) && defined(AVX512_VNNI) && AVX512_VNNI
+/* AMX (Xeon Sapphire Rapids and later): one tile product multiplies 16 rows of activations by a
+ * block's inputs for the 16 features of a weight tile, where vpdpbusd takes one row at a time. A
+ * block's bytes (8 groups of 16 features x 4 inputs) are as they lie a B tile of 8 rows; the
+ * activations are quantized row by row (quantize_row with a panel of one row) so that 16 rows'
+ * blocks are an A tile with a row's K bytes as its stride; Q4's nibbles are split into bytes once
+ * a tile and chunk of rows (amx_unpack_q4). The int32 sums of a block (Q6: of each half) are
+ * stored and scaled in fp32 by the epilogue of rows_times_tile_512, operation for operation, so
+ * both paths give the same outputs bit for bit and a row's outputs do not depend on how many rows
+ * it came with. Activations stay signed: AMX multiplies s8 by s8 (Q8, Q6) and s8 by u8 (Q4's
+ * nibbles). That epilogue, 3-4 vector instructions per 16 sums of a block, bounds the products:
+ * tile instructions and vector ones did not overlap (microcoded tile loads and stores), and a
+ * block's 32 inputs fill half of what one tile product can take. */
+#define AMX_INT8 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#define AMX_ROW_CHUNK 256 /* rows whose activations stay in L2 while every tile passes */
+#define AMX_ROWS 16       /* an A tile's rows */
+
+/* Linux gives a process AMX's tile registers only once it asks (arch_prctl's ARCH_REQ_XCOMP_PERM
+ * for XFEATURE_XTILEDATA); without, a tile instruction faults. Asked once a process. */
+static int amx_permitted(void) {
+    static int permitted = -1;
+    if (permitted < 0) permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return permitted;
+}
+
+/* Rows from which a product of format fmt goes to the tiles: where they outran vpdpbusd on a
+ * 2-core AMX Xeon (bench/kernel_ab.py, the default model's weights): Q8_0 0.6-0.74x its time from
+ * 16 rows; Q4_1 0.80-0.94x from 32, 1.0-1.15x at 16 (its nibbles split, and a min per block). */
+static int amx_min_rows(int fmt) { return block_fmt(fmt) == 4 ? 32 : 16; }
+
+/* Two sets of tiles, so that one block's product runs while the previous one's sums are scaled:
+ * 0 and 3, the int32 sums (16 rows of 16); 1 and 4, 16 rows' kb activation bytes; 2 and 5, kb / 4
+ * rows of a block's groups. A thread's configuration holds until it releases its tiles. */
+static void amx_configure(int kb) {
+    struct {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } __attribute__((aligned(64))) config = {.palette = 1};
+    for (int set = 0; set < 6; set += 3) {
+        config.colsb[set] = TILE * 4, config.rows[set] = AMX_ROWS;
+        config.colsb[set + 1] = kb, config.rows[set + 1] = AMX_ROWS;
+        config.colsb[set + 2] = TILE * 4, config.rows[set + 2] = kb / 4;
+    }
+    _tile_loadconfig(&config);
+}
+
+/* A Q4 tile's nb blocks as bytes in input order: low nibbles of groups 0-3 (inputs 0-15), then
+ * the high ones (16-31). */
+static void amx_unpack_q4(uint8_t *bytes, const uint8_t *w, int64_t nb) {
+    const __m512i low = _mm512_set1_epi8(15);
+    for (int64_t b = 0; b < nb; b++)
+        for (int g = 0; g < 4; g++) {
+            stream_ahead(w + b * 256 + g * 64, 64);
+            const __m512i v = _mm512_loadu_si512(w + b * 256 + g * 64);
+            _mm512_store_si512(bytes + b * 512 + g * 64, _mm512_and_si512(v, low));
+            _mm512_store_si512(bytes + b * 512 + 256 + g * 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+        }
+}
+
+/* Tiles C = A B for step s (block s / subs, its part s % subs: kb inputs, kb * TILE weight
+ * bytes) of rows r; tile numbers are the instructions' immediates. */
+#define AMX_PRODUCT(C, A, B, s)                           \
+    do {                                                  \
+        _tile_zero(C);                                    \
+        _tile_loadd(A, x + (s) * kb, K);                  \
+        _tile_loadd(B, w + (s) * kb * TILE, TILE * 4);    \
+        if (q4) _tile_dpbsud(C, A, B);                    \
+        else _tile_dpbssd(C, A, B);                       \
+    } while (0)
+
+/* f[i] += the sums of a step, scaled (rows_times_tile_512's epilogue, operation for operation):
+ * dw, its weight scales; d and s (with a min m), the 16 rows' activation scales and sums. */
+static inline __attribute__((always_inline)) void amx_scale(__m512 f[], int32_t sums[][TILE], __m512 dw,
+                                                            const float *d, const float *s, const __m512 *m) {
+    for (int i = 0; i < AMX_ROWS; i++) {
+        const __m512 dd = _mm512_mul_ps(dw, _mm512_set1_ps(d[i]));
+        f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums[i])), dd, f[i]);
+    }
+    if (m) /* a min per 32 inputs, in every format */
+        for (int i = 0; i < AMX_ROWS; i++) f[i] = _mm512_fmadd_ps(*m, _mm512_set1_ps(s[i]), f[i]);
+}
+
+/* out[rows r0..r1) x features 16t..16t+15. xq: rows quantized one after another, padded to
+ * whole A tiles (R rows); xd, xs: their scales and sums, block by block (R a block); w: the
+ * tile's blocks as bytes (Q4 split by amx_unpack_q4). Steps alternate between the two sets of
+ * tiles: step s + 1 is multiplied while step s's sums are scaled. */
+static void amx_tile_rows(float *out, int64_t N, const int8_t *xq, const float *xd, const float *xs, int64_t R,
+                          int64_t r0, int64_t r1, int fmt, const float *scale, const float *min, const uint8_t *w,
+                          int64_t t, int64_t K, const float *bias) {
+    const int subs = scales_per_block(fmt), f16 = fmt & F16_SCALES, q4 = block_fmt(fmt) == 4, kb = 32 / subs;
+    const int64_t nb = K / 32, steps = nb * subs, first = t * steps * TILE; /* the tile's first scale */
+    int32_t sums[2][AMX_ROWS][TILE] __attribute__((aligned(64)));
+    for (int64_t r = r0; r < r1; r += AMX_ROWS) {
+        const int8_t *x = xq + r * K;
+        __m512 f[AMX_ROWS];
+        for (int i = 0; i < AMX_ROWS; i++) f[i] = _mm512_setzero_ps();
+        AMX_PRODUCT(0, 1, 2, 0);
+        for (int64_t s = 0; s < steps; s++) {
+            const int64_t b = s / subs;
+            if (r == r0 && !q4) stream_ahead(w + s * kb * TILE, kb * TILE);
+            const __m512 dw = load16_scale(scale, first + s * TILE, f16);
+            const __m512 m = min && s % subs == 0 ? load16_scale(min, (t * nb + b) * TILE, f16) : dw;
+            const float *d = xd + b * R + r, *sx = xs + b * R + r;
+            if (s % 2 == 0) {
+                if (s + 1 < steps) AMX_PRODUCT(3, 4, 5, s + 1);
+                _tile_stored(0, sums[0], TILE * 4);
+                amx_scale(f, sums[0], dw, d, sx, min && s % subs == 0 ? &m : NULL);
+            } else {
+                if (s + 1 < steps) AMX_PRODUCT(0, 1, 2, s + 1);
+                _tile_stored(3, sums[1], TILE * 4);
+                amx_scale(f, sums[1], dw, d, sx, min && s % subs == 0 ? &m : NULL);
+            }
+        }
+        const __m512 bv = bias ? _mm512_loadu_ps(bias + t * TILE) : _mm512_setzero_ps();
+        for (int i = 0; i < AMX_ROWS && r + i < r1; i++) _mm512_storeu_ps(out + (r + i) * N + t * TILE, _mm512_add_ps(f[i], bv));
+    }
+}
+#undef AMX_PRODUCT
+
+/* int8_linear on AMX tiles (rows >= amx_min_rows(fmt), fmt 4, 6 or 8). Nonzero when out of memory. */
+static int amx_linear(float *out, const float *x, int64_t rows, int64_t x_stride, int fmt, const float *scale,
+                      const float *min, const void *q, const float *bias, int64_t K, int64_t N, int per_row) {
+    const int64_t nb = K / 32, padded = (rows + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
+    const int q4 = block_fmt(fmt) == 4;
+    int8_t *xq = calloc(padded, K);
+    float *xd = calloc(padded * nb, sizeof(float)), *xs = calloc(padded * nb, sizeof(float));
+    int failed = xq == NULL || xd == NULL || xs == NULL;
+    if (!failed) _Pragma("omp parallel") {
+        _Pragma("omp for schedule(static)") for (int64_t r = 0; r < rows; r++)
+            quantize_row(x + r * x_stride, K, per_row, 0, 1, padded, xq + r * K, xd + r, xs + r);
+        uint8_t *bytes = q4 ? aligned_alloc(64, nb * 512) : NULL;
+        if (q4 && bytes == NULL) failed = 1;
+        else {
+            amx_configure(32 / scales_per_block(fmt));
+            const int64_t tiles = N / TILE;
+            for (int64_t r0 = 0; r0 < rows; r0 += AMX_ROW_CHUNK) {
+                const int64_t r1 = r0 + AMX_ROW_CHUNK < rows ? r0 + AMX_ROW_CHUNK : rows;
+                _Pragma("omp for schedule(dynamic, 1) nowait") for (int64_t t = 0; t < tiles; t++) {
+                    const uint8_t *w = (const uint8_t *)q + t * nb * (q4 ? 256 : 512);
+                    if (q4) amx_unpack_q4(bytes, w, nb), w = bytes;
+                    amx_tile_rows(out, N, xq, xd, xs, padded, r0, r1, fmt, scale, min, w, t, K, bias);
+                }
+            }
+            _tile_release();
+        }
+        free(bytes);
+    }
+    free(xq), free(xd), free(xs);
+    return failed;
+}
+#endif
+
+/* The rows from which int8_linear multiplies a format fmt on AMX tiles; 0 where it does not (a
+ * build or CPU without AMX-INT8, or a kernel that refused the process its tiles). */
+int int8_amx_rows(int fmt) {
+#if defined(AMX_INT8)
+    return amx_permitted() ? amx_min_rows(fmt) : 0;
+#else
+    (void)fmt;
+    return 0;
+#endif
+}
+
 int tiled_linear(float *, const float *, int64_t, int64_t, int, const float *, const float *, const void *,
                  const float *, int64_t, int64_t);
 
@@ -499,6 +669,10 @@ int int8_linear(float *out, const float *x, int64_t rows, int64_t x_stride, int 
                 const float *min, const void *q, const float *bias, int64_t K, int64_t N, int per_row) {
     const int base = block_fmt(fmt);
     if (base != 4 && base != 6 && base != 8) return tiled_linear(out, x, rows, x_stride, fmt, scale, min, q, bias, K, N);
+#if defined(AMX_INT8)
+    if (rows >= amx_min_rows(fmt) && amx_permitted())
+        return amx_linear(out, x, rows, x_stride, fmt, scale, min, q, bias, K, N, per_row);
+#endif
     const int64_t nb = K / 32;
     int8_t *xq = malloc(rows * K);
     float *xd = malloc(rows * nb * sizeof(float)), *xs = malloc(rows * nb * sizeof(float));
@@ -516,7 +690,7 @@ int int8_linear(float *out, const float *x, int64_t rows, int64_t x_stride, int 
         _Pragma("omp for schedule(static)") for (int64_t p = 0; p < rows; p += ROWS) {
             const int P = panel_rows(p, rows);
             for (int64_t r = p; r < p + P; r++)
-                quantize_row(x + r * x_stride, K, per_row, flip, P, xq + lane_at(r, K), xd + lane_scale_at(r, K),
+                quantize_row(x + r * x_stride, K, per_row, flip, P, P, xq + lane_at(r, K), xd + lane_scale_at(r, K),
                              xs + lane_scale_at(r, K));
         }
         /* From ROWS_PER_HANDOUT rows on, tiles go one at a time to whichever thread is free: the threads do
