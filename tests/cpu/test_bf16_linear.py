@@ -23,7 +23,7 @@ from kiln_cpu.packed_linear import (
 
 needs_kernel = pytest.mark.skipif(
     not packed_linear.kernel_works(),
-    reason="the bf16 linear kernel runs only without AMX, and with AVX512-BF16 or without oneDNN's bf16",
+    reason="the bf16 linear kernel runs only with AMX, AVX512-BF16, or without oneDNN's bf16",
 )
 
 
@@ -65,6 +65,19 @@ def test_kernel_rows_are_the_fp32_products_rounded_once(monkeypatch, rows, k, n,
     got, expected = Bf16Linear(linear)(x), _exact(x, linear)
     assert calls == [rows] and got.shape == (rows, n) and got.dtype == torch.bfloat16
     _assert_rounded_once(got, expected)
+
+
+@pytest.mark.skipif(
+    native.load_kernels() is None or not native.load_kernels().linear_bf16_amx(), reason="no AMX tiles for the kernel"
+)
+def test_on_amx_tiles_a_rows_outputs_do_not_depend_on_the_rows_beside_it():
+    """On AMX the kernel multiplies every row count on the tiles (out^T = w x^T): each row's
+    outputs, bit for bit, those it gets alone; K of several tile steps, a partial block of features."""
+    linear = _linear(576, 72, True)
+    layer = Bf16Linear(linear)
+    x = torch.randn(KERNEL_MAX_ROWS, 576).bfloat16()
+    for rows in (2, 5, KERNEL_MAX_ROWS):
+        assert torch.equal(layer(x[:rows]), torch.cat([layer(x[i : i + 1]) for i in range(rows)]))
 
 
 @pytest.mark.skipif(native.load_kernels() is None, reason="needs the CPU plugin's C kernels")
@@ -150,8 +163,15 @@ def test_small_weights_take_the_kernel_and_large_ones_tiles_or_onednn():
     unfit = _linear(multiple + 2, 40, True)
     assert type(bf16_linear(unfit)) is (PackedLinear if packed_linear.prepacking_works() else nn.Linear)
     big = nn.Linear(512, KERNEL_MAX_ELEMENTS // 512 + 16, bias=False, dtype=torch.bfloat16)
-    # an LM head: fp32 FMAs on bf16 tiles where they outrun bf16 products, else oneDNN
-    assert type(bf16_linear(big)) is (Bf16TiledLinear if native.fma_outruns_bf16_dots() else PackedLinear)
+    # an LM head: the kernel on AMX tiles; fp32 FMAs on bf16 tiles where they outrun bf16 products, else oneDNN
+    assert type(bf16_linear(big)) is _big_layout()
+
+
+def _big_layout() -> type:
+    """The layout ``bf16_linear`` gives a weight past ``KERNEL_MAX_ELEMENTS`` (where the kernel runs)."""
+    if native.has_amx_bf16():
+        return Bf16Linear
+    return Bf16TiledLinear if native.fma_outruns_bf16_dots() else PackedLinear
 
 
 @pytest.mark.skipif(native.load_kernels() is None, reason="needs the CPU plugin's C kernels")
@@ -177,8 +197,8 @@ def test_the_kernel_runs_where_onednn_has_no_bf16_or_the_build_has_vdpbf16ps(mon
     monkeypatch.setattr(native, "has_amx_bf16", lambda: False)
     native_dots = bool(native.load_kernels().linear_bf16_native())
     assert packed_linear.kernel_works.__wrapped__() is (native_dots or not prepacking)
-    monkeypatch.setattr(native, "has_amx_bf16", lambda: True)
-    assert packed_linear.kernel_works.__wrapped__() is False
+    monkeypatch.setattr(native, "has_amx_bf16", lambda: True)  # then it runs on AMX tiles where the build has them
+    assert packed_linear.kernel_works.__wrapped__() is bool(native.load_kernels().linear_bf16_amx())
 
 
 def test_bf16_model_linears_take_the_layout_bf16_linear_picks(tiny_model_dir):
@@ -191,7 +211,7 @@ def test_bf16_model_linears_take_the_layout_bf16_linear_picks(tiny_model_dir):
         return
     kernel = {type(m) is Bf16Linear for m in layers if m.in_features * m.out_features <= KERNEL_MAX_ELEMENTS}
     assert kernel == {packed_linear.kernel_works()}  # the projections
-    head = Bf16TiledLinear if native.fma_outruns_bf16_dots() else PackedLinear
+    head = _big_layout() if packed_linear.kernel_works() else PackedLinear
     assert {type(m) for m in layers if m.in_features * m.out_features > KERNEL_MAX_ELEMENTS} == {head}
 
 

@@ -14,7 +14,12 @@ read as stored. It is used for weights up to ``KERNEL_MAX_ELEMENTS``: past that 
 blocked GEMM makes up for its overhead at 16 rows (an LM head, 512x49152: 1.4 against
 1.9 ms), and with SmolLM2-135M in bf16 at 16 sequences the kernel on its 576x3072
 gate_up too was 2 % slower a step, neutral without it; at one sequence it is 5-10 % faster.
-With AMX, oneDNN multiplies on its tiles, which this kernel has not been measured against.
+With AMX the kernel multiplies on the tiles (``tdpbf16ps``), the weight as stored, for weights
+of any size: it streams them at about the memory's rate for 1-16 rows, where oneDNN's per-call
+costs came first (SmolLM2-135M unquantized in bf16 at one sequence on a 2-core AMX Xeon:
+20.3-25.0 ms a token against 28.7-34.6 with every layer prepacked, and 25.0-37.1 with the kernel
+on weights of up to ``KERNEL_MAX_ELEMENTS`` only). Prefills still go to oneDNN (at 512 rows
+it was 1.3-1.6x as fast as the kernel).
 
 Where vdpbf16ps multiplies fewer values a cycle than fp32 FMAs (a Xeon whose AMX the VM
 hides: half as many), weights past that size (an LM head, a large projection) are kept in
@@ -72,14 +77,17 @@ def prepacking_works() -> bool:
 
 @cache
 def kernel_works() -> bool:
-    """The C kernel outruns the other layouts at decode sizes: the CPU has no AMX, and the kernel
-    is built with vdpbf16ps products or oneDNN has no bf16 GEMM (AVX2). There its fp32 products of
-    bf16 words split in two beat the tiles: under AVX2 on a 2-core Xeon, one row of 512x1024 took
-    20 against 44 us, 16 rows 124 against 141; from memory 51-59 against 91-208 and 157-162
-    against 178-189."""
+    """The C kernel outruns the other layouts at decode sizes: with AMX, where it multiplies on
+    the tiles (the default model's 30 layers of bf16 projections on a 2-core AMX Xeon, 1-16 rows:
+    12.3-15.9 ms a pass against oneDNN's prepacked 20-29); without, where it is built with vdpbf16ps
+    products or oneDNN has no bf16 GEMM (AVX2). There its fp32 products of bf16 words split in two
+    beat the tiles: under AVX2 on a 2-core Xeon, one row of 512x1024 took 20 against 44 us, 16
+    rows 124 against 141; from memory 51-59 against 91-208 and 157-162 against 178-189."""
     lib = native.load_kernels()
-    if lib is None or native.has_amx_bf16():
+    if lib is None:
         return False
+    if native.has_amx_bf16():
+        return bool(lib.linear_bf16_amx())
     return bool(lib.linear_bf16_native()) or not prepacking_works()
 
 
@@ -189,11 +197,11 @@ class Bf16TiledLinear(TiledLinear):
 
 def bf16_linear(linear: nn.Linear) -> nn.Module:
     """The layout for a bf16 ``nn.Linear``: ``Bf16Linear`` where its kernel runs and the weight
-    is small enough; ``Bf16TiledLinear`` where FMAs outrun bf16 products and the weight is past
+    is small enough (with AMX, of any size); ``Bf16TiledLinear`` where FMAs outrun bf16 products and the weight is past
     that size, or oneDNN has no bf16 GEMM to prepack for (AVX2, where torch's own bf16 matmul took
     6x as long as the tiles at 512 rows and 3.5x at 16, level at one); else ``PackedLinear``, or
     the layer as it is without oneDNN's bf16."""
-    small = linear.weight.numel() <= KERNEL_MAX_ELEMENTS
+    small = linear.weight.numel() <= KERNEL_MAX_ELEMENTS or native.has_amx_bf16()  # AMX: any size
     if small and kernel_works() and linear.in_features % native.load_kernels().linear_bf16_multiple() == 0:
         return Bf16Linear(linear)
     tiles = linear.out_features % TILE == 0 and native.fma_outruns_bf16_dots()

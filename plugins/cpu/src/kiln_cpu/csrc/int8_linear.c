@@ -25,7 +25,7 @@
  * else portable C. All give the same int32 block sums. With AMX-INT8, products of enough rows
  * multiply on the tiles (amx_linear), the same outputs bit for bit as the zmm path's.
  */
-#define _DEFAULT_SOURCE /* syscall(), for AMX's permission */
+#define _DEFAULT_SOURCE /* syscall(), for AMX's permission (amx.h) */
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -507,18 +507,9 @@ static void tile_rows(float *out, int64_t N, const int8_t *xq, const float *xd, 
  * tile instructions and vector ones did not overlap (microcoded tile loads and stores), and a
  * block's 32 inputs fill half of what one tile product can take. */
 #define AMX_INT8 1
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
 #define AMX_ROW_CHUNK 256 /* rows whose activations stay in L2 while every tile passes */
 #define AMX_ROWS 16       /* an A tile's rows */
-
-/* Linux gives a process AMX's tile registers only once it asks (arch_prctl's ARCH_REQ_XCOMP_PERM
- * for XFEATURE_XTILEDATA); without, a tile instruction faults. Asked once a process. */
-static int amx_permitted(void) {
-    static int permitted = -1;
-    if (permitted < 0) permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-    return permitted;
-}
 
 /* Rows from which a product of format fmt goes to the tiles: where they outran vpdpbusd on a
  * 2-core AMX Xeon (bench/kernel_ab.py, the default model's weights): Q8_0 0.6-0.74x its time from
@@ -527,19 +518,11 @@ static int amx_min_rows(int fmt) { return block_fmt(fmt) == 4 ? 32 : 16; }
 
 /* Two sets of tiles, so that one block's product runs while the previous one's sums are scaled:
  * 0 and 3, the int32 sums (16 rows of 16); 1 and 4, 16 rows' kb activation bytes; 2 and 5, kb / 4
- * rows of a block's groups. A thread's configuration holds until it releases its tiles. */
-static void amx_configure(int kb) {
-    struct {
-        uint8_t palette, start_row, reserved[14];
-        uint16_t colsb[16];
-        uint8_t rows[16];
-    } __attribute__((aligned(64))) config = {.palette = 1};
-    for (int set = 0; set < 6; set += 3) {
-        config.colsb[set] = TILE * 4, config.rows[set] = AMX_ROWS;
-        config.colsb[set + 1] = kb, config.rows[set + 1] = AMX_ROWS;
-        config.colsb[set + 2] = TILE * 4, config.rows[set + 2] = kb / 4;
-    }
-    _tile_loadconfig(&config);
+ * rows of a block's groups. */
+static void amx_int8_tiles(int kb) {
+    const uint8_t rows[6] = {AMX_ROWS, AMX_ROWS, kb / 4, AMX_ROWS, AMX_ROWS, kb / 4};
+    const uint16_t colsb[6] = {TILE * 4, kb, TILE * 4, TILE * 4, kb, TILE * 4};
+    amx_configure(6, rows, colsb);
 }
 
 /* A Q4 tile's nb blocks as bytes in input order: low nibbles of groups 0-3 (inputs 0-15), then
@@ -629,7 +612,7 @@ static int amx_linear(float *out, const float *x, int64_t rows, int64_t x_stride
         uint8_t *bytes = q4 ? aligned_alloc(64, nb * 512) : NULL;
         if (q4 && bytes == NULL) failed = 1;
         else {
-            amx_configure(32 / scales_per_block(fmt));
+            amx_int8_tiles(32 / scales_per_block(fmt));
             const int64_t tiles = N / TILE;
             for (int64_t r0 = 0; r0 < rows; r0 += AMX_ROW_CHUNK) {
                 const int64_t r1 = r0 + AMX_ROW_CHUNK < rows ? r0 + AMX_ROW_CHUNK : rows;
