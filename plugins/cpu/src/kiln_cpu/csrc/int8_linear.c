@@ -605,28 +605,27 @@ static int amx_linear(float *out, const float *x, int64_t rows, int64_t x_stride
     const int q4 = block_fmt(fmt) == 4;
     int8_t *xq = calloc(padded, K);
     float *xd = calloc(padded * nb, sizeof(float)), *xs = calloc(padded * nb, sizeof(float));
-    int failed = xq == NULL || xd == NULL || xs == NULL;
+    /* each thread's split Q4 tile, allocated before the threads start: all of them must reach
+     * the same loops */
+    uint8_t *split = q4 ? aligned_alloc(64, omp_get_max_threads() * nb * 512) : NULL;
+    const int failed = xq == NULL || xd == NULL || xs == NULL || (q4 && split == NULL);
     if (!failed) _Pragma("omp parallel") {
         _Pragma("omp for schedule(static)") for (int64_t r = 0; r < rows; r++)
             quantize_row(x + r * x_stride, K, per_row, 0, 1, padded, xq + r * K, xd + r, xs + r);
-        uint8_t *bytes = q4 ? aligned_alloc(64, nb * 512) : NULL;
-        if (q4 && bytes == NULL) failed = 1;
-        else {
-            amx_int8_tiles(32 / scales_per_block(fmt));
-            const int64_t tiles = N / TILE;
-            for (int64_t r0 = 0; r0 < rows; r0 += AMX_ROW_CHUNK) {
-                const int64_t r1 = r0 + AMX_ROW_CHUNK < rows ? r0 + AMX_ROW_CHUNK : rows;
-                _Pragma("omp for schedule(dynamic, 1) nowait") for (int64_t t = 0; t < tiles; t++) {
-                    const uint8_t *w = (const uint8_t *)q + t * nb * (q4 ? 256 : 512);
-                    if (q4) amx_unpack_q4(bytes, w, nb), w = bytes;
-                    amx_tile_rows(out, N, xq, xd, xs, padded, r0, r1, fmt, scale, min, w, t, K, bias);
-                }
+        uint8_t *bytes = q4 ? split + omp_get_thread_num() * nb * 512 : NULL;
+        amx_int8_tiles(32 / scales_per_block(fmt));
+        const int64_t tiles = N / TILE;
+        for (int64_t r0 = 0; r0 < rows; r0 += AMX_ROW_CHUNK) {
+            const int64_t r1 = r0 + AMX_ROW_CHUNK < rows ? r0 + AMX_ROW_CHUNK : rows;
+            _Pragma("omp for schedule(dynamic, 1) nowait") for (int64_t t = 0; t < tiles; t++) {
+                const uint8_t *w = (const uint8_t *)q + t * nb * (q4 ? 256 : 512);
+                if (q4) amx_unpack_q4(bytes, w, nb), w = bytes;
+                amx_tile_rows(out, N, xq, xd, xs, padded, r0, r1, fmt, scale, min, w, t, K, bias);
             }
-            _tile_release();
         }
-        free(bytes);
+        _tile_release();
     }
-    free(xq), free(xd), free(xs);
+    free(xq), free(xd), free(xs), free(split);
     return failed;
 }
 #endif
