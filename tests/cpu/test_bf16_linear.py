@@ -169,7 +169,7 @@ def test_small_weights_take_the_kernel_and_large_ones_tiles_or_onednn():
 
 def _big_layout() -> type:
     """The layout ``bf16_linear`` gives a weight past ``KERNEL_MAX_ELEMENTS`` (where the kernel runs)."""
-    if native.has_amx_bf16():
+    if native.has_amx_bf16() and packed_linear.kernel_works():
         return Bf16Linear
     return Bf16TiledLinear if native.fma_outruns_bf16_dots() else PackedLinear
 
@@ -211,7 +211,7 @@ def test_bf16_model_linears_take_the_layout_bf16_linear_picks(tiny_model_dir):
         return
     kernel = {type(m) is Bf16Linear for m in layers if m.in_features * m.out_features <= KERNEL_MAX_ELEMENTS}
     assert kernel == {packed_linear.kernel_works()}  # the projections
-    head = _big_layout() if packed_linear.kernel_works() else PackedLinear
+    head = _big_layout()
     assert {type(m) for m in layers if m.in_features * m.out_features > KERNEL_MAX_ELEMENTS} == {head}
 
 

@@ -79,7 +79,7 @@ def prepacking_works() -> bool:
 def kernel_works() -> bool:
     """The C kernel outruns the other layouts at decode sizes: with AMX, where it multiplies on
     the tiles (the default model's 30 layers of bf16 projections on a 2-core AMX Xeon, 1-16 rows:
-    12.3-15.9 ms a pass against oneDNN's prepacked 20-29); without, where it is built with vdpbf16ps
+    12.3-14.0 ms a pass against oneDNN's prepacked 28-29); without, where it is built with vdpbf16ps
     products or oneDNN has no bf16 GEMM (AVX2). There its fp32 products of bf16 words split in two
     beat the tiles: under AVX2 on a 2-core Xeon, one row of 512x1024 took 20 against 44 us, 16
     rows 124 against 141; from memory 51-59 against 91-208 and 157-162 against 178-189."""
