@@ -20,8 +20,11 @@ Kernels (``--kernels``):
   "hot" (one layer's cache 30 times).
 - ``prefill``: fp32 prefill attention (``csrc/prefill_attention_f32.c``, the same heads) of 16
   fresh prompts of each of ``--prompt-lens`` tokens, one layer.
+- ``bf16``: bf16 linear layers (``csrc/bf16_linear.c``: AMX tiles where the CPU has them, else
+  vdpbf16ps or split bf16 words) on random weights of the default model's four projection shapes,
+  30 layers of them (212 MB, from memory as a decode step reads them), ``--rows`` rows each.
 
-    python bench/kernel_ab.py [--rev HEAD] [--kernels linear,attention,prefill,wide] [--rows 1,16,64,512]
+    python bench/kernel_ab.py [--rev HEAD] [--kernels linear,attention,prefill,wide,bf16] [--rows 1,16,64,512]
         [--seqs 16,64] [--keys 192] [--prompt-lens 128,512] [--wide 4096x4096,14336x4096,4096x14336]
         [--repeats 8]
 
@@ -133,6 +136,29 @@ def linear_cases(weights: list[tuple[str, object]], rows_list: list[int], repeat
     return cases
 
 
+def bf16_cases(rows_list: list[int], repeats: int, a, b) -> list[dict]:
+    """30 layers of the default model's bf16 projections (qkv, o, gate/up, down), a pass over all
+    of them a round: 212 MB of weights, more than the caches hold."""
+    torch.manual_seed(0)
+    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (outputs, inputs)
+    weights = [[torch.randn(n, k).bfloat16() for n, k in shapes] for _ in range(LAYERS)]
+    cases = []
+    for rows in rows_list:
+        xs = {k: torch.randn(rows, k).bfloat16() for _, k in shapes}
+        outs = {n: torch.empty(rows, n, dtype=torch.bfloat16) for n, _ in shapes}
+
+        def run(lib, xs=xs, outs=outs, rows=rows) -> torch.Tensor:
+            for layer in weights:
+                for w, (n, k) in zip(layer, shapes):
+                    lib.linear_bf16(outs[n].data_ptr(), xs[k].data_ptr(), rows, k, w.data_ptr(), None, n)
+            return torch.cat([outs[n] for n, _ in shapes], 1)
+
+        case = {"kernel": "bf16", "case": f"{LAYERS} layers' 4 projections, 212 MB", "rows": rows}
+        cases.append(case | alternate(run, a, b, repeats))
+        print(row(cases[-1]), flush=True)
+    return cases
+
+
 def decode_attention(seqs: int, keys: int, cold: bool) -> Callable[[object], torch.Tensor]:
     """A run of decode attention over 30 layers' caches (``cold``) or one layer's 30 times."""
     width = (keys + BLOCK - 1) // BLOCK
@@ -214,8 +240,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=8, help="rounds per case (half of them B first)")
     args = parser.parse_args()
     kernels = args.kernels.split(",")
-    if unknown := set(kernels) - {"linear", "attention", "prefill", "wide"}:
-        parser.error(f"--kernels: unknown {sorted(unknown)}; choose from linear, attention, prefill, wide")
+    if unknown := set(kernels) - {"linear", "attention", "prefill", "wide", "bf16"}:
+        parser.error(f"--kernels: unknown {sorted(unknown)}; choose from linear, attention, prefill, wide, bf16")
     rows = [int(r) for r in args.rows.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         a, b = libraries(args.rev, Path(tmp))
@@ -230,6 +256,8 @@ def main() -> None:
             cases += attention_cases([int(s) for s in args.seqs.split(",")], args.keys, args.repeats, a, b)
         if "prefill" in kernels:
             cases += prefill_cases([int(n) for n in args.prompt_lens.split(",")], args.repeats, a, b)
+        if "bf16" in kernels:
+            cases += bf16_cases(rows, args.repeats, a, b)
     RESULTS.parent.mkdir(exist_ok=True)
     RESULTS.write_text(json.dumps({"rev": args.rev, "machine": machine(), "cases": cases}, indent=1) + "\n")
     print(f"wrote {RESULTS}")
