@@ -18,6 +18,17 @@
 #include "bf16_dots.h"
 #include "vec.h"
 
+/* *last: the rows of w's last block of BLOCK when N leaves it partial, zero-padded (NULL when
+ * N is a multiple of BLOCK). Returns 1 when out of memory. */
+static int last_block(uint16_t **last, const uint16_t *w, int64_t N, int64_t K) {
+    const int64_t full = N / BLOCK;
+    *last = NULL;
+    if (N == full * BLOCK) return 0;
+    if ((*last = calloc(BLOCK * K, sizeof(uint16_t))) == NULL) return 1;
+    memcpy(*last, w + full * BLOCK * K, (N - full * BLOCK) * K * sizeof(uint16_t));
+    return 0;
+}
+
 #if defined(__AMX_BF16__) && defined(__AVX512BW__)
 /* AMX: out^T = w x^T, a tile at a time. The weight's 16 rows of a tile, 32 inputs at a time, are
  * an A tile as they lie (row stride K), so the layer keeps its one plain weight; the rows of x go
@@ -48,13 +59,13 @@ static int amx_linear_bf16(uint16_t *out, const uint16_t *x, int64_t T, int64_t 
                            const float *bias, int64_t N) {
     const int64_t full = N / BLOCK, blocks = (N + BLOCK - 1) / BLOCK, groups = (T + AMX_TOKENS - 1) / AMX_TOKENS;
     const int64_t pairs = K / 2, steps = K / 32;
+    uint16_t *last;
+    if (last_block(&last, w, N, K)) return 1;
     uint32_t *xt = calloc(groups * pairs * AMX_TOKENS, sizeof(uint32_t));
-    uint16_t *last = blocks > full ? calloc(BLOCK * K, sizeof(uint16_t)) : NULL;
-    if (xt == NULL || (blocks > full && last == NULL)) {
-        free(xt), free(last);
+    if (xt == NULL) {
+        free(last);
         return 1;
     }
-    if (last) memcpy(last, w + full * BLOCK * K, (N - full * BLOCK) * K * sizeof(uint16_t));
     pairs_of_tokens(xt, x, T, K);
     _Pragma("omp parallel if (T * K * N >= 65536)") {
         static const uint8_t rows[6] = {16, 16, 16, 16, 16, 16};
@@ -116,11 +127,8 @@ int linear_bf16(uint16_t *out, const uint16_t *x, int64_t T, int64_t K, const ui
     if (N >= BLOCK && K % 32 == 0 && amx_permitted()) return amx_linear_bf16(out, x, T, K, w, bias, N);
 #endif
     const int64_t full = N / BLOCK, blocks = (N + BLOCK - 1) / BLOCK;
-    uint16_t *last = NULL; /* the last, partial block's rows, zero-padded */
-    if (blocks > full) {
-        if ((last = calloc(BLOCK * K, sizeof(uint16_t))) == NULL) return 1;
-        memcpy(last, w + full * BLOCK * K, (N - full * BLOCK) * K * sizeof(uint16_t));
-    }
+    uint16_t *last;
+    if (last_block(&last, w, N, K)) return 1;
     _Pragma("omp parallel if (T * K * N >= 65536)") {
         float d[ROWS * BLOCK];
         const uint16_t *rows[ROWS];

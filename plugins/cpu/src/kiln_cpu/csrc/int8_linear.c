@@ -313,6 +313,20 @@ static inline __m512 load16_scale(const float *p, int64_t i, int f16) {
     return f16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i))) : _mm512_loadu_ps(p + i);
 }
 
+/* f[i] += the int32 block sums acc[i] of rows i < R, scaled: dw the weight scales, d[i] the rows'
+ * activation scales; with a min m, + m s[i] (s: the rows' scales times their sums of qx). The
+ * one epilogue of both zmm paths, vpdpbusd's and the AMX tiles', so that they give the same
+ * outputs bit for bit. */
+static inline __attribute__((always_inline)) void scale_sums(__m512 f[], const __m512i acc[], int R, __m512 dw,
+                                                             const float *d, const float *s, const __m512 *m) {
+    for (int i = 0; i < R; i++) {
+        const __m512 dd = _mm512_mul_ps(dw, _mm512_set1_ps(d[i]));
+        f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i]), dd, f[i]);
+    }
+    if (m)
+        for (int i = 0; i < R; i++) f[i] = _mm512_fmadd_ps(*m, _mm512_set1_ps(s[i]), f[i]);
+}
+
 /* Q8's correction for unsigned activations, once a tile (not once a pass over it): per block and
  * scale, -128 * sum(w) of each of the 16 features, with which every row's integer sums start. */
 static void unsigned_offsets(int32_t *offsets, const int8_t *w, int64_t nb, int subs) {
@@ -371,16 +385,10 @@ static inline __attribute__((always_inline)) void rows_times_tile_512(float *out
                         acc[i] = _mm512_dpbusd_epi32(acc[i], _mm512_set1_epi32(load4(group(x, g, i, P))), v);
                 }
             }
-            const int64_t at = ((t * nb + b) * subs + sub) * TILE;
-            const __m512 dw = load16_scale(scale, at, f16);
-            for (int i = 0; i < R; i++) {
-                const __m512 dd = _mm512_mul_ps(dw, _mm512_set1_ps(xd[b * P + i]));
-                f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i]), dd, f[i]);
-            }
-            if (min && sub == 0) { /* a min per 32 inputs, in every format */
-                const __m512 m = load16_scale(min, (t * nb + b) * TILE, f16);
-                for (int i = 0; i < R; i++) f[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[b * P + i]), f[i]);
-            }
+            const __m512 dw = load16_scale(scale, ((t * nb + b) * subs + sub) * TILE, f16);
+            const int has_min = min && sub == 0; /* a min per 32 inputs, in every format */
+            const __m512 m = has_min ? load16_scale(min, (t * nb + b) * TILE, f16) : dw;
+            scale_sums(f, acc, R, dw, xd + b * P, xs + b * P, has_min ? &m : NULL);
         }
     }
     const __m512 bv = bias && b1 == nb ? _mm512_loadu_ps(bias + t * TILE) : _mm512_setzero_ps();
@@ -500,7 +508,7 @@ static void tile_rows(float *out, int64_t N, const int8_t *xq, const float *xd, 
  * activations are quantized row by row (quantize_row with a panel of one row) so that 16 rows'
  * blocks are an A tile with a row's K bytes as its stride; Q4's nibbles are split into bytes once
  * a tile and chunk of rows (amx_unpack_q4). The int32 sums of a block (Q6: of each half) are
- * stored and scaled in fp32 by the epilogue of rows_times_tile_512, operation for operation, so
+ * stored and scaled in fp32 by rows_times_tile_512's epilogue (scale_sums), so
  * both paths give the same outputs bit for bit and a row's outputs do not depend on how many rows
  * it came with. Activations stay signed: AMX multiplies s8 by s8 (Q8, Q6) and s8 by u8 (Q4's
  * nibbles). That epilogue, 3-4 vector instructions per 16 sums of a block, bounds the products:
@@ -549,16 +557,12 @@ static void amx_unpack_q4(uint8_t *bytes, const uint8_t *w, int64_t nb) {
         else _tile_dpbssd(C, A, B);                       \
     } while (0)
 
-/* f[i] += the sums of a step, scaled (rows_times_tile_512's epilogue, operation for operation):
- * dw, its weight scales; d and s (with a min m), the 16 rows' activation scales and sums. */
+/* f[i] += step s's sums (as _tile_stored left them), scaled. */
 static inline __attribute__((always_inline)) void amx_scale(__m512 f[], int32_t sums[][TILE], __m512 dw,
                                                             const float *d, const float *s, const __m512 *m) {
-    for (int i = 0; i < AMX_ROWS; i++) {
-        const __m512 dd = _mm512_mul_ps(dw, _mm512_set1_ps(d[i]));
-        f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums[i])), dd, f[i]);
-    }
-    if (m) /* a min per 32 inputs, in every format */
-        for (int i = 0; i < AMX_ROWS; i++) f[i] = _mm512_fmadd_ps(*m, _mm512_set1_ps(s[i]), f[i]);
+    __m512i acc[AMX_ROWS];
+    for (int i = 0; i < AMX_ROWS; i++) acc[i] = _mm512_load_si512(sums[i]);
+    scale_sums(f, acc, AMX_ROWS, dw, d, s, m);
 }
 
 /* out[rows r0..r1) x features 16t..16t+15. xq: rows quantized one after another, padded to
