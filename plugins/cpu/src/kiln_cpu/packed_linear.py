@@ -197,10 +197,10 @@ class Bf16TiledLinear(TiledLinear):
 
 def bf16_linear(linear: nn.Linear) -> nn.Module:
     """The layout for a bf16 ``nn.Linear``: ``Bf16Linear`` where its kernel runs and the weight
-    is small enough (with AMX, of any size); ``Bf16TiledLinear`` where FMAs outrun bf16 products and the weight is past
-    that size, or oneDNN has no bf16 GEMM to prepack for (AVX2, where torch's own bf16 matmul took
-    6x as long as the tiles at 512 rows and 3.5x at 16, level at one); else ``PackedLinear``, or
-    the layer as it is without oneDNN's bf16."""
+    is small enough (with AMX, of any size); ``Bf16TiledLinear`` where FMAs outrun bf16 products
+    and the weight is past that size, or oneDNN has no bf16 GEMM to prepack for (AVX2, where
+    torch's own bf16 matmul took 6x as long as the tiles at 512 rows and 3.5x at 16, level at
+    one); else ``PackedLinear``, or the layer as it is without oneDNN's bf16."""
     small = linear.weight.numel() <= KERNEL_MAX_ELEMENTS or native.has_amx_bf16()  # AMX: any size
     if small and kernel_works() and linear.in_features % native.load_kernels().linear_bf16_multiple() == 0:
         return Bf16Linear(linear)
