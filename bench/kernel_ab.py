@@ -23,8 +23,10 @@ Kernels (``--kernels``):
 - ``bf16``: bf16 linear layers (``csrc/bf16_linear.c``: AMX tiles where the CPU has them, else
   vdpbf16ps or split bf16 words) on random weights of the default model's four projection shapes,
   30 layers of them (212 MB, from memory as a decode step reads them), ``--rows`` rows each.
+- ``experts``: bf16 experts (``csrc/experts.c``) of ``bench/moe.py``'s model (8 experts of hidden
+  512 and intermediate 1024, 2 a token), its 4 layers (96 MB), ``--rows`` tokens routed at random.
 
-    python bench/kernel_ab.py [--rev HEAD] [--kernels linear,attention,prefill,wide,bf16] [--rows 1,16,64,512]
+    python bench/kernel_ab.py [--rev HEAD] [--kernels linear,attention,prefill,wide,bf16,experts] [--rows 1,16,64,512]
         [--seqs 16,64] [--keys 192] [--prompt-lens 128,512] [--wide 4096x4096,14336x4096,4096x14336]
         [--repeats 8]
 
@@ -159,6 +161,31 @@ def bf16_cases(rows_list: list[int], repeats: int, a, b) -> list[dict]:
     return cases
 
 
+def experts_cases(rows_list: list[int], repeats: int, a, b) -> list[dict]:
+    """The 4 MoE layers of bench/moe.py's model (96 MB of bf16 experts), a pass over all a round."""
+    torch.manual_seed(0)
+    experts, hidden, inter, top_k = 8, 512, 1024, 2
+    layers = [
+        (torch.randn(experts, 2 * inter, hidden).bfloat16(), torch.randn(experts, hidden, inter).bfloat16())
+        for _ in range(4)
+    ]
+    cases = []
+    for rows in rows_list:
+        x, out = torch.randn(rows, hidden).bfloat16(), torch.empty(rows, hidden, dtype=torch.bfloat16)
+        weights, ids = torch.randn(rows, experts).softmax(-1).topk(top_k)
+
+        def run(lib, x=x, out=out, weights=weights, ids=ids, rows=rows) -> torch.Tensor:
+            for w13, w2 in layers:
+                lib.fused_experts_bf16(out.data_ptr(), x.data_ptr(), rows, hidden, inter, ids.data_ptr(),
+                                       weights.data_ptr(), top_k, experts, w13.data_ptr(), w2.data_ptr())  # fmt: skip
+            return out.clone()
+
+        case = {"kernel": "experts", "case": "4 MoE layers, 96 MB", "rows": rows}
+        cases.append(case | alternate(run, a, b, repeats))
+        print(row(cases[-1]), flush=True)
+    return cases
+
+
 def decode_attention(seqs: int, keys: int, cold: bool) -> Callable[[object], torch.Tensor]:
     """A run of decode attention over 30 layers' caches (``cold``) or one layer's 30 times."""
     width = (keys + BLOCK - 1) // BLOCK
@@ -240,8 +267,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=8, help="rounds per case (half of them B first)")
     args = parser.parse_args()
     kernels = args.kernels.split(",")
-    if unknown := set(kernels) - {"linear", "attention", "prefill", "wide", "bf16"}:
-        parser.error(f"--kernels: unknown {sorted(unknown)}; choose from linear, attention, prefill, wide, bf16")
+    known = ["linear", "attention", "prefill", "wide", "bf16", "experts"]
+    if unknown := set(kernels) - set(known):
+        parser.error(f"--kernels: unknown {sorted(unknown)}; choose from {', '.join(known)}")
     rows = [int(r) for r in args.rows.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         a, b = libraries(args.rev, Path(tmp))
@@ -258,6 +286,8 @@ def main() -> None:
             cases += prefill_cases([int(n) for n in args.prompt_lens.split(",")], args.repeats, a, b)
         if "bf16" in kernels:
             cases += bf16_cases(rows, args.repeats, a, b)
+        if "experts" in kernels:
+            cases += experts_cases(rows, args.repeats, a, b)
     RESULTS.parent.mkdir(exist_ok=True)
     RESULTS.write_text(json.dumps({"rev": args.rev, "machine": machine(), "cases": cases}, indent=1) + "\n")
     print(f"wrote {RESULTS}")

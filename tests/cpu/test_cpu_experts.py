@@ -19,10 +19,10 @@ from kiln.interfaces.model import REFERENCE_OPS, route_to_experts
 from kiln_cpu import native
 from kiln_cpu.experts import PackedExperts, use_packed_experts
 from kiln_cpu.fused_ops import (
-    BF16_EXPERTS_MAX_TOKENS,
     TILED_EXPERTS_CHUNK,
     _bf16_experts_kernel_takes,
     _fused_experts_bf16,
+    bf16_experts_max_tokens,
     fused_experts,
 )
 from kiln_cpu.packed_linear import padded_rows
@@ -161,7 +161,7 @@ def bf16_cases():
     for shape in BF16_SHAPES:
         experts, top_k, hidden, inter = shape
         module = Experts(experts, hidden, inter, torch.bfloat16)
-        for tokens in (1, 5, 33, BF16_EXPERTS_MAX_TOKENS):
+        for tokens in (1, 5, 33, 64):  # every machine's kernel takes 64 (AMX tiles: from ~2 rows an expert)
             yield (
                 f"{shape}-{tokens}",
                 module.w13.detach(),
@@ -185,8 +185,8 @@ def test_bf16_experts_run_in_the_decode_kernel_as_loaded():
     x = torch.zeros(16, 64, dtype=torch.bfloat16)
     assert _bf16_experts_kernel_takes(x, module.w13, module.w2)
     assert not _bf16_experts_kernel_takes(
-        torch.zeros(BF16_EXPERTS_MAX_TOKENS + 1, 64, dtype=torch.bfloat16), module.w13, module.w2
-    )  # fmt: skip  (a prefill: oneDNN's GEMM)
+        torch.zeros(bf16_experts_max_tokens() + 1, 64, dtype=torch.bfloat16), module.w13, module.w2
+    )  # fmt: skip  (a long prefill: oneDNN's GEMM)
     narrow = Experts(8, 40, 96, torch.bfloat16)  # rows the kernel's vectors (16 or 32 values) do not divide
     assert not _bf16_experts_kernel_takes(torch.zeros(4, 40, dtype=torch.bfloat16), narrow.w13, narrow.w2)
     assert not _bf16_experts_kernel_takes(x.float(), module.w13.float(), module.w2.float())
@@ -200,6 +200,23 @@ def test_the_bf16_decode_kernel_matches_the_reference(case):
     assert_close_in_bf16(got, REFERENCE_OPS["fused_experts"](x, w13, w2, weights, ids))
     if x.shape[0] > 2:
         assert not got[2].any()
+
+
+@pytest.mark.skipif(not native.load_kernels().fused_experts_bf16_amx(), reason="no AMX tiles to multiply on")
+@pytest.mark.parametrize("shape", BF16_SHAPES, ids=str)
+def test_on_amx_tiles_prefill_sized_bf16_experts_match_the_reference(shape):
+    """Several groups of 16 of an expert's tokens (the tiles' columns), and experts with a few
+    tokens beside experts with many."""
+    experts, top_k, hidden, inter = shape
+    module = Experts(experts, hidden, inter, torch.bfloat16)
+    x, weights, ids = routed(bf16_experts_max_tokens(), experts, top_k, hidden, torch.bfloat16)
+    ids[ids == 1] = -1  # expert 1 here for none (another rank's)
+    ids[5:8, 0] = 1  # but for three tokens
+    w13, w2 = module.w13.detach(), module.w2.detach()
+    assert _bf16_experts_kernel_takes(x, w13, w2)
+    got = fused_experts(x, w13, w2, weights, ids)
+    assert_close_in_bf16(got, REFERENCE_OPS["fused_experts"](x, w13, w2, weights, ids))
+    assert not got[2].any()
 
 
 @pytest.mark.parametrize("fma_outruns", [False, True])
@@ -216,7 +233,7 @@ def test_bf16_prefills_take_widened_gemms_where_fmas_outrun_bf16_products(monkey
     monkeypatch.setattr(fused_ops, "widened_linear", lambda *a: widened.append(a[1].shape) or kernel(*a))
     monkeypatch.setattr(fused_ops, "on_padded_rows", lambda fn, rows: padded.append(len(rows)) or pad(fn, rows))
     module = Experts(8, 64, 96, torch.bfloat16)
-    x, weights, ids = routed(6 * BF16_EXPERTS_MAX_TOKENS + 7, 8, 2, 64, torch.bfloat16)  # ~100 rows an expert
+    x, weights, ids = routed(bf16_experts_max_tokens() + 7, 8, 2, 64, torch.bfloat16)  # past the kernel's
     got = fused_experts(x, module.w13.detach(), module.w2.detach(), weights, ids)
     expected = REFERENCE_OPS["fused_experts"](x, module.w13.detach(), module.w2.detach(), weights, ids)
     assert_close_in_bf16(got, expected)
@@ -283,5 +300,5 @@ def test_a_bf16_moe_model_decodes_through_the_kernel(tiny_model_dir, monkeypatch
     params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert calls.count(len(prompts)) >= 7 * 2  # the layers of the decode steps of all three
-    monkeypatch.setattr(fused_ops, "BF16_EXPERTS_MAX_TOKENS", 0)  # every step through the reference
+    monkeypatch.setattr(fused_ops, "bf16_experts_max_tokens", lambda: 0)  # every step through the reference
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == got

@@ -245,7 +245,7 @@ class FusedMoEDecodeLayer(_LayerWrapper):
 
     def forward(self, positions, x, residual, rope_cache, ctx):
         # rows the Python forward runs through the same kernels (Bf16Linear's, the experts')
-        rows_ok = x.shape[0] <= min(KERNEL_MAX_ROWS, fused_ops.BF16_EXPERTS_MAX_TOKENS)
+        rows_ok = x.shape[0] <= min(KERNEL_MAX_ROWS, fused_ops.bf16_experts_max_tokens())
         fits = x.dtype == torch.bfloat16 and rows_ok and ctx.lora is None
         step = _step_of(ctx, positions, rope_cache, x) if fits else None
         if step is None:

@@ -215,6 +215,7 @@ def _declared(lib):
     lib.fused_experts_bf16.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, i64, i64, ptr, ptr]
     lib.fused_experts_bf16.restype = ctypes.c_int
     lib.fused_experts_bf16_multiple.restype = ctypes.c_int
+    lib.fused_experts_bf16_amx.restype = ctypes.c_int
     lib.fused_experts_tiled.argtypes = [*lib.fused_experts_bf16.argtypes, ctypes.c_int]
     lib.fused_experts_tiled.restype = ctypes.c_int
     return lib

@@ -30,78 +30,39 @@ static int last_block(uint16_t **last, const uint16_t *w, int64_t N, int64_t K) 
 }
 
 #if defined(__AMX_BF16__) && defined(__AVX512BW__)
-/* AMX: out^T = w x^T, a tile at a time. The weight's 16 rows of a tile, 32 inputs at a time, are
- * an A tile as they lie (row stride K), so the layer keeps its one plain weight; the rows of x go
- * into B tiles, their inputs in pairs (a 32-bit word of two bf16 per row of 16 tokens), a copy
- * of x that is small beside the weight. tdpbf16ps sums each pair's products in fp32 into the C
- * tile; two C tiles take alternate 32-input steps, so that a product need not wait for the one
- * before, and are added once. A token's outputs do not depend on the other rows, so a row gives
- * the same outputs alone and in any batch. Decode-sized products stream the weight at near the
- * memory's rate for any number of rows: 30 layers of the default model's four bf16 projections
- * (212 MB) on a 2-core AMX Xeon took 12.3-14.0 ms at 1-16 rows, where the vdpbf16ps path below
- * took 10.2-10.6 at one row, 20.8 at 8 and 37.4 at 16, and oneDNN's prepacked GEMM 28-29 at each
- * (alternated, one hour). Prefill-sized products were faster in oneDNN (1.3-1.6x at 512 rows). */
+/* AMX: out^T = w x^T, a block of 16 weight rows and a group of 16 tokens at a time
+ * (amx_bf16_sums), on the layer's one plain weight; the rows of x go into B tiles, their inputs
+ * in pairs, a copy of x that is small beside the weight. A token's outputs do not depend on the
+ * other rows, so a row gives the same outputs alone and in any batch. Decode-sized products
+ * stream the weight at near the memory's rate for any number of rows: 30 layers of the default
+ * model's four bf16 projections (212 MB) on a 2-core AMX Xeon took 12.3-14.0 ms at 1-16 rows,
+ * where the vdpbf16ps path below took 10.2-10.6 at one row, 20.8 at 8 and 37.4 at 16, and
+ * oneDNN's prepacked GEMM 28-29 at each (alternated, one hour). Prefill-sized products were
+ * faster in oneDNN (1.3-1.6x at 512 rows). */
 #define AMX_BF16 1
-#define AMX_TOKENS 16 /* a B tile's columns: tokens */
-
-/* x (T, K) as B tiles: token group g's pair p of inputs at xt[(g * K / 2 + p) * 16 + j] for
- * token 16 g + j, zero past T. */
-static void pairs_of_tokens(uint32_t *xt, const uint16_t *x, int64_t T, int64_t K) {
-    const int64_t pairs = K / 2;
-    for (int64_t t = 0; t < T; t++) {
-        const uint32_t *row = (const uint32_t *)(x + t * K);
-        uint32_t *col = xt + (t / AMX_TOKENS) * pairs * AMX_TOKENS + t % AMX_TOKENS;
-        for (int64_t p = 0; p < pairs; p++) col[p * AMX_TOKENS] = row[p];
-    }
-}
 
 static int amx_linear_bf16(uint16_t *out, const uint16_t *x, int64_t T, int64_t K, const uint16_t *w,
                            const float *bias, int64_t N) {
     const int64_t full = N / BLOCK, blocks = (N + BLOCK - 1) / BLOCK, groups = (T + AMX_TOKENS - 1) / AMX_TOKENS;
-    const int64_t pairs = K / 2, steps = K / 32;
     uint16_t *last;
     if (last_block(&last, w, N, K)) return 1;
-    uint32_t *xt = calloc(groups * pairs * AMX_TOKENS, sizeof(uint32_t));
+    uint32_t *xt = calloc(groups * K / 2 * AMX_TOKENS, sizeof(uint32_t));
     if (xt == NULL) {
         free(last);
         return 1;
     }
-    pairs_of_tokens(xt, x, T, K);
+    amx_pairs_of_rows(xt, x, NULL, T, K);
     _Pragma("omp parallel if (T * K * N >= 65536)") {
-        static const uint8_t rows[6] = {16, 16, 16, 16, 16, 16};
-        static const uint16_t colsb[6] = {64, 64, 64, 64, 64, 64};
-        amx_configure(6, rows, colsb); /* 0, 3: sums (16 features x 16 tokens); 1, 4: w; 2, 5: x */
-        float c[2][BLOCK][AMX_TOKENS] __attribute__((aligned(64)));
+        amx_bf16_configure();
+        float c[BLOCK][AMX_TOKENS] __attribute__((aligned(64)));
         _Pragma("omp for schedule(static)") for (int64_t b = 0; b < blocks; b++) {
             const uint16_t *wb = b < full ? w + b * BLOCK * K : last;
             const int64_t width = b < full ? BLOCK : N - full * BLOCK;
             for (int64_t g = 0; g < groups; g++) {
-                const uint32_t *xg = xt + g * pairs * AMX_TOKENS;
-                _tile_zero(0);
-                _tile_zero(3);
-                for (int64_t s = 0; s < steps; s += 2) {
-                    /* the next block's rows (contiguous) into L2 as fast as this one's are read: the
-                     * tile loads' 16 rows a K apart had streamed at half the memory's rate (1 row of
-                     * the default model's 30 layers: 20.9 ms against 13.7-15.1 with this; into L1,
-                     * or two blocks ahead, 14.7-16.8) */
-                    if (g == 0 && b + 1 < full)
-                        for (int64_t line = 0; line < 32; line++)
-                            __builtin_prefetch(w + (b + 1) * BLOCK * K + s * 16 * 32 + line * 32, 0, 2);
-                    _tile_loadd(1, wb + s * 32, K * 2);
-                    _tile_loadd(2, xg + s * 16 * AMX_TOKENS, AMX_TOKENS * 4);
-                    _tile_dpbf16ps(0, 1, 2);
-                    if (s + 1 < steps) {
-                        _tile_loadd(4, wb + (s + 1) * 32, K * 2);
-                        _tile_loadd(5, xg + (s + 1) * 16 * AMX_TOKENS, AMX_TOKENS * 4);
-                        _tile_dpbf16ps(3, 4, 5);
-                    }
-                }
-                _tile_stored(0, c[0], AMX_TOKENS * 4);
-                _tile_stored(3, c[1], AMX_TOKENS * 4);
+                amx_bf16_sums(c, wb, K, xt + g * K / 2 * AMX_TOKENS, g == 0 && b + 1 < full ? w + (b + 1) * BLOCK * K : NULL);
                 for (int64_t j = 0; j < AMX_TOKENS && g * AMX_TOKENS + j < T; j++)
                     for (int64_t f = 0; f < width; f++)
-                        out[(g * AMX_TOKENS + j) * N + b * BLOCK + f] =
-                            to_bf16(c[0][f][j] + c[1][f][j] + (bias ? bias[b * BLOCK + f] : 0.0f));
+                        out[(g * AMX_TOKENS + j) * N + b * BLOCK + f] = to_bf16(c[f][j] + (bias ? bias[b * BLOCK + f] : 0.0f));
             }
         }
         _tile_release();

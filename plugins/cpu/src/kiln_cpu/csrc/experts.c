@@ -17,11 +17,13 @@
  * Needs H and I to be multiples of 2 * VL (32 with AVX-512, 16 otherwise: of BLOCK either way);
  * the caller checks.
  */
+#define _DEFAULT_SOURCE /* syscall(), for AMX's permission (amx.h) */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "amx.h"
 #include "bf16_dots.h"
 #include "tiled.h"
 #include "vec.h"
@@ -64,6 +66,84 @@ static int sort_pairs(Routing *rt, const int64_t *ids, int64_t pairs, int64_t E)
     return 0;
 }
 
+#if defined(__AMX_BF16__) && defined(__AVX512BW__)
+/* AMX: the same items and roundings, each product on tiles (amx_bf16_sums): 16 weight rows
+ * against a group of up to 16 of an expert's tokens. Each expert's tokens are gathered into B
+ * tiles once, and phase 1 writes the hidden rows in the same layout for phase 2. Against the
+ * vdpbf16ps path, on bench/moe.py's 4 layers (8 experts, hidden 512, intermediate 1024, top 2;
+ * 2-core AMX Xeon, alternated): 1.17x and 1.14x the time at 2 and 4 tokens, 0.92x at 8, 0.91x at
+ * 16, 0.53x at 32; at 64 tokens a layer took 1.2 ms where oneDNN on each expert's rows took 4.7,
+ * at 256 3.3 ms against 5.9, at 2048 27 against 23. */
+#define AMX_EXPERTS 1
+#define AMX_EXPERTS_MIN_ROWS 2 /* an active expert's average: fewer go to the vdpbf16ps path */
+
+/* bf16(bf16(silu(bf16(gate))) * bf16(up)) of 8 sums, each an fp32 with its low 16 bits zero */
+static inline v8 hidden8(const float *gate, const float *up) {
+    return round8_bf16(round8_bf16(silu8(round8_bf16(load8_f32(gate)))) * round8_bf16(load8_f32(up)));
+}
+
+static int amx_experts_bf16(uint16_t *out, const uint16_t *x, int64_t H, int64_t I, const Routing *rt,
+                            const float *weights, int64_t top_k, const uint16_t *w13, const uint16_t *w2) {
+    const int64_t *start = rt->start, *pair = rt->pair, *items = rt->items, active = rt->active;
+    const int64_t iblocks = I / BLOCK, hblocks = H / BLOCK, xtile = H / 2 * AMX_TOKENS, htile = I / 2 * AMX_TOKENS;
+    int64_t *group0 = malloc((active + 1) * sizeof(int64_t)); /* active expert a's first group */
+    int64_t *token = malloc((start[items[active - 1] + 1] + 1) * sizeof(int64_t)); /* each sorted pair's */
+    if (group0 == NULL || token == NULL) return free(group0), free(token), 1;
+    group0[0] = 0;
+    for (int64_t a = 0; a < active; a++) {
+        const int64_t e = items[a], n = start[e + 1] - start[e];
+        group0[a + 1] = group0[a] + (n + AMX_TOKENS - 1) / AMX_TOKENS;
+        for (int64_t i = start[e]; i < start[e + 1]; i++) token[i] = pair[i] / top_k;
+    }
+    uint32_t *xt = calloc(group0[active] * xtile, sizeof(uint32_t)), *ht = calloc(group0[active] * htile, sizeof(uint32_t));
+    if (xt == NULL || ht == NULL) return free(group0), free(token), free(xt), free(ht), 1;
+    for (int64_t a = 0; a < active; a++) {
+        const int64_t e = items[a];
+        amx_pairs_of_rows(xt + group0[a] * xtile, x, token + start[e], start[e + 1] - start[e], H);
+    }
+    _Pragma("omp parallel") {
+        amx_bf16_configure();
+        float g[BLOCK][AMX_TOKENS] __attribute__((aligned(64))), u[BLOCK][AMX_TOKENS] __attribute__((aligned(64)));
+        _Pragma("omp for schedule(static)") for (int64_t it = 0; it < active * iblocks; it++) {
+            const int64_t a = it / iblocks, e = items[a], f0 = it % iblocks * BLOCK;
+            const uint16_t *gate = w13 + (e * 2 * I + f0) * H, *up = gate + I * H, *next = NULL;
+            if (it + 1 < active * iblocks) next = w13 + (items[(it + 1) / iblocks] * 2 * I + (it + 1) % iblocks * BLOCK) * H;
+            for (int64_t grp = group0[a]; grp < group0[a + 1]; grp++) {
+                amx_bf16_sums(g, gate, H, xt + grp * xtile, grp == group0[a] ? next : NULL);
+                amx_bf16_sums(u, up, H, xt + grp * xtile, grp == group0[a] && next ? next + I * H : NULL);
+                uint32_t *h = ht + grp * htile + f0 / 2 * AMX_TOKENS;
+                const int64_t tokens = start[e + 1] - start[e] - (grp - group0[a]) * AMX_TOKENS; /* the rest: padding */
+                for (int f = 0; f < BLOCK; f += 2)
+                    for (int j = 0; j < AMX_TOKENS && j < tokens; j += 8) { /* a word: feature f's bf16, then f + 1's */
+                        const u32x8 even = (u32x8)hidden8(&g[f][j], &u[f][j]), odd = (u32x8)hidden8(&g[f + 1][j], &u[f + 1][j]);
+                        const u32x8 word = even >> 16 | odd;
+                        memcpy(h + f / 2 * AMX_TOKENS + j, &word, sizeof word);
+                    }
+            }
+        }
+        _Pragma("omp for schedule(static)") for (int64_t it = 0; it < hblocks; it++) {
+            const int64_t n0 = it * BLOCK;
+            for (int64_t a = 0; a < active; a++) {
+                const int64_t e = items[a];
+                for (int64_t grp = group0[a]; grp < group0[a + 1]; grp++) {
+                    amx_bf16_sums(g, w2 + (e * H + n0) * I, I, ht + grp * htile, NULL);
+                    const int64_t p0 = start[e] + (grp - group0[a]) * AMX_TOKENS;
+                    for (int64_t j = 0; j < AMX_TOKENS && p0 + j < start[e + 1]; j++) {
+                        const int64_t p = pair[p0 + j];
+                        uint16_t *o = out + p / top_k * H + n0;
+                        for (int f = 0; f < BLOCK; f++)
+                            o[f] = to_bf16(from_bf16(o[f]) + round_bf16(round_bf16(g[f][j]) * weights[p]));
+                    }
+                }
+            }
+        }
+        _tile_release();
+    }
+    free(group0), free(token), free(xt), free(ht);
+    return 0;
+}
+#endif
+
 /* out (T, H) bf16 = the experts of ids (T, top_k; -1: none here) weighted by weights, on x
  * (T, H) bf16. Returns sort_pairs' error codes. */
 int fused_experts_bf16(uint16_t *out, const uint16_t *x, int64_t T, int64_t H, int64_t I, const int64_t *ids,
@@ -71,6 +151,14 @@ int fused_experts_bf16(uint16_t *out, const uint16_t *x, int64_t T, int64_t H, i
     Routing rt;
     const int sorted = sort_pairs(&rt, ids, T * top_k, E);
     if (sorted) return sorted;
+#if defined(AMX_EXPERTS)
+    if (T * top_k >= AMX_EXPERTS_MIN_ROWS * rt.active && rt.active > 0 && H % 32 == 0 && I % 32 == 0 && amx_permitted()) {
+        memset(out, 0, T * H * sizeof(uint16_t));
+        const int failed = amx_experts_bf16(out, x, H, I, &rt, weights, top_k, w13, w2);
+        free_routing(&rt);
+        return failed;
+    }
+#endif
     uint16_t *hidden = malloc((T * top_k > 0 ? T * top_k : 1) * I * sizeof(uint16_t));
     if (hidden == NULL) {
         free_routing(&rt);
@@ -123,6 +211,15 @@ int fused_experts_bf16(uint16_t *out, const uint16_t *x, int64_t T, int64_t H, i
 
 /* What H and I must be multiples of. */
 int fused_experts_bf16_multiple(void) { return 2 * VL; }
+
+/* Whether fused_experts_bf16 multiplies on AMX tiles (from AMX_EXPERTS_MIN_ROWS an expert). */
+int fused_experts_bf16_amx(void) {
+#if defined(AMX_EXPERTS)
+    return amx_permitted();
+#else
+    return 0;
+#endif
+}
 
 /* One expert's (N, K) weight in tiles (tiled_linear.c's formats). */
 typedef struct {
