@@ -71,11 +71,12 @@ static int sort_pairs(Routing *rt, const int64_t *ids, int64_t pairs, int64_t E)
  * against a group of up to 16 of an expert's tokens. Each expert's tokens are gathered into B
  * tiles once, and phase 1 writes the hidden rows in the same layout for phase 2. Against the
  * vdpbf16ps path, on bench/moe.py's 4 layers (8 experts, hidden 512, intermediate 1024, top 2;
- * 2-core AMX Xeon, alternated): 1.17x and 1.14x the time at 2 and 4 tokens, 0.92x at 8, 0.91x at
- * 16, 0.53x at 32; at 64 tokens a layer took 1.2 ms where oneDNN on each expert's rows took 4.7,
- * at 256 3.3 ms against 5.9, at 2048 27 against 23. */
+ * 2-core AMX Xeon, kernel_ab): 1.14-1.17x the time at 2-4 tokens, 1.12x at 8 (~2 an expert),
+ * 0.82x at 12, 0.79-0.91x at 16, 0.64-0.67x at 24-32, 0.53x at 64; at 64 tokens a layer took
+ * 1.2 ms where oneDNN on each expert's rows took 4.7, at 256 3.3 against 5.9, at 2048 27-38
+ * against 23-42 (two hours). */
 #define AMX_EXPERTS 1
-#define AMX_EXPERTS_MIN_ROWS 2 /* an active expert's average: fewer go to the vdpbf16ps path */
+#define AMX_EXPERTS_MIN_ROWS 3 /* an active expert's average: fewer go to the vdpbf16ps path */
 
 /* bf16(bf16(silu(bf16(gate))) * bf16(up)) of 8 sums, each an fp32 with its low 16 bits zero */
 static inline v8 hidden8(const float *gate, const float *up) {
