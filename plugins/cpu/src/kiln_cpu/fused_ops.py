@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from functools import partial
+from functools import cache, partial
 
 import torch
 import torch.nn.functional as F
@@ -158,11 +158,12 @@ def _bf16_expert(w13: torch.Tensor, w2: torch.Tensor, e: int, rows: torch.Tensor
     return on_padded_rows(lambda r: F.linear(silu_and_mul(F.linear(r, w13[e])), w2[e]), rows)
 
 
+@cache
 def bf16_experts_max_tokens() -> int:
     """Tokens up to which the bf16 experts kernel runs; more go to the reference's per-expert
     matmuls, where oneDNN's blocked GEMM is faster and the torch ops around them cost little.
-    On AMX tiles the kernel outran oneDNN up to ~1000 tokens of bench/moe.py's model (256: 3.3
-    against 5.9 ms a layer; 2048: 27 against 23)."""
+    On AMX tiles the kernel outran oneDNN on bench/moe.py's model up to 512 tokens and more (a
+    layer of 256: 3.3 against 5.9 ms; 512: 9.3 against 14.4; 2048: level, 27-38 against 23-42)."""
     return 512 if native.load_kernels().fused_experts_bf16_amx() else 64
 
 
