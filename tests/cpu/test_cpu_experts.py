@@ -19,10 +19,10 @@ from kiln.interfaces.model import REFERENCE_OPS, route_to_experts
 from kiln_cpu import native
 from kiln_cpu.experts import PackedExperts, use_packed_experts
 from kiln_cpu.fused_ops import (
+    BF16_EXPERTS_CHUNK,
     TILED_EXPERTS_CHUNK,
     _bf16_experts_kernel_takes,
     _fused_experts_bf16,
-    bf16_experts_max_tokens,
     fused_experts,
 )
 from kiln_cpu.packed_linear import padded_rows
@@ -184,9 +184,8 @@ def test_bf16_experts_run_in_the_decode_kernel_as_loaded():
     assert use_packed_experts(module) == 0 and isinstance(module.w13, nn.Parameter)  # no copy
     x = torch.zeros(16, 64, dtype=torch.bfloat16)
     assert _bf16_experts_kernel_takes(x, module.w13, module.w2)
-    assert not _bf16_experts_kernel_takes(
-        torch.zeros(bf16_experts_max_tokens() + 1, 64, dtype=torch.bfloat16), module.w13, module.w2
-    )  # fmt: skip  (a long prefill: oneDNN's GEMM)
+    if not native.load_kernels().fused_experts_bf16_amx():  # there a prefill goes to oneDNN's GEMM
+        assert not _bf16_experts_kernel_takes(torch.zeros(65, 64, dtype=torch.bfloat16), module.w13, module.w2)
     narrow = Experts(8, 40, 96, torch.bfloat16)  # rows the kernel's vectors (16 or 32 values) do not divide
     assert not _bf16_experts_kernel_takes(torch.zeros(4, 40, dtype=torch.bfloat16), narrow.w13, narrow.w2)
     assert not _bf16_experts_kernel_takes(x.float(), module.w13.float(), module.w2.float())
@@ -205,11 +204,11 @@ def test_the_bf16_decode_kernel_matches_the_reference(case):
 @pytest.mark.skipif(not native.load_kernels().fused_experts_bf16_amx(), reason="no AMX tiles to multiply on")
 @pytest.mark.parametrize("shape", BF16_SHAPES, ids=str)
 def test_on_amx_tiles_prefill_sized_bf16_experts_match_the_reference(shape):
-    """Several groups of 16 of an expert's tokens (the tiles' columns), and experts with a few
-    tokens beside experts with many."""
+    """Several groups of 16 of an expert's tokens (the tiles' columns), experts with a few
+    tokens beside experts with many, and more tokens than one call of the kernel takes."""
     experts, top_k, hidden, inter = shape
     module = Experts(experts, hidden, inter, torch.bfloat16)
-    x, weights, ids = routed(bf16_experts_max_tokens(), experts, top_k, hidden, torch.bfloat16)
+    x, weights, ids = routed(BF16_EXPERTS_CHUNK + 300, experts, top_k, hidden, torch.bfloat16)  # two calls
     ids[ids == 1] = -1  # expert 1 here for none (another rank's)
     ids[5:8, 0] = 1  # but for three tokens
     w13, w2 = module.w13.detach(), module.w2.detach()
@@ -228,12 +227,13 @@ def test_bf16_prefills_take_widened_gemms_where_fmas_outrun_bf16_products(monkey
     from kiln_cpu import fused_ops
 
     monkeypatch.setattr(native, "fma_outruns_bf16_dots", lambda: fma_outruns)
+    monkeypatch.setattr(fused_ops, "bf16_experts_max_tokens", lambda: 64)  # AMX machines' kernel takes any
     widened, padded = [], []
     kernel, pad = fused_ops.widened_linear, fused_ops.on_padded_rows
     monkeypatch.setattr(fused_ops, "widened_linear", lambda *a: widened.append(a[1].shape) or kernel(*a))
     monkeypatch.setattr(fused_ops, "on_padded_rows", lambda fn, rows: padded.append(len(rows)) or pad(fn, rows))
     module = Experts(8, 64, 96, torch.bfloat16)
-    x, weights, ids = routed(bf16_experts_max_tokens() + 7, 8, 2, 64, torch.bfloat16)  # past the kernel's
+    x, weights, ids = routed(6 * 64 + 7, 8, 2, 64, torch.bfloat16)  # ~100 rows an expert
     got = fused_experts(x, module.w13.detach(), module.w2.detach(), weights, ids)
     expected = REFERENCE_OPS["fused_experts"](x, module.w13.detach(), module.w2.detach(), weights, ids)
     assert_close_in_bf16(got, expected)

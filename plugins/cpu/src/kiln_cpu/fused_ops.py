@@ -8,6 +8,7 @@ as vLLM's kernels do: the model never reuses their inputs.
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Callable
 from functools import cache, partial
@@ -138,8 +139,8 @@ def fused_experts(
     x: torch.Tensor, w13: torch.Tensor | PackedExperts, w2: torch.Tensor | PackedExperts, weights, ids
 ) -> torch.Tensor:
     """``kiln.interfaces.model.fused_experts`` in one C call (``csrc/experts.c``): fp32 experts
-    in their tiles (``kiln_cpu.experts``), bf16 ones as loaded at decode batch sizes; beyond
-    those, bf16 experts through ``widened_linear`` where FMAs outrun bf16 products (the
+    in their tiles (``kiln_cpu.experts``), bf16 ones as loaded at decode batch sizes (at any on
+    AMX machines); beyond those, bf16 experts through ``widened_linear`` where FMAs outrun bf16 products (the
     reference's roundings, each expert's matmuls as fp32 GEMMs), else through oneDNN on their
     rows padded (``on_padded_rows``: each expert's count of rows would be a new kernel to compile);
     else the reference."""
@@ -162,9 +163,15 @@ def _bf16_expert(w13: torch.Tensor, w2: torch.Tensor, e: int, rows: torch.Tensor
 def bf16_experts_max_tokens() -> int:
     """Tokens up to which the bf16 experts kernel runs; more go to the reference's per-expert
     matmuls, where oneDNN's blocked GEMM is faster and the torch ops around them cost little.
-    On AMX tiles the kernel outran oneDNN on bench/moe.py's model up to 512 tokens and more (a
-    layer of 256: 3.3 against 5.9 ms; 512: 9.3 against 14.4; 2048: level, 27-38 against 23-42)."""
-    return 512 if native.load_kernels().fused_experts_bf16_amx() else 64
+    On AMX tiles the kernel takes any number (in calls of ``BF16_EXPERTS_CHUNK``): on
+    bench/moe.py's model a layer of 256 tokens took 3.3 ms against oneDNN's 5.9, of 1024 12.7
+    against 18.1, of 2048 21.3 against 27.0."""
+    return sys.maxsize if native.load_kernels().fused_experts_bf16_amx() else 64
+
+
+# Tokens per call of the bf16 experts kernel: its buffers hold each (token, expert) pair's
+# input, hidden and output rows (Mixtral's, 1024 tokens: ~100 MB).
+BF16_EXPERTS_CHUNK = 1024
 
 
 def bf16_experts_fit(w13, w2) -> bool:
@@ -213,16 +220,18 @@ def _fused_experts_tiled(x, w13: PackedExperts, w2: PackedExperts, weights, ids)
 
 
 def _fused_experts_bf16(x, w13, w2, weights, ids) -> torch.Tensor:
-    tokens, hidden = x.shape
-    experts, inter = w2.shape[0], w2.shape[2]
+    hidden, (experts, inter) = x.shape[1], (w2.shape[0], w2.shape[2])
     ids = ids.to(torch.int64).contiguous()
     weights = weights.to(torch.float32).contiguous()
     out = torch.empty_like(x)
-    status = native.load_kernels().fused_experts_bf16(
-        out.data_ptr(), x.data_ptr(), tokens, hidden, inter, ids.data_ptr(), weights.data_ptr(), ids.shape[1],
-        experts, w13.data_ptr(), w2.data_ptr(),
-    )  # fmt: skip
-    _check(status, "fused_experts_bf16", experts)
+    for start in range(0, x.shape[0], BF16_EXPERTS_CHUNK):
+        rows = slice(start, start + BF16_EXPERTS_CHUNK)
+        chunk_ids, chunk_out = ids[rows], out[rows]
+        status = native.load_kernels().fused_experts_bf16(
+            chunk_out.data_ptr(), x[rows].data_ptr(), chunk_out.shape[0], hidden, inter, chunk_ids.data_ptr(),
+            weights[rows].data_ptr(), ids.shape[1], experts, w13.data_ptr(), w2.data_ptr(),
+        )  # fmt: skip
+        _check(status, "fused_experts_bf16", experts)
     return out
 
 
