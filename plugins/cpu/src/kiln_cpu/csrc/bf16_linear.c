@@ -58,11 +58,14 @@ static int amx_linear_bf16(uint16_t *out, const uint16_t *x, int64_t T, int64_t 
         _Pragma("omp for schedule(static)") for (int64_t b = 0; b < blocks; b++) {
             const uint16_t *wb = b < full ? w + b * BLOCK * K : last;
             const int64_t width = b < full ? BLOCK : N - full * BLOCK;
+            const uint16_t *next = b + 1 < full ? w + (b + 1) * BLOCK * K : NULL;
             for (int64_t g = 0; g < groups; g++) {
-                amx_bf16_sums(c, wb, K, xt + g * K / 2 * AMX_TOKENS, g == 0 && b + 1 < full ? w + (b + 1) * BLOCK * K : NULL);
+                amx_bf16_sums(c, wb, K, xt + g * K / 2 * AMX_TOKENS, g == 0 ? next : NULL);
                 for (int64_t j = 0; j < AMX_TOKENS && g * AMX_TOKENS + j < T; j++)
-                    for (int64_t f = 0; f < width; f++)
-                        out[(g * AMX_TOKENS + j) * N + b * BLOCK + f] = to_bf16(c[f][j] + (bias ? bias[b * BLOCK + f] : 0.0f));
+                    for (int64_t f = 0; f < width; f++) {
+                        const float sum = c[f][j] + (bias ? bias[b * BLOCK + f] : 0.0f);
+                        out[(g * AMX_TOKENS + j) * N + b * BLOCK + f] = to_bf16(sum);
+                    }
             }
         }
         _tile_release();

@@ -73,11 +73,11 @@ static int sort_pairs(Routing *rt, const int64_t *ids, int64_t pairs, int64_t E)
  * items are (expert, 16 output features), so that w2 streams in order as w13 does in phase 1
  * (0.75-0.92x the time of items of 16 features over every expert, kernel_ab at 12-256 tokens);
  * each pair's weighted output is kept, and a last pass adds a token's in ascending expert order.
- * With phase 2 over every expert, against the vdpbf16ps path, on bench/moe.py's 4 layers (8 experts, hidden 512, intermediate 1024, top 2;
- * 2-core AMX Xeon, kernel_ab): 1.14-1.17x the time at 2-4 tokens, 1.12x at 8 (~2 an expert),
- * 0.82x at 12, 0.79-0.91x at 16, 0.64-0.67x at 24-32, 0.53x at 64; at 64 tokens a layer took
- * 1.2 ms where oneDNN on each expert's rows took 4.7, at 256 3.3 against 5.9, at 2048 27-38
- * against 23-42 (two hours). */
+ * Against the vdpbf16ps path on bench/moe.py's 4 layers (8 experts, hidden 512, intermediate
+ * 1024, top 2; 2-core AMX Xeon, kernel_ab): 0.95x the time at 12 tokens, 0.83x at 16, 0.71x at
+ * 24, 0.62x at 32, 0.43x at 64, 0.27x at 256; at 2-4 tokens (~1 an expert) the tiles took
+ * 1.14-1.17x, at 8 1.12x. One layer of 1024 tokens took 12.7 ms where oneDNN on each expert's
+ * rows took 18.1, of 2048 21.3 against 27.0. */
 #define AMX_EXPERTS 1
 #define AMX_EXPERTS_MIN_ROWS 3 /* an active expert's average: fewer go to the vdpbf16ps path */
 
@@ -105,7 +105,8 @@ static int amx_experts_bf16(uint16_t *out, const uint16_t *x, int64_t T, int64_t
             group0[a + 1] = group0[a] + (n + AMX_TOKENS - 1) / AMX_TOKENS;
             for (int64_t i = start[e]; i < start[e + 1]; i++) token[i] = pair[i] / top_k, position[pair[i]] = i;
         }
-        xt = calloc(group0[active] * xtile, sizeof(uint32_t)), ht = calloc(group0[active] * htile, sizeof(uint32_t));
+        xt = calloc(group0[active] * xtile, sizeof(uint32_t));
+        ht = calloc(group0[active] * htile, sizeof(uint32_t));
         failed = xt == NULL || ht == NULL;
     }
     if (failed) return free(group0), free(token), free(position), free(y), free(xt), free(ht), 1;
@@ -119,7 +120,8 @@ static int amx_experts_bf16(uint16_t *out, const uint16_t *x, int64_t T, int64_t
         _Pragma("omp for schedule(static)") for (int64_t it = 0; it < active * iblocks; it++) {
             const int64_t a = it / iblocks, e = items[a], f0 = it % iblocks * BLOCK;
             const uint16_t *gate = w13 + (e * 2 * I + f0) * H, *up = gate + I * H, *next = NULL;
-            if (it + 1 < active * iblocks) next = w13 + (items[(it + 1) / iblocks] * 2 * I + (it + 1) % iblocks * BLOCK) * H;
+            if (it + 1 < active * iblocks) /* the next item's gate rows */
+                next = w13 + (items[(it + 1) / iblocks] * 2 * I + (it + 1) % iblocks * BLOCK) * H;
             for (int64_t grp = group0[a]; grp < group0[a + 1]; grp++) {
                 amx_bf16_sums(g, gate, H, xt + grp * xtile, grp == group0[a] ? next : NULL);
                 amx_bf16_sums(u, up, H, xt + grp * xtile, grp == group0[a] && next ? next + I * H : NULL);
@@ -127,8 +129,8 @@ static int amx_experts_bf16(uint16_t *out, const uint16_t *x, int64_t T, int64_t
                 const int64_t tokens = start[e + 1] - start[e] - (grp - group0[a]) * AMX_TOKENS; /* the rest: padding */
                 for (int f = 0; f < BLOCK; f += 2)
                     for (int j = 0; j < AMX_TOKENS && j < tokens; j += 8) { /* a word: feature f's bf16, then f + 1's */
-                        const u32x8 even = (u32x8)hidden8(&g[f][j], &u[f][j]), odd = (u32x8)hidden8(&g[f + 1][j], &u[f + 1][j]);
-                        const u32x8 word = even >> 16 | odd;
+                        const u32x8 even = (u32x8)hidden8(&g[f][j], &u[f][j]);
+                        const u32x8 word = even >> 16 | (u32x8)hidden8(&g[f + 1][j], &u[f + 1][j]);
                         memcpy(h + f / 2 * AMX_TOKENS + j, &word, sizeof word);
                     }
             }
@@ -138,7 +140,8 @@ static int amx_experts_bf16(uint16_t *out, const uint16_t *x, int64_t T, int64_t
          * added expert by expert in ascending order */
         _Pragma("omp for schedule(static)") for (int64_t it = 0; it < active * hblocks; it++) {
             const int64_t a = it / hblocks, e = items[a], n0 = it % hblocks * BLOCK;
-            const uint16_t *next = it + 1 < active * hblocks ? w2 + (items[(it + 1) / hblocks] * H + (it + 1) % hblocks * BLOCK) * I : NULL;
+            const uint16_t *next = NULL;
+            if (it + 1 < active * hblocks) next = w2 + (items[(it + 1) / hblocks] * H + (it + 1) % hblocks * BLOCK) * I;
             for (int64_t grp = group0[a]; grp < group0[a + 1]; grp++) {
                 amx_bf16_sums(g, w2 + (e * H + n0) * I, I, ht + grp * htile, grp == group0[a] ? next : NULL);
                 const int64_t p0 = start[e] + (grp - group0[a]) * AMX_TOKENS;
@@ -177,7 +180,8 @@ int fused_experts_bf16(uint16_t *out, const uint16_t *x, int64_t T, int64_t H, i
     const int sorted = sort_pairs(&rt, ids, T * top_k, E);
     if (sorted) return sorted;
 #if defined(AMX_EXPERTS)
-    if (T * top_k >= AMX_EXPERTS_MIN_ROWS * rt.active && rt.active > 0 && H % 32 == 0 && I % 32 == 0 && amx_permitted()) {
+    const int tiles = rt.active > 0 && T * top_k >= AMX_EXPERTS_MIN_ROWS * rt.active;
+    if (tiles && H % 32 == 0 && I % 32 == 0 && amx_permitted()) {
         memset(out, 0, T * H * sizeof(uint16_t));
         const int failed = amx_experts_bf16(out, x, T, H, I, &rt, weights, top_k, w13, w2);
         free_routing(&rt);
