@@ -171,14 +171,14 @@ def experts_cases(rows_list: list[int], repeats: int, a, b) -> list[dict]:
     ]
     cases = []
     for rows in rows_list:
-        x, out = torch.randn(rows, hidden).bfloat16(), torch.empty(rows, hidden, dtype=torch.bfloat16)
+        x, outs = torch.randn(rows, hidden).bfloat16(), torch.empty(len(layers), rows, hidden, dtype=torch.bfloat16)
         weights, ids = torch.randn(rows, experts).softmax(-1).topk(top_k)
 
-        def run(lib, x=x, out=out, weights=weights, ids=ids, rows=rows) -> torch.Tensor:
-            for w13, w2 in layers:
+        def run(lib, x=x, outs=outs, weights=weights, ids=ids, rows=rows) -> torch.Tensor:
+            for (w13, w2), out in zip(layers, outs):
                 lib.fused_experts_bf16(out.data_ptr(), x.data_ptr(), rows, hidden, inter, ids.data_ptr(),
                                        weights.data_ptr(), top_k, experts, w13.data_ptr(), w2.data_ptr())  # fmt: skip
-            return out.clone()
+            return outs.clone()
 
         case = {"kernel": "experts", "case": "4 MoE layers, 96 MB", "rows": rows}
         cases.append(case | alternate(run, a, b, repeats))

@@ -1,5 +1,6 @@
 /*
- * A mixture-of-experts layer's experts for a decode-sized batch of bf16 tokens, in one call:
+ * A mixture-of-experts layer's experts for a decode-sized batch of bf16 tokens (on AMX tiles,
+ * a batch of any size), in one call:
  * kiln.interfaces.model.fused_experts on the stacked bf16 weights as the checkpoint holds them
  * (w13 (E, 2I, H): gate rows then up rows; w2 (E, H, I)), with no packed copy. At a few rows
  * per expert, the torch ops around each expert's two matmuls cost more than the matmuls.
@@ -7,13 +8,16 @@
  * It rounds to bf16 where the reference does (each matmul's output, silu(gate), the MLP's
  * output, its product with the routing weight, and the running sum, expert by expert in
  * ascending order); what differs is the order of each dot product's sum, silu's exp (a
- * polynomial, within an ulp), and vdpbf16ps flushing denormals.
+ * polynomial, within an ulp), and vdpbf16ps (and the tiles) flushing denormals.
  *
  * Each output is a dot product of a row of x (or of the MLP's hidden rows) with a weight row
  * (bf16_dots.h).
  *   phase 1: items (expert, 16 intermediate features): hidden = bf16(bf16(silu(gate)) * up)
- *   phase 2: items (16 output features), experts in ascending order within each:
- *            out = bf16(out + bf16(weight * bf16(hidden . w2)))
+ *   phase 2: items (expert, 16 output features): y = bf16(weight * bf16(hidden . w2)), a row
+ *            of H for each of the expert's pairs
+ *   then each token's rows of y, experts in ascending order: out = bf16(out + y)
+ * Items an expert at a time stream w13 and w2 in order (on AMX tiles, phase 2 over every
+ * expert for each 16 output features took 1.08-1.33x the time, kernel_ab at 12-256 tokens).
  * Needs H and I to be multiples of 2 * VL (32 with AVX-512, 16 otherwise: of BLOCK either way);
  * the caller checks.
  */
@@ -31,12 +35,13 @@
 void silu_and_mul_f32(float *, const float *, int64_t, int64_t); /* fused_ops.c */
 
 /* A step's (token, slot) pairs sorted by expert, tokens ascending within one: pair[start[e] ..
- * start[e + 1]) are expert e's; items[0 .. active) the experts with any, ascending. */
+ * start[e + 1]) are expert e's; items[0 .. active) the experts with any, ascending; position[p]
+ * pair p's place in that order (-1: another rank's expert). */
 typedef struct {
-    int64_t *start, *pair, *items, active;
+    int64_t *start, *pair, *items, *position, active;
 } Routing;
 
-static void free_routing(Routing *rt) { free(rt->start), free(rt->pair), free(rt->items); }
+static void free_routing(Routing *rt) { free(rt->start), free(rt->pair), free(rt->items), free(rt->position); }
 
 /* Returns 1 when out of memory, 2 for an id outside the E experts. ids (T * top_k): the slots'
  * experts, -1 for none here. */
@@ -46,8 +51,9 @@ static int sort_pairs(Routing *rt, const int64_t *ids, int64_t pairs, int64_t E)
     rt->start = calloc(E + 1, sizeof(int64_t));
     rt->pair = malloc((pairs > 0 ? pairs : 1) * sizeof(int64_t));
     rt->items = malloc(E * sizeof(int64_t));
+    rt->position = malloc((pairs > 0 ? pairs : 1) * sizeof(int64_t));
     int64_t *fill = malloc(E * sizeof(int64_t));
-    if (rt->start == NULL || rt->pair == NULL || rt->items == NULL || fill == NULL) {
+    if (rt->start == NULL || rt->pair == NULL || rt->items == NULL || rt->position == NULL || fill == NULL) {
         free(fill);
         free_routing(rt);
         return 1;
@@ -60,19 +66,35 @@ static int sort_pairs(Routing *rt, const int64_t *ids, int64_t pairs, int64_t E)
         if (rt->start[e + 1] > rt->start[e]) rt->items[rt->active++] = e;
     }
     memcpy(fill, rt->start, E * sizeof(int64_t));
-    for (int64_t p = 0; p < pairs; p++)
-        if (ids[p] >= 0) rt->pair[fill[ids[p]]++] = p;
+    for (int64_t p = 0; p < pairs; p++) {
+        rt->position[p] = ids[p] >= 0 ? fill[ids[p]]++ : -1;
+        if (ids[p] >= 0) rt->pair[rt->position[p]] = p;
+    }
     free(fill);
     return 0;
+}
+
+/* out's row t = the sum of token t's kept outputs y (a row of H for each sorted pair), added in
+ * their sorted order, i.e. by ascending expert, each sum rounded to bf16 (out starts at zero). */
+static void add_in_expert_order(uint16_t *out, const uint16_t *y, const Routing *rt, int64_t t, int64_t top_k,
+                                int64_t H) {
+    uint16_t *o = out + t * H;
+    for (int64_t last = -1;;) {
+        int64_t i = -1;
+        for (int64_t k = 0; k < top_k; k++) {
+            const int64_t at = rt->position[t * top_k + k];
+            if (at > last && (i < 0 || at < i)) i = at;
+        }
+        if (i < 0) return;
+        for (int64_t n = 0; n < H; n++) o[n] = to_bf16(from_bf16(o[n]) + from_bf16(y[i * H + n]));
+        last = i;
+    }
 }
 
 #if defined(__AMX_BF16__) && defined(__AVX512BW__)
 /* AMX: the same roundings and order of sums, each product on tiles (amx_bf16_sums): 16 weight
  * rows against a group of up to 16 of an expert's tokens. Each expert's tokens are gathered into
- * B tiles once, and phase 1 writes the hidden rows in the same layout for phase 2. Phase 2's
- * items are (expert, 16 output features), so that w2 streams in order as w13 does in phase 1
- * (0.75-0.92x the time of items of 16 features over every expert, kernel_ab at 12-256 tokens);
- * each pair's weighted output is kept, and a last pass adds a token's in ascending expert order.
+ * B tiles once, and phase 1 writes the hidden rows in the same layout for phase 2.
  * Against the vdpbf16ps path on bench/moe.py's 4 layers (8 experts, hidden 512, intermediate
  * 1024, top 2; 2-core AMX Xeon, kernel_ab): 0.95x the time at 12 tokens, 0.83x at 16, 0.71x at
  * 24, 0.62x at 32, 0.43x at 64, 0.27x at 256; at 2-4 tokens (~1 an expert) the tiles took
@@ -81,7 +103,8 @@ static int sort_pairs(Routing *rt, const int64_t *ids, int64_t pairs, int64_t E)
 #define AMX_EXPERTS 1
 #define AMX_EXPERTS_MIN_ROWS 3 /* an active expert's average: fewer go to the vdpbf16ps path */
 
-/* bf16(bf16(silu(bf16(gate))) * bf16(up)) of 8 sums, each an fp32 with its low 16 bits zero */
+/* bf16(bf16(silu(bf16(gate))) * bf16(up)) of 8 fp32 sums each of gate and up: fp32 results whose
+ * low 16 bits are zero (their bf16 in the high half) */
 static inline v8 hidden8(const float *gate, const float *up) {
     return round8_bf16(round8_bf16(silu8(round8_bf16(load8_f32(gate)))) * round8_bf16(load8_f32(up)));
 }
@@ -93,28 +116,26 @@ static int amx_experts_bf16(uint16_t *out, const uint16_t *x, int64_t T, int64_t
     const int64_t pairs = start[items[active - 1] + 1];
     int64_t *group0 = malloc((active + 1) * sizeof(int64_t)); /* active expert a's first group */
     int64_t *token = malloc(pairs * sizeof(int64_t));         /* each sorted pair's token */
-    int64_t *position = malloc(T * top_k * sizeof(int64_t));  /* each pair's place in the sorted order, or -1 */
     uint16_t *y = malloc(pairs * H * sizeof(uint16_t));       /* each sorted pair's weighted output */
     uint32_t *xt = NULL, *ht = NULL;
-    int failed = group0 == NULL || token == NULL || position == NULL || y == NULL;
+    int failed = group0 == NULL || token == NULL || y == NULL;
     if (!failed) {
         group0[0] = 0;
-        for (int64_t p = 0; p < T * top_k; p++) position[p] = -1;
         for (int64_t a = 0; a < active; a++) {
             const int64_t e = items[a], n = start[e + 1] - start[e];
             group0[a + 1] = group0[a] + (n + AMX_TOKENS - 1) / AMX_TOKENS;
-            for (int64_t i = start[e]; i < start[e + 1]; i++) token[i] = pair[i] / top_k, position[pair[i]] = i;
+            for (int64_t i = start[e]; i < start[e + 1]; i++) token[i] = pair[i] / top_k;
         }
         xt = calloc(group0[active] * xtile, sizeof(uint32_t));
         ht = calloc(group0[active] * htile, sizeof(uint32_t));
         failed = xt == NULL || ht == NULL;
     }
-    if (failed) return free(group0), free(token), free(position), free(y), free(xt), free(ht), 1;
-    for (int64_t a = 0; a < active; a++) {
-        const int64_t e = items[a];
-        amx_pairs_of_rows(xt + group0[a] * xtile, x, token + start[e], start[e + 1] - start[e], H);
-    }
+    if (failed) return free(group0), free(token), free(y), free(xt), free(ht), 1;
     _Pragma("omp parallel") {
+        _Pragma("omp for schedule(static)") for (int64_t a = 0; a < active; a++) {
+            const int64_t e = items[a];
+            amx_pairs_of_rows(xt + group0[a] * xtile, x, token + start[e], start[e + 1] - start[e], H);
+        }
         amx_bf16_configure();
         float g[BLOCK][AMX_TOKENS] __attribute__((aligned(64))), u[BLOCK][AMX_TOKENS] __attribute__((aligned(64)));
         _Pragma("omp for schedule(static)") for (int64_t it = 0; it < active * iblocks; it++) {
@@ -151,23 +172,10 @@ static int amx_experts_bf16(uint16_t *out, const uint16_t *x, int64_t T, int64_t
                 }
             }
         }
-        _Pragma("omp for schedule(static)") for (int64_t t = 0; t < T; t++) {
-            uint16_t *o = out + t * H;
-            /* the token's pairs in their sorted order (by expert, ascending), as phase 2 added them before */
-            for (int64_t last = -1;;) {
-                int64_t i = -1;
-                for (int64_t k = 0; k < top_k; k++) {
-                    const int64_t at = position[t * top_k + k];
-                    if (at > last && (i < 0 || at < i)) i = at;
-                }
-                if (i < 0) break;
-                for (int64_t n = 0; n < H; n++) o[n] = to_bf16(from_bf16(o[n]) + from_bf16(y[i * H + n]));
-                last = i;
-            }
-        }
+        _Pragma("omp for schedule(static)") for (int64_t t = 0; t < T; t++) add_in_expert_order(out, y, rt, t, top_k, H);
         _tile_release();
     }
-    free(group0), free(token), free(position), free(y), free(xt), free(ht);
+    free(group0), free(token), free(y), free(xt), free(ht);
     return 0;
 }
 #endif
@@ -180,7 +188,7 @@ int fused_experts_bf16(uint16_t *out, const uint16_t *x, int64_t T, int64_t H, i
     const int sorted = sort_pairs(&rt, ids, T * top_k, E);
     if (sorted) return sorted;
 #if defined(AMX_EXPERTS)
-    const int tiles = rt.active > 0 && T * top_k >= AMX_EXPERTS_MIN_ROWS * rt.active;
+    const int tiles = rt.active > 0 && rt.start[E] >= AMX_EXPERTS_MIN_ROWS * rt.active; /* this rank's pairs */
     if (tiles && H % 32 == 0 && I % 32 == 0 && amx_permitted()) {
         memset(out, 0, T * H * sizeof(uint16_t));
         const int failed = amx_experts_bf16(out, x, T, H, I, &rt, weights, top_k, w13, w2);
@@ -189,7 +197,9 @@ int fused_experts_bf16(uint16_t *out, const uint16_t *x, int64_t T, int64_t H, i
     }
 #endif
     uint16_t *hidden = malloc((T * top_k > 0 ? T * top_k : 1) * I * sizeof(uint16_t));
-    if (hidden == NULL) {
+    uint16_t *y = malloc((T * top_k > 0 ? T * top_k : 1) * H * sizeof(uint16_t)); /* each sorted pair's output */
+    if (hidden == NULL || y == NULL) {
+        free(hidden), free(y);
         free_routing(&rt);
         return 1;
     }
@@ -215,25 +225,21 @@ int fused_experts_bf16(uint16_t *out, const uint16_t *x, int64_t T, int64_t H, i
                 }
             }
         }
-        _Pragma("omp for schedule(static)") for (int64_t it = 0; it < hblocks; it++) {
-            const int64_t n0 = it * BLOCK;
-            for (int64_t a = 0; a < active; a++) {
-                const int64_t e = items[a];
-                for (int64_t p0 = start[e]; p0 < start[e + 1]; p0 += ROWS) {
-                    const int64_t n = start[e + 1] - p0 < ROWS ? start[e + 1] - p0 : ROWS;
-                    for (int64_t r = 0; r < n; r++) rows[r] = hidden + (p0 + r) * I;
-                    block_sums(g, rows, n, w2 + (e * H + n0) * I, I, 1);
-                    for (int64_t r = 0; r < n; r++) {
-                        const int64_t p = pair[p0 + r];
-                        uint16_t *o = out + p / top_k * H + n0;
-                        for (int j = 0; j < BLOCK; j++)
-                            o[j] = to_bf16(from_bf16(o[j]) + round_bf16(g[r * BLOCK + j] * weights[p]));
-                    }
+        _Pragma("omp for schedule(static)") for (int64_t it = 0; it < active * hblocks; it++) {
+            const int64_t e = items[it / hblocks], n0 = it % hblocks * BLOCK;
+            for (int64_t p0 = start[e]; p0 < start[e + 1]; p0 += ROWS) {
+                const int64_t n = start[e + 1] - p0 < ROWS ? start[e + 1] - p0 : ROWS;
+                for (int64_t r = 0; r < n; r++) rows[r] = hidden + (p0 + r) * I;
+                block_sums(g, rows, n, w2 + (e * H + n0) * I, I, 1);
+                for (int64_t r = 0; r < n; r++) {
+                    const float w = weights[pair[p0 + r]];
+                    for (int j = 0; j < BLOCK; j++) y[(p0 + r) * H + n0 + j] = to_bf16(g[r * BLOCK + j] * w);
                 }
             }
         }
+        _Pragma("omp for schedule(static)") for (int64_t t = 0; t < T; t++) add_in_expert_order(out, y, &rt, t, top_k, H);
     }
-    free(hidden);
+    free(hidden), free(y);
     free_routing(&rt);
     return 0;
 }
