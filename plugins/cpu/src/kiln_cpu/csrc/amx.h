@@ -1,7 +1,8 @@
 /*
- * What the kernels that multiply on AMX tiles share (int8_linear.c, bf16_linear.c): the
- * process's permission to use them, and a thread's tile configuration. A source that includes
- * it defines _DEFAULT_SOURCE before its first include (for syscall()).
+ * What the kernels that multiply on AMX tiles share (int8_linear.c, bf16_linear.c, experts.c):
+ * the process's permission to use them, a thread's tile configuration, and the bf16 kernels'
+ * layout of token rows and product of 16 weight rows. A source that includes it defines
+ * _DEFAULT_SOURCE before its first include (for syscall()).
  */
 #ifndef KILN_AMX_H
 #define KILN_AMX_H
