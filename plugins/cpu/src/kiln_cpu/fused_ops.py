@@ -202,37 +202,37 @@ def _check(status: int, kernel: str, experts: int) -> None:
         raise MemoryError(f"{kernel}: no memory for its buffers")
 
 
+def _experts_in_chunks(kernel: str, chunk: int, x, inter: int, experts: int, weights, ids, *weight_args):
+    """A C experts kernel (``csrc/experts.c``: its arguments up to the experts' count, then
+    ``weight_args``) over ``x``'s rows, ``chunk`` at a time: its buffers grow with the rows."""
+    ids, weights = ids.to(torch.int64).contiguous(), weights.to(torch.float32).contiguous()
+    out = torch.empty_like(x)
+    call = getattr(native.load_kernels(), kernel)
+    for start in range(0, x.shape[0], chunk):
+        rows = slice(start, start + chunk)
+        status = call(
+            out[rows].data_ptr(), x[rows].data_ptr(), out[rows].shape[0], x.shape[1], inter, ids[rows].data_ptr(),
+            weights[rows].data_ptr(), ids.shape[1], experts, *weight_args,
+        )  # fmt: skip
+        _check(status, kernel, experts)
+    return out
+
+
 def _fused_experts_tiled(x, w13: PackedExperts, w2: PackedExperts, weights, ids) -> torch.Tensor:
     if x.dtype != torch.float32:  # a bf16 model's quantized experts: the kernel takes fp32 rows
         return _fused_experts_tiled(x.float(), w13, w2, weights, ids).to(x.dtype)
-    x, ids, weights = x.contiguous(), ids.to(torch.int64).contiguous(), weights.to(torch.float32).contiguous()
-    experts, hidden, inter = w2.shape
-    out = torch.empty_like(x)
-    for start in range(0, x.shape[0], TILED_EXPERTS_CHUNK):
-        rows = slice(start, start + TILED_EXPERTS_CHUNK)
-        chunk_ids, chunk_weights, chunk_out = ids[rows], weights[rows], out[rows]
-        status = native.load_kernels().fused_experts_tiled(
-            chunk_out.data_ptr(), x[rows].data_ptr(), chunk_out.shape[0], hidden, inter, chunk_ids.data_ptr(),
-            chunk_weights.data_ptr(), ids.shape[1], experts, w13.kernel_args, w2.kernel_args, w13.int8_activations,
-        )  # fmt: skip
-        _check(status, "fused_experts_tiled", experts)
-    return out
+    experts, _, inter = w2.shape
+    return _experts_in_chunks(
+        "fused_experts_tiled", TILED_EXPERTS_CHUNK, x.contiguous(), inter, experts, weights, ids,
+        w13.kernel_args, w2.kernel_args, w13.int8_activations,
+    )  # fmt: skip
 
 
 def _fused_experts_bf16(x, w13, w2, weights, ids) -> torch.Tensor:
-    hidden, (experts, inter) = x.shape[1], (w2.shape[0], w2.shape[2])
-    ids = ids.to(torch.int64).contiguous()
-    weights = weights.to(torch.float32).contiguous()
-    out = torch.empty_like(x)
-    for start in range(0, x.shape[0], BF16_EXPERTS_CHUNK):
-        rows = slice(start, start + BF16_EXPERTS_CHUNK)
-        chunk_ids, chunk_out = ids[rows], out[rows]
-        status = native.load_kernels().fused_experts_bf16(
-            chunk_out.data_ptr(), x[rows].data_ptr(), chunk_out.shape[0], hidden, inter, chunk_ids.data_ptr(),
-            weights[rows].data_ptr(), ids.shape[1], experts, w13.data_ptr(), w2.data_ptr(),
-        )  # fmt: skip
-        _check(status, "fused_experts_bf16", experts)
-    return out
+    experts, _, inter = w2.shape
+    return _experts_in_chunks(
+        "fused_experts_bf16", BF16_EXPERTS_CHUNK, x, inter, experts, weights, ids, w13.data_ptr(), w2.data_ptr()
+    )
 
 
 def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
