@@ -36,7 +36,7 @@ CONFIG = dict(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=1, help="best of N runs per system")
+    parser.add_argument("--repeats", type=int, default=1, help="rounds of every system (offline_throughput.py)")
     parser.add_argument("--systems", default="kiln-16seqs,kiln-16seqs-bf16,hf-float32,hf-bfloat16")
     parser.add_argument(
         "--quantized", default="weight_only_int8,awq,gguf-q4_0", help="quantized copies to serve ('' for none)"
