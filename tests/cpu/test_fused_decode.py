@@ -8,7 +8,7 @@ from kiln import LLM, SamplingParams
 from kiln.models.llama import LlamaDecoderLayer
 from kiln.models.moe import MoEDecoderLayer
 from kiln_cpu import native, packed_linear
-from kiln_cpu.fused_decode import FusedDecodeLayer, FusedMoEDecodeLayer
+from kiln_cpu.fused_decode import FusedDecodeLayer, FusedDecodeStack, FusedMoEDecodeLayer
 
 pytestmark = pytest.mark.skipif(native.load_kernels() is None, reason="no C compiler for the CPU kernels")
 
@@ -60,6 +60,35 @@ def test_fused_steps_match_the_python_forward(case, tiny_model_dir, varied_promp
     model_type, overrides, engine_args = CASES[case]
     model = tiny_model_dir(model_type, **overrides)  # fp32: with AMX, auto would be bf16
     check_fused_equals_python(model, varied_prompts, monkeypatch, dtype="float32", **engine_args)
+
+
+def test_one_call_for_every_layer_matches_a_call_a_layer(tiny_model_dir, varied_prompts, monkeypatch):
+    """With every layer fused, a decode step runs them all in one C call (``FusedDecodeStack``):
+    the same tokens and log-probs, bit for bit, as a C call a layer. Steps with prefills, and
+    models with another kind of layer, have no stack."""
+    llm = LLM(tiny_model_dir("llama"), max_model_len=256, dtype="float32")
+    model = llm.engine.executor.runner.model
+    assert isinstance(model.decode_stack, FusedDecodeStack)
+    layer_calls, stack_calls = [], []
+    run_in_c, stack_call = FusedDecodeLayer._run_in_c, FusedDecodeStack.__call__
+    monkeypatch.setattr(FusedDecodeLayer, "_run_in_c", lambda self, *a: layer_calls.append(1) or run_in_c(self, *a))
+    monkeypatch.setattr(
+        FusedDecodeStack, "__call__", lambda self, *a: stack_calls.append(stack_call(self, *a)) or stack_calls[-1]
+    )
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=1)
+    prompts = [{"prompt_token_ids": p} for p in varied_prompts]
+
+    def outputs() -> list:
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
+
+    stacked = outputs()
+    assert not layer_calls and any(out is not None for out in stack_calls)  # decode steps: the stack alone
+    assert any(out is None for out in stack_calls)  # steps with prefills: layer by layer, in Python
+    model.decode_stack = None
+    assert outputs() == stacked
+    assert layer_calls
+    moe = LLM(tiny_model_dir("mixtral", hidden_size=256, intermediate_size=96), max_model_len=256, dtype="bfloat16")
+    assert moe.engine.executor.runner.model.decode_stack is None
 
 
 QUANTIZED = {  # kiln quantize arguments, environment

@@ -9,7 +9,12 @@ and device, and provides:
 * ``compute_logits(hidden) -> (rows, vocab)`` float32 logits;
 * ``load_weights(iterable of (name, tensor))`` for Hugging Face checkpoint names;
 * ``layers``: one entry per attention layer (one KV cache each);
-* optionally ``supports_graphs = False``: its decode steps never run in a platform's graphs.
+* optionally ``supports_graphs = False``: its decode steps never run in a platform's graphs;
+* optionally ``decode_stack`` (``None`` until a platform sets it): a callable
+  ``(positions, x, rope_cache, ctx) -> (x, residual) | None`` that runs every decoder layer of a
+  step in one call, the layers' own forwards in order (the residual stream before the final
+  norm), or returns ``None`` for a step the layers must run one by one. ``LlamaForCausalLM``
+  calls it with its one rope table when no layer's input is also returned (EAGLE-3's).
 
 Encoder models (``kiln.models.bert``) differ: class attribute ``is_encoder = True``; ``forward``
 returns the last layer's hidden states (num_tokens, hidden), attending bidirectionally within

@@ -199,6 +199,7 @@ class LlamaForCausalLM(nn.Module):
     supports_quantization = True
     pooling_only = False  # saved without its LM head (``LlamaModel``): serves pooling tasks only
     optional_weights: tuple[str, ...] = ()  # parameters a checkpoint may leave out (set by the caller)
+    decode_stack = None  # a platform's run of every layer at once (``kiln.interfaces.model``)
     # A checkpoint projection -> (the merged matmul it joins, the projections that matmul stacks).
     merged_projections = {
         "q_proj": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
@@ -264,10 +265,16 @@ class LlamaForCausalLM(nn.Module):
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         inputs = {}
-        for i, (layer, rope) in enumerate(zip(self.layers, self.rope_names)):
-            if i in self.aux_layers:  # copies: layers update the residual stream in place
-                inputs[i] = x.clone() if residual is None else x + residual
-            x, residual = layer(positions, x, residual, getattr(self, rope), ctx)
+        stacked = None
+        if self.decode_stack is not None and not self.aux_layers:
+            stacked = self.decode_stack(positions, x, getattr(self, self.rope_names[0]), ctx)
+        if stacked is not None:
+            x, residual = stacked
+        else:
+            for i, (layer, rope) in enumerate(zip(self.layers, self.rope_names)):
+                if i in self.aux_layers:  # copies: layers update the residual stream in place
+                    inputs[i] = x.clone() if residual is None else x + residual
+                x, residual = layer(positions, x, residual, getattr(self, rope), ctx)
         x, _ = self.ops.fused_add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
         if self.aux_layers:
             return torch.cat([x, *(inputs[i] for i in self.aux_layers)], dim=-1)

@@ -203,6 +203,8 @@ def _declared(lib):
     lib.argmax_f32.restype = None
     lib.decode_layer.argtypes = [ptr, ptr, ptr, ptr, i64]
     lib.decode_layer.restype = ctypes.c_int
+    lib.decode_layers.argtypes = [ptr, i64, ptr, ptr, ptr]
+    lib.decode_layers.restype = ctypes.c_int
     lib.decode_moe_layer_bf16.argtypes = [ptr, ptr, ptr, ptr, i64]
     lib.decode_moe_layer_bf16.restype = ctypes.c_int
     for dt in ("f32", "bf16"):

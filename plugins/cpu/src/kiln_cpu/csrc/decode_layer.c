@@ -163,6 +163,16 @@ done:
     return failed;
 }
 
+/* Every decoder layer of a step in one call: decode_layer on layers[0], ..., layers[n - 1] in
+ * turn (the first writes residual). Returns decode_layer's first failure, else 0. */
+int decode_layers(const struct layer *const *layers, int64_t n, const struct step *S, float *hidden, float *residual) {
+    for (int64_t i = 0; i < n; i++) {
+        const int failed = decode_layer(layers[i], S, hidden, residual, i == 0);
+        if (failed) return failed;
+    }
+    return 0;
+}
+
 /* The other kernels of the bf16 mixture-of-experts layer below. */
 void rms_norm_bf16(uint16_t *, const uint16_t *, const uint16_t *, int64_t, int64_t, int64_t, float);
 void add_rms_norm_bf16(uint16_t *, uint16_t *, const uint16_t *, int64_t, int64_t, float);
