@@ -174,7 +174,10 @@ class CpuPlatform(Platform):
             logger.info("the experts of %d mixture-of-experts layers packed for the CPU matmul kernels", experts)
         fused = use_fused_decode(model)
         if fused:
-            logger.info("%d decoder layers run decode steps in one C call each", fused)
+            together = getattr(model, "decode_stack", None) is not None
+            logger.info(
+                "%d decoder layers run decode steps in %s", fused, "one C call" if together else "a C call each"
+            )
 
     def _repack(self, module: torch.nn.Module, config) -> None:
         """The weights of ``module`` (a layer, or the model: what is left) into the kernels' layouts;
