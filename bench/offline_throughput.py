@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
 
     rounds: dict[str, list[dict]] = {}
     for _ in range(args.repeats):  # a round runs every system once, so its ratios share an hour
-        for name in args.systems.split(","):
+        for name in dict.fromkeys(args.systems.split(",")):  # each system once a round
             rounds.setdefault(name, []).append(run_system(name, args))
     report(args, rounds)
 

@@ -56,7 +56,9 @@ class BatchLayout:
             starts.append(starts[-1] + n)
             seq_lens.append(context + n)
         width = max(len(r) for r in block_rows)  # one tensor from padded rows: a row at a time cost ~10 us each
-        table = torch.tensor([row + [0] * (width - len(row)) for row in block_rows], dtype=torch.int32, device=device)
+        table = torch.tensor(
+            [[*row] + [0] * (width - len(row)) for row in block_rows], dtype=torch.int32, device=device
+        )
         return cls(
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),

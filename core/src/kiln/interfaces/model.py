@@ -14,7 +14,8 @@ and device, and provides:
   ``(positions, x, rope_cache, ctx) -> (x, residual) | None`` that runs every decoder layer of a
   step in one call, the layers' own forwards in order (the residual stream before the final
   norm), or returns ``None`` for a step the layers must run one by one. ``LlamaForCausalLM``
-  calls it with its one rope table when no layer's input is also returned (EAGLE-3's).
+  calls it when all its layers share one rope table and no layer's input is also returned
+  (EAGLE-3's).
 
 Encoder models (``kiln.models.bert``) differ: class attribute ``is_encoder = True``; ``forward``
 returns the last layer's hidden states (num_tokens, hidden), attending bidirectionally within

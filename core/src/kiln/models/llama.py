@@ -266,7 +266,7 @@ class LlamaForCausalLM(nn.Module):
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         inputs = {}
         stacked = None
-        if self.decode_stack is not None and not self.aux_layers:
+        if self.decode_stack is not None and not self.aux_layers and len(set(self.rope_names)) == 1:
             stacked = self.decode_stack(positions, x, getattr(self, self.rope_names[0]), ctx)
         if stacked is not None:
             x, residual = stacked
