@@ -254,6 +254,8 @@ class LlamaForCausalLM(nn.Module):
                     name, cos_sin_cache(head_dim, max_positions, cfg, rotating, kind), persistent=False
                 )
             self.rope_names.append(name)
+        # the one table every layer reads, or None (a decode_stack runs only with one)
+        self.shared_rope = self.rope_names[0] if len(set(self.rope_names)) == 1 else None
         if not hasattr(self, "rope_cache"):
             self.register_buffer("rope_cache", cos_sin_cache(head_dim, max_positions, cfg, rotating), persistent=False)
         self.ops = ops
@@ -266,8 +268,8 @@ class LlamaForCausalLM(nn.Module):
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         inputs = {}
         stacked = None
-        if self.decode_stack is not None and not self.aux_layers and len(set(self.rope_names)) == 1:
-            stacked = self.decode_stack(positions, x, getattr(self, self.rope_names[0]), ctx)
+        if self.decode_stack is not None and not self.aux_layers and self.shared_rope is not None:
+            stacked = self.decode_stack(positions, x, getattr(self, self.shared_rope), ctx)
         if stacked is not None:
             x, residual = stacked
         else:

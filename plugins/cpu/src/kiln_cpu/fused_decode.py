@@ -328,8 +328,8 @@ def use_fused_decode(model: nn.Module) -> int:
         elif _fusable_moe(layer):
             layers[i] = FusedMoEDecodeLayer(layer)
             count += 1
-    ropes = getattr(model, "rope_names", ())
-    one_rope = len(set(ropes)) == 1 and len(ropes) == len(layers)  # the stack takes one rope table
+    # the stack takes one rope table (the model's shared_rope), and runs every layer
+    one_rope = getattr(model, "shared_rope", None) is not None and len(model.rope_names) == len(layers)
     if hasattr(model, "decode_stack") and one_rope and count and all(type(m) is FusedDecodeLayer for m in layers):
         model.decode_stack = FusedDecodeStack(list(layers))
     return count
