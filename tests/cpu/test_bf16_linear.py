@@ -1,6 +1,6 @@
-"""bf16 linear layers on the CPU: ``Bf16Linear`` (``csrc/bf16_linear.c`` at decode sizes) and
-``Bf16TiledLinear`` (fp32 FMAs on bf16 tiles) against fp32 products rounded once, and which layout
-``bf16_linear`` picks."""
+"""bf16 linear layers on the CPU: ``Bf16Linear`` (``csrc/bf16_linear.c`` at decode sizes),
+``Bf16TiledLinear`` (fp32 FMAs on bf16 tiles) and ``Bf16PairLinear`` (bf16 products on pair tiles)
+against fp32 products rounded once, and which layout ``bf16_linear`` picks."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from kiln_cpu.packed_linear import (
     KERNEL_MAX_ROWS,
     PAD_ROWS_FROM,
     Bf16Linear,
+    Bf16PairLinear,
     Bf16TiledLinear,
     PackedLinear,
     bf16_linear,
@@ -96,6 +97,28 @@ def test_tiled_layer_is_the_fp32_products_rounded_once(rows, bias):
     assert torch.equal(layer(x[None])[0], got)
 
 
+@pytest.mark.skipif(native.load_kernels() is None, reason="needs the CPU plugin's C kernels")
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9, 16, 17, 40])
+@pytest.mark.parametrize(("k", "n", "bias"), [(96, 64, True), (32, 80, False), (512, 48, True)])
+def test_pair_layer_is_the_fp32_products_rounded_once(rows, k, n, bias):
+    """``Bf16PairLinear``: bf16 in and out, each output the fp32 sum of the bf16 products rounded
+    once (bias before the rounding), for every pass the kernel makes (a tile at a time in even
+    passes of up to 16 rows up to 32 rows, two tiles at a time in passes of up to 8 past that) and
+    widths that end in a tile left over from the pairs (5 and 3 tiles); the weight is found back
+    from its tiles exactly, and leading dimensions are kept. vdpbf16ps where the build has it, the
+    same sums in fp32 FMAs where not."""
+    linear = _linear(k, n, bias)
+    layer = Bf16PairLinear(linear)
+    assert torch.equal(layer.dense_weight(), linear.weight)
+    x = torch.randn(rows, k).bfloat16()
+    got = layer(x)
+    assert got.shape == (rows, n) and got.dtype == torch.bfloat16
+    _assert_rounded_once(got, _exact(x, linear))
+    assert torch.equal(layer(x[None])[0], got)
+    with pytest.raises(RuntimeError):  # F.linear's refusal of mismatched dtypes, as nn.Linear's
+        layer(x.float())
+
+
 @needs_kernel
 @pytest.mark.parametrize("fma_outruns", [False, True])
 def test_more_rows_or_other_inputs_go_to_torch(monkeypatch, fma_outruns):
@@ -163,7 +186,8 @@ def test_small_weights_take_the_kernel_and_large_ones_tiles_or_onednn():
     unfit = _linear(multiple + 2, 40, True)
     assert type(bf16_linear(unfit)) is (PackedLinear if packed_linear.prepacking_works() else nn.Linear)
     big = nn.Linear(512, KERNEL_MAX_ELEMENTS // 512 + 16, bias=False, dtype=torch.bfloat16)
-    # an LM head: the kernel on AMX tiles; fp32 FMAs on bf16 tiles where they outrun bf16 products, else oneDNN
+    # an LM head: the kernel on AMX tiles; bf16 products on pair tiles where they outrun FMAs, fp32 FMAs on bf16
+    # tiles where those outrun bf16 products, else oneDNN
     assert type(bf16_linear(big)) is _big_layout()
 
 
@@ -171,6 +195,8 @@ def _big_layout() -> type:
     """The layout ``bf16_linear`` gives a weight past ``KERNEL_MAX_ELEMENTS`` (where the kernel runs)."""
     if native.has_amx_bf16() and packed_linear.kernel_works():
         return Bf16Linear
+    if native.bf16_dots_outrun_fma():
+        return Bf16PairLinear
     return Bf16TiledLinear if native.fma_outruns_bf16_dots() else PackedLinear
 
 
@@ -205,7 +231,8 @@ def test_bf16_model_linears_take_the_layout_bf16_linear_picks(tiny_model_dir):
     from kiln import LLM
 
     model = LLM(tiny_model_dir("llama"), dtype="bfloat16", max_model_len=64).engine.executor.runner.model
-    layers = [m for m in model.modules() if type(m) in (Bf16Linear, Bf16TiledLinear, PackedLinear, nn.Linear)]
+    kinds = (Bf16Linear, Bf16TiledLinear, Bf16PairLinear, PackedLinear, nn.Linear)
+    layers = [m for m in model.modules() if type(m) in kinds]
     if not packed_linear.prepacking_works() and not packed_linear.kernel_works():  # no C kernels: torch's own
         assert {type(m) for m in layers} == {nn.Linear}
         return

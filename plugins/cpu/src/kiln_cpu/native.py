@@ -197,6 +197,8 @@ def _declared(lib):
         fn.restype = ctypes.c_int
     lib.linear_bf16.argtypes = [ptr, ptr, i64, i64, ptr, ptr, i64]
     lib.linear_bf16.restype = ctypes.c_int
+    lib.linear_bf16_pairs.argtypes = [ptr, ptr, i64, i64, ptr, ptr, i64]
+    lib.linear_bf16_pairs.restype = None
     lib.linear_bf16_amx.restype = ctypes.c_int
     lib.bf16_dot_speed.restype = ctypes.c_double
     lib.argmax_f32.argtypes = [ptr, ptr, i64, i64, i64]

@@ -181,6 +181,48 @@ class Bf16Linear(nn.Module):
         return nn.functional.linear(x, self.weight, self.bias)
 
 
+class Bf16PairLinear(nn.Module):
+    """A bf16 linear layer on its weight in pair tiles (``csrc/bf16_linear.c``'s
+    ``linear_bf16_pairs``: 16 features' values at two inputs to a 64-byte line), multiplied with
+    ``vdpbf16ps``, each output (bias included) summed in fp32 and rounded to bf16 once: for weights
+    too large for ``Bf16Linear`` where bf16 products outrun FMAs (AMD Zen 4 and 5): 16 rows of a
+    49152x512 LM head from memory took 1.3 ms against oneDNN's prepacked 1.9 on a 2-core Zen 5
+    EPYC (1 row 1.2 against 1.4; at 64 rows, where the products set the pace, 5.4 against 4.4).
+    Any number of bf16 rows (an LM head's are one per sequence sampled); other dtypes go to
+    ``F.linear`` on the weight found back from the tiles, which refuses them as ``nn.Linear``
+    would."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        n, k = self.out_features, self.in_features
+        with torch.no_grad():
+            pairs = linear.weight.detach().reshape(n // TILE, TILE, k // 2, 2).transpose(1, 2).contiguous()
+            self.register_buffer("pairs", pairs)
+            self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+            self.register_buffer("bias_f32", None if linear.bias is None else self.bias.float(), persistent=False)
+
+    @staticmethod
+    def fits(linear: nn.Linear) -> bool:
+        return linear.out_features % TILE == 0 and linear.in_features % 2 == 0
+
+    def dense_weight(self) -> torch.Tensor:
+        """The (N, K) weight, found back from the tiles."""
+        return self.pairs.transpose(1, 2).reshape(self.out_features, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features if self.in_features else 0
+        if rows == 0 or x.dtype != torch.bfloat16:
+            return nn.functional.linear(x, self.dense_weight(), self.bias)
+        x = x.contiguous()
+        out = x.new_empty(*x.shape[:-1], self.out_features)
+        bias = None if self.bias_f32 is None else self.bias_f32.data_ptr()
+        native.load_kernels().linear_bf16_pairs(
+            out.data_ptr(), x.data_ptr(), rows, self.in_features, self.pairs.data_ptr(), bias, self.out_features
+        )
+        return out
+
+
 class Bf16TiledLinear(TiledLinear):
     """A bf16 linear layer on its weight in bf16 tiles (``TiledWeight`` fmt 16): bf16 rows
     widened to fp32, multiplied by ``csrc/tiled_linear.c`` with fp32 FMAs, each output (bias
@@ -200,11 +242,14 @@ def bf16_linear(linear: nn.Linear) -> nn.Module:
     is small enough (with AMX, of any size); ``Bf16TiledLinear`` where FMAs outrun bf16 products
     and the weight is past that size, or oneDNN has no bf16 GEMM to prepack for (AVX2, where
     torch's own bf16 matmul took 6x as long as the tiles at 512 rows and 3.5x at 16, level at
-    one); else ``PackedLinear``, or the layer as it is without oneDNN's bf16."""
+    one); ``Bf16PairLinear`` for a weight past that size where bf16 products outrun FMAs; else
+    ``PackedLinear``, or the layer as it is without oneDNN's bf16."""
     small = linear.weight.numel() <= KERNEL_MAX_ELEMENTS or native.has_amx_bf16()  # AMX: any size
     if small and kernel_works() and linear.in_features % native.load_kernels().linear_bf16_multiple() == 0:
         return Bf16Linear(linear)
     tiles = linear.out_features % TILE == 0 and native.fma_outruns_bf16_dots()
     if tiles and (not small or not prepacking_works()):
         return Bf16TiledLinear(linear)
+    if not small and Bf16PairLinear.fits(linear) and native.bf16_dots_outrun_fma():
+        return Bf16PairLinear(linear)
     return PackedLinear(linear) if prepacking_works() else linear
