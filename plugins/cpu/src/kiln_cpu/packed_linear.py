@@ -204,6 +204,7 @@ class Bf16PairLinear(nn.Module):
 
     @staticmethod
     def fits(linear: nn.Linear) -> bool:
+        """Whether the weight makes whole tiles (16 features) of whole pairs of inputs."""
         return linear.out_features % TILE == 0 and linear.in_features % 2 == 0
 
     def dense_weight(self) -> torch.Tensor:
