@@ -125,7 +125,6 @@ int linear_bf16_multiple(void) { return 2 * VL; }
  * rounded to bf16 once. Needs N % 16 == 0. */
 typedef float v16f __attribute__((vector_size(64)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -167,10 +166,10 @@ static inline __attribute__((always_inline)) void pair_rows(uint16_t *out, const
         v16f b = {0};
         if (bias) memcpy(&b, bias + (t + s) * 16, sizeof b);
         for (int i = 0; i < R; i++) {
-            v16u u = (v16u)(acc[i * T + s] + b);
-            u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even, as to_bf16 */
-            const v16h h = __builtin_convertvector(u >> 16, v16h);
-            memcpy(out + (r + i) * N + (t + s) * 16, &h, sizeof h);
+            const v16f sum = acc[i * T + s] + b;
+            v8 half[2];
+            memcpy(half, &sum, sizeof sum);
+            for (int k = 0; k < 2; k++) store8_bf16(out + (r + i) * N + (t + s) * 16 + 8 * k, half[k]);
         }
     }
 }
@@ -206,13 +205,12 @@ void linear_bf16_pairs(uint16_t *out, const uint16_t *x, int64_t T, int64_t K, c
     const int g = T <= 32 ? 1 : 2, most = 16 / g; /* tiles a group, rows a pass */
     const uint32_t *x2 = (const uint32_t *)x;
     _Pragma("omp parallel for schedule(static) if (T * K * N >= 65536)") for (int64_t p = 0; p < (tiles + g - 1) / g; p++) {
-        const int count = p * g + g <= tiles ? g : 1; /* a last tile left over goes alone */
-        for (int64_t t = p * g; t < p * g + g && t < tiles; t += count)
-            for (int64_t r = 0, passes = (T + most - 1) / most; r < T; passes--) {
-                const int64_t size = (T - r + passes - 1) / passes;
-                pair_pass(out, x2, r, size, wp, t, bias, K2, N, count);
-                r += size;
-            }
+        const int count = p * g + g <= tiles ? g : 1; /* a last tile left over from the pairs goes alone */
+        for (int64_t r = 0, passes = (T + most - 1) / most; r < T; passes--) {
+            const int64_t size = (T - r + passes - 1) / passes;
+            pair_pass(out, x2, r, size, wp, p * g, bias, K2, N, count);
+            r += size;
+        }
     }
 }
 
