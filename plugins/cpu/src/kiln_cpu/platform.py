@@ -13,7 +13,7 @@ import psutil
 import torch
 
 from kiln.interfaces.platform import Platform
-from kiln_cpu import form_cache
+from kiln_cpu import form_cache, huge_pages
 from kiln_cpu.module_swap import replace_linears
 from kiln_cpu.native import bf16_dots_outrun_fma, fma_outruns_bf16_dots, has_amx_bf16
 from kiln_cpu.packed_linear import kernel_works
@@ -21,8 +21,6 @@ from kiln_cpu.packed_linear import kernel_works
 logger = logging.getLogger("kiln.cpu")
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
-MADV_HUGEPAGE = 14
-PAGE = 4096
 
 
 def _glibc() -> ctypes.CDLL | None:
@@ -76,14 +74,8 @@ class CpuPlatform(Platform):
         # blocks never written cost no resident memory, unlike torch.zeros, which
         # writes every byte. So a large KV pool is cheap until it is used.
         self._tune_malloc()
-        nbytes = int(np.prod(shape)) * torch.finfo(dtype).bits // 8
-        buffer = np.zeros(nbytes, dtype=np.uint8)
-        if self.libc is not None:
-            # Huge pages: 512x fewer page faults when blocks are first written.
-            start = -(-buffer.ctypes.data // PAGE) * PAGE
-            self.libc.madvise(
-                ctypes.c_void_p(start), ctypes.c_size_t(nbytes - (start - buffer.ctypes.data)), MADV_HUGEPAGE
-            )
+        # on 2 MiB pages: 512x fewer page faults when blocks are first written, and fewer TLB misses
+        buffer = huge_pages.zeroed(int(np.prod(shape)) * torch.finfo(dtype).bits // 8)
         return torch.from_numpy(buffer).view(dtype).view(shape)
 
     def _tune_malloc(self) -> None:
@@ -172,6 +164,11 @@ class CpuPlatform(Platform):
             )  # fmt: skip
         if experts:
             logger.info("the experts of %d mixture-of-experts layers packed for the CPU matmul kernels", experts)
+        gathered = huge_pages.gather_weights(model)  # before use_fused_decode, which keeps their pointers
+        if gathered:
+            logger.info("%d MB of tiled weights gathered onto 2 MiB pages", gathered >> 20)
+            if self.libc is not None:
+                self.libc.malloc_trim(0)  # the originals' heap pages back to the kernel
         fused = use_fused_decode(model)
         if fused:
             together = getattr(model, "decode_stack", None) is not None
