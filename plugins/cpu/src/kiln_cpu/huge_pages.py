@@ -23,14 +23,17 @@ PAGE = 4096
 ALIGN = 64  # each weight tensor's start in the gathered buffer: a cache line, as malloc's large blocks
 
 
-def _madvise():
+def _libc(function: str):
+    """``function`` of Linux's C library, or None elsewhere."""
     if not sys.platform.startswith("linux"):
         return None
     name = ctypes.util.find_library("c")
-    return getattr(ctypes.CDLL(name), "madvise", None) if name else None
+    return getattr(ctypes.CDLL(name), function, None) if name else None
 
 
-_MADVISE = _madvise()
+_MADVISE = _libc("madvise")
+_MALLOC_TRIM = _libc("malloc_trim")  # glibc's
+TRIM_EVERY = 64 << 20  # bytes gathered between giving the originals' freed heap pages back
 
 
 def zeroed(nbytes: int) -> np.ndarray:
@@ -53,7 +56,8 @@ def gather_weights(model: nn.Module) -> int:
     attributes) into one ``zeroed`` buffer, in module order (a decode step's reading order), and
     point their modules at the copies; returns the bytes gathered. Each holder switches as soon as
     its weights are copied, so an original is freed once its last holder has switched (a tied
-    weight has two): the load's peak grows by about one weight, not the model. Kernel arguments
+    weight has two), and freed heap pages go back every ``TRIM_EVERY`` bytes: the load's peak grows
+    by about that and one weight, not the model. Kernel arguments
     built from the originals' pointers (``use_fused_decode``'s) must be built after this.
     ``KILN_CPU_HUGE_PAGES=0`` leaves the weights where they are."""
     from kiln_cpu.experts import PackedExperts
@@ -103,6 +107,15 @@ def gather_weights(model: nn.Module) -> int:
         else:
             setattr(m, name, copied(old))
 
+    trimmed = 0
     for m, name in slots:
         switch(m, name)
+        # NOTE: originals under glibc's mmap threshold (32 MiB once Kiln tunes malloc) lie in its
+        # heap, which keeps freed pages resident: 640 MB of 1 MiB weights gathered with one trim at
+        # the end peaked 640 MB higher, trimmed every 64 MiB 68 MB higher.
+        if _MALLOC_TRIM is not None and at - trimmed >= TRIM_EVERY:
+            _MALLOC_TRIM(0)
+            trimmed = at
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
     return total

@@ -167,8 +167,6 @@ class CpuPlatform(Platform):
         gathered = huge_pages.gather_weights(model)  # before use_fused_decode, which keeps their pointers
         if gathered:
             logger.info("%d MB of tiled weights gathered onto 2 MiB pages", gathered >> 20)
-            if self.libc is not None:
-                self.libc.malloc_trim(0)  # the originals' heap pages back to the kernel
         fused = use_fused_decode(model)
         if fused:
             together = getattr(model, "decode_stack", None) is not None
