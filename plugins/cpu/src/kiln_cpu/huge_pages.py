@@ -12,7 +12,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
-import sys
 
 import numpy as np
 import torch
@@ -20,19 +19,16 @@ from torch import nn
 
 MADV_HUGEPAGE = 14  # Linux's
 PAGE = 4096
-ALIGN = 64  # each weight tensor's start in the gathered buffer: a cache line, as malloc's large blocks
+ALIGN = 64  # each weight tensor's start in the gathered buffer: a cache line, as torch's allocator aligns
 
 
-def _libc(function: str):
-    """``function`` of Linux's C library, or None elsewhere."""
-    if not sys.platform.startswith("linux"):
-        return None
+def _glibc() -> ctypes.CDLL | None:
     name = ctypes.util.find_library("c")
-    return getattr(ctypes.CDLL(name), function, None) if name else None
+    libc = ctypes.CDLL(name) if name else None
+    return libc if libc is not None and hasattr(libc, "mallopt") else None
 
 
-_MADVISE = _libc("madvise")
-_MALLOC_TRIM = _libc("malloc_trim")  # glibc's
+GLIBC = _glibc()  # the process's glibc (madvise, malloc_trim, mallopt), or None: another C library
 TRIM_EVERY = 64 << 20  # bytes gathered between giving the originals' freed heap pages back
 
 
@@ -40,10 +36,10 @@ def zeroed(nbytes: int) -> np.ndarray:
     """``nbytes`` zero bytes from fresh pages (calloc's: each resident only once written), asked
     onto 2 MiB pages (the range's 2 MiB-aligned part gets them, as the kernel can)."""
     buffer = np.zeros(nbytes, dtype=np.uint8)
-    if _MADVISE is not None:
+    if GLIBC is not None:
         start = -(-buffer.ctypes.data // PAGE) * PAGE
         length = max(0, nbytes - (start - buffer.ctypes.data))
-        _MADVISE(ctypes.c_void_p(start), ctypes.c_size_t(length), MADV_HUGEPAGE)
+        GLIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), MADV_HUGEPAGE)
     return buffer
 
 
@@ -113,9 +109,9 @@ def gather_weights(model: nn.Module) -> int:
         # NOTE: originals under glibc's mmap threshold (32 MiB once Kiln tunes malloc) lie in its
         # heap, which keeps freed pages resident: 640 MB of 1 MiB weights gathered with one trim at
         # the end peaked 640 MB higher, trimmed every 64 MiB 68 MB higher.
-        if _MALLOC_TRIM is not None and at - trimmed >= TRIM_EVERY:
-            _MALLOC_TRIM(0)
+        if GLIBC is not None and at - trimmed >= TRIM_EVERY:
+            GLIBC.malloc_trim(0)
             trimmed = at
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
+    if GLIBC is not None:
+        GLIBC.malloc_trim(0)
     return total

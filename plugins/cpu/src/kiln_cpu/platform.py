@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 import os
 from collections.abc import Callable
@@ -21,12 +19,6 @@ from kiln_cpu.packed_linear import kernel_works
 logger = logging.getLogger("kiln.cpu")
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
-
-
-def _glibc() -> ctypes.CDLL | None:
-    name = ctypes.util.find_library("c")
-    libc = ctypes.CDLL(name) if name else None
-    return libc if libc is not None and hasattr(libc, "mallopt") else None
 
 
 def _integer_activations(model: torch.nn.Module, gguf: bool) -> int:
@@ -54,7 +46,7 @@ class CpuPlatform(Platform):
         # One OpenMP thread per physical core: hyper-threads only add contention.
         threads = int(os.environ.get("KILN_CPU_THREADS", 0)) or psutil.cpu_count(logical=False) or os.cpu_count()
         torch.set_num_threads(threads)
-        self.libc = _glibc()
+        self.libc = huge_pages.GLIBC
         self._malloc_tuned = False
         self._repacked = [0, 0]  # weights tiled, of them in GGUF blocks
 
