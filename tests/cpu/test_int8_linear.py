@@ -162,6 +162,11 @@ for kind, form in forms.items():
             out[f"{{kind}}-{{rows}}-{{mode}}"] = tiled_matmul(form(rows), activations(rows, 256, rows), None, mode).tolist()
 wide = tiled_form(gguf_weight(48, 4192, KINDS["q4_1"], 0))  # split passes over 64 blocks at a time
 out["wide"] = tiled_matmul(wide, activations(40, 4192, 0), torch.ones(48), 1).tolist()
+# each row's products bit for bit those it gets alone (one row is never split), in this build too
+for kind, form, k in (("q4_1", forms["q4_1"](0), 256), ("q8_0", forms["q8_0"](0), 256), ("wide", wide, 4192)):
+    x = activations(33, k, 1)
+    alone = torch.cat([tiled_matmul(form, x[i : i + 1], torch.ones(48), 1) for i in range(33)])
+    out[f"{{kind}}-alone"] = bool(torch.equal(tiled_matmul(form, x, torch.ones(48), 1), alone))
 print(json.dumps(out))
 """
 
@@ -179,6 +184,7 @@ def test_every_instruction_set_path_gives_the_same_products(march, march_cache_d
                                       check=True).stdout)  # fmt: skip
     assert list(march_cache_dir.glob("cpu-kernels/*.so"))  # built for that level, not this machine's cached library
     here = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    assert [key for key, alone in other.items() if key.endswith("-alone") and not alone] == []
     for key, values in here.items():
         torch.testing.assert_close(torch.tensor(other[key]), torch.tensor(values), rtol=1e-5, atol=1e-4, msg=key)
 

@@ -218,14 +218,18 @@ static inline __attribute__((always_inline)) void block_q8(__m256i acc[], const 
  * loads them (the split was 12 instructions of each block that the pass's 8 rows share). Those
  * passes are compiled apart (split_passes): with a test of the pointer in the products' loop the
  * split saved nothing. The default model's Q4_1 products on a 2-core Xeon (bench/kernel_ab.py, 12
- * rounds), 32-256 rows: AVX-512 VNNI 1-12 % faster, the AVX2 build 4-12 %; fewer rows keep the
- * passes that split as they go, where the stores and reloads cost what they saved. The split is
+ * rounds), 32-256 rows: AVX-512 VNNI 1-12 % faster, the AVX2 build 4-12 %; with AVX-512 fewer
+ * rows keep the passes that split as they go, where the stores and reloads cost what they saved.
+ * On ymm registers the split passes go a quarter at a time (quarter_times_split), and there the
+ * default model's products at 16 and 24 rows split took 0.81-0.87x the time of unsplit passes in
+ * the AVX2 build (Zen 5; 7B-wide ones 0.81-1.05x), so they split from 16 rows (at 8 rows: 0.9x
+ * the default model's, but 1.04-1.16x for 7B-wide weights from memory). The split is
  * SPLIT_BLOCKS blocks at a time (K up to 2048: 32 KB on the stack, in L1): a wider tile's passes
  * go over one part before the next is split, their sums left in out between parts. Split whole
  * into a heap buffer, such tiles had measured no faster (bench/kernel_ab.py's wide weights, K 4096
  * and 14336: B/A 1.08-1.11 at 32 rows); in parts, 0.85-0.96 at 32-256 rows in the AVX2 build, and
  * with AVX-512 VNNI 0.90-1.00 at 64-256 and level at 32. */
-#define UNPACK_MIN_ROWS (4 * ROWS)
+#define UNPACK_MIN_ROWS (AVX512_VNNI ? 4 * ROWS : 2 * ROWS) /* AVX512_VNNI: defined below */
 #define SPLIT_BLOCKS 64
 static void unpack_q4(uint8_t *nibbles, const uint8_t *w, int64_t nb) {
     const __m256i low = _mm256_set1_epi8(15);
@@ -398,6 +402,40 @@ static inline __attribute__((always_inline)) void rows_times_tile_512(float *out
 #else
 #define AVX512_VNNI 0
 #define ROWS_TIMES_TILE(...) rows_times_tile(__VA_ARGS__, nib)
+
+/* Rows r..r+3 of a full panel times half h (features 8h..8h+7) of a Q4 tile split into bytes
+ * (nib: its blocks b0..b1), the sums as rows_times_tile's: four rows' fp32 sums stay in
+ * registers beside their integer sums, the weights and the broadcasts, where rows_times_tile's
+ * passes of eight rows over both halves load and store theirs in L1 every block. The default
+ * model's Q4_1 products at 32-512 rows (bench/kernel_ab.py on a 2-core Zen 5, the same outputs
+ * bit for bit) took 0.86-0.96x the time in the AVX2 build and 0.67-0.79x with AVX-VNNI; passes
+ * over unsplit tiles, or the Q8_0 LM head, so split into quarters were slower at 1-16 rows (up to
+ * 1.4x) and gained under 15 % past that, so they stay as they were. */
+static inline __attribute__((always_inline)) void quarter_times_split(float *out, int64_t N, const int8_t *xq,
+                                                                      const float *xd, const float *xs, int64_t r,
+                                                                      int h, int f16, const float *scale,
+                                                                      const float *min, int64_t t, int64_t K,
+                                                                      const float *bias, int64_t b0, int64_t b1,
+                                                                      int resume, const uint8_t *nib) {
+    const int64_t nb = K / 32;
+    row_lane(r, K, &xq, &xd, &xs);
+    float *o = out + r * N + t * TILE + 8 * h;
+    __m256 f[4];
+    for (int i = 0; i < 4; i++) f[i] = resume ? _mm256_loadu_ps(o + i * N) : _mm256_setzero_ps();
+    for (int64_t b = b0; b < b1; b++) {
+        __m256i acc[4];
+        block_q4(acc, NULL, h, xq + b * 32 * ROWS, 4, ROWS, nib + (b - b0) * 512);
+        const __m256 dw = (__m256)load8_scale(scale, (t * nb + b) * TILE + 8 * h, f16);
+        const __m256 m = min ? (__m256)load8_scale(min, (t * nb + b) * TILE + 8 * h, f16) : dw;
+        for (int i = 0; i < 4; i++) {
+            const __m256 dd = _mm256_mul_ps(dw, _mm256_set1_ps(xd[b * ROWS + i]));
+            f[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i]), dd, f[i]);
+            if (min) f[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[b * ROWS + i]), f[i]);
+        }
+    }
+    const __m256 bv = bias && b1 == nb ? _mm256_loadu_ps(bias + t * TILE + 8 * h) : _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) _mm256_storeu_ps(o + i * N, _mm256_add_ps(f[i], bv));
+}
 #endif
 
 /* The full panels of rows r0..r1 over a Q4 tile split once (unpack_q4): the rows passed. Apart
@@ -415,8 +453,16 @@ static __attribute__((noinline)) int64_t split_passes(float *out, int64_t N, con
     for (int64_t b0 = 0; b0 < nb; b0 += SPLIT_BLOCKS) {
         const int64_t b1 = b0 + SPLIT_BLOCKS < nb ? b0 + SPLIT_BLOCKS : nb;
         unpack_q4(split, (const uint8_t *)q + (t * nb + b0) * 256, b1 - b0);
-        for (int64_t r = r0; r < end; r += ROWS)
+        for (int64_t r = r0; r < end; r += ROWS) {
+#if AVX512_VNNI
             ROWS_TIMES_TILE(out, N, xq, xd, xs, r, ROWS, ROWS, fmt, scale, min, q, t, K, bias, 0, b0, b1, b0 > 0);
+#else
+            for (int h = 0; h < 2; h++)
+                for (int i = 0; i < ROWS; i += 4)
+                    quarter_times_split(out, N, xq, xd, xs, r + i, h, fmt & F16_SCALES, scale, min, t, K, bias, b0,
+                                        b1, b0 > 0, nib);
+#endif
+        }
     }
     return end;
 }
