@@ -223,7 +223,7 @@ static inline __attribute__((always_inline)) void block_q8(__m256i acc[], const 
  * On ymm registers the split passes go a quarter at a time (quarter_times_split), and there the
  * default model's products at 16 and 24 rows split took 0.81-0.87x the time of unsplit passes in
  * the AVX2 build (Zen 5; 7B-wide ones 0.81-1.05x), so they split from 16 rows (at 8 rows: 0.9x
- * the default model's, but 1.04-1.16x for 7B-wide weights from memory). The split is
+ * the default model's, but 1.04-1.16x for 7B-wide weights). The split is
  * SPLIT_BLOCKS blocks at a time (K up to 2048: 32 KB on the stack, in L1): a wider tile's passes
  * go over one part before the next is split, their sums left in out between parts. Split whole
  * into a heap buffer, such tiles had measured no faster (bench/kernel_ab.py's wide weights, K 4096
