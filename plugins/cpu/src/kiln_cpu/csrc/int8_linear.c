@@ -245,6 +245,17 @@ static void unpack_q4(uint8_t *nibbles, const uint8_t *w, int64_t nb) {
     }
 }
 
+/* f + one row's int32 block sums acc (8 features), scaled: dw the weight scales, d the row's
+ * activation scale; with a min (has_min), + m *s (s: the row's scale times its sum of qx). The one
+ * epilogue of the ymm passes (rows_times_tile's and quarter_times_split's), so that they give
+ * the same outputs bit for bit. */
+static inline __attribute__((always_inline)) __m256 scale_sum(__m256 f, __m256i acc, __m256 dw, float d,
+                                                              int has_min, __m256 m, const float *s) {
+    f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_mul_ps(dw, _mm256_set1_ps(d)), f);
+    if (has_min) f = _mm256_fmadd_ps(m, _mm256_set1_ps(*s), f);
+    return f;
+}
+
 /* out[rows r..r+R) x features 16t..16t+15, over blocks b0..b1 (every block but in split_passes,
  * which passes over a wide tile a part at a time: `resume` takes up the sums left in out, and
  * they are left there without the bias until the last block); `stream`: the first pass over the
@@ -286,12 +297,9 @@ static inline __attribute__((always_inline)) void rows_times_tile(float *out, in
                 /* a min per 32 inputs, in every format */
                 const int has_min = min && sub == 0;
                 const __m256 m = has_min ? (__m256)load8_scale(min, (t * nb + b) * TILE + 8 * h, f16) : dw;
-                for (int i = 0; i < R; i++) {
-                    const __m256 dd = _mm256_mul_ps(dw, _mm256_set1_ps(xd[b * P + i]));
-                    __m256 f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i]), dd, _mm256_load_ps(sums[i] + 8 * h));
-                    if (has_min) f = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[b * P + i]), f);
-                    _mm256_store_ps(sums[i] + 8 * h, f);
-                }
+                for (int i = 0; i < R; i++)
+                    _mm256_store_ps(sums[i] + 8 * h, scale_sum(_mm256_load_ps(sums[i] + 8 * h), acc[i], dw, xd[b * P + i],
+                                                               has_min, m, xs + b * P + i));
             }
         }
     }
@@ -427,11 +435,7 @@ static inline __attribute__((always_inline)) void quarter_times_split(float *out
         block_q4(acc, NULL, h, xq + b * 32 * ROWS, 4, ROWS, nib + (b - b0) * 512);
         const __m256 dw = (__m256)load8_scale(scale, (t * nb + b) * TILE + 8 * h, f16);
         const __m256 m = min ? (__m256)load8_scale(min, (t * nb + b) * TILE + 8 * h, f16) : dw;
-        for (int i = 0; i < 4; i++) {
-            const __m256 dd = _mm256_mul_ps(dw, _mm256_set1_ps(xd[b * ROWS + i]));
-            f[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i]), dd, f[i]);
-            if (min) f[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[b * ROWS + i]), f[i]);
-        }
+        for (int i = 0; i < 4; i++) f[i] = scale_sum(f[i], acc[i], dw, xd[b * ROWS + i], min != NULL, m, xs + b * ROWS + i);
     }
     const __m256 bv = bias && b1 == nb ? _mm256_loadu_ps(bias + t * TILE + 8 * h) : _mm256_setzero_ps();
     for (int i = 0; i < 4; i++) _mm256_storeu_ps(o + i * N, _mm256_add_ps(f[i], bv));
