@@ -33,6 +33,7 @@
 #define KILN_PAGED_ATTENTION_H
 
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -58,12 +59,14 @@ static inline v8 sum_each(const vf a[8]) {
     return sum_each8(h);
 }
 
-/* p[t] = exp(s[t] - max s) over a row padded with -inf to a multiple of 8; returns sum p. */
-static inline float softmax_numerators(float *s, int64_t padded) {
+/* p[t] = exp(s[t] - max s) over a row padded with -inf to a multiple of 8; returns sum p, and
+ * max s in *max. */
+static inline float softmax_numerators(float *s, int64_t padded, float *max) {
     v8 m = splat(-INFINITY);
     for (int64_t t = 0; t < padded; t += 8) m = vmax(m, load8_f32(s + t));
     float mx = m[0];
     for (int i = 1; i < 8; i++) mx = m[i] > mx ? m[i] : mx;
+    *max = mx;
     v8 sum = splat(0.0f);
     for (int64_t t = 0; t < padded; t += 8) {
         const v8 e = exp8_nonpositive(load8_f32(s + t) - splat(mx));
@@ -154,8 +157,10 @@ static void permute(float *x, int64_t n, int back) {
     }
 }
 
-/* One (request, kv head): out[g][:] for the G query heads of the group, over keys
- * first..len-1. k and v point at this head's rows in block 0; `row` is the stride between
+/* One (request, kv head) over keys first..len-1 (all of them, or a split's: see
+ * DEFINE_DECODE_ATTENTION): for each of the G query heads of the group, acc[g][:] = sum_t p[g][t] V[t]
+ * with p[g][t] = exp(s[g][t] - m[g]), and ml[g] = m[g] = max_t s[g][t], ml[G + g] = sum_t p[g][t]
+ * (the output is acc[g] / ml[G + g]). k and v point at this head's rows in block 0; `row` is the stride between
  * blocks / block_size; keys are read from `base` (first rounded down to a block) on, and
  * score t - base of each of the G rows of `padded` floats in scores is key t's; tmp has
  * room for block_size rows of D. G is a loop
@@ -166,11 +171,11 @@ static void permute(float *x, int64_t n, int back) {
  *       Phi-3's 96). */
 #define PV_DIMS(D) ((D) % 64 ? 32 : 64)
 #define DEFINE_HEAD(NAME, T, LOAD, STORE, KT, WIDEN, PERMUTED, D)                                                \
-    static void head_##NAME##_##D(T *out, const T *q, const KT *k, const KT *v, const int32_t *table,            \
-                                  int64_t first, int64_t base, int64_t len, int64_t row, int64_t block_size,     \
-                                  float scale, float softcap, float *scores, int64_t padded, int64_t G,          \
-                                  float *tmp) {                                                                  \
-        float qf[8 * D], acc[8 * D];                                                                             \
+    static void head_##NAME##_##D(float *acc, float *ml, const T *q, const KT *k, const KT *v,                   \
+                                  const int32_t *table, int64_t first, int64_t base, int64_t len, int64_t row,   \
+                                  int64_t block_size, float scale, float softcap, float *scores, int64_t padded, \
+                                  int64_t G, float *tmp) {                                                       \
+        float qf[8 * D];                                                                                         \
         for (int64_t i = 0; i < G * D; i += 8) {                                                                 \
             store8(qf + i, LOAD(q + i) * splat(scale));                                                          \
             store8(acc + i, splat(0.0f));                                                                        \
@@ -215,14 +220,13 @@ static void permute(float *x, int64_t n, int back) {
             }                                                                                                    \
             ask(&two, INT32_MAX);                                                                                \
         }                                                                                                        \
-        float inv[8];                                                                                            \
         for (int64_t g = 0; g < G; g++) {                                                                        \
             if (softcap > 0.0f)                                                                                  \
                 for (int64_t t = 0; t < padded; t += 8)                                                          \
                     store8(scores + g * padded + t, softcap8(load8_f32(scores + g * padded + t), softcap));      \
             for (int64_t t = 0; t < first - base; t++) scores[g * padded + t] = -INFINITY;                       \
             for (int64_t t = len - base; t < padded; t++) scores[g * padded + t] = -INFINITY;                    \
-            inv[g] = 1.0f / softmax_numerators(scores + g * padded, padded);                                    \
+            ml[G + g] = softmax_numerators(scores + g * padded, padded, ml + g);                                 \
         }                                                                                                        \
         for (int64_t t0 = base; t0 < len; t0 += block_size) {                                                    \
             const int64_t n = len - t0 < block_size ? len - t0 : block_size;                                     \
@@ -247,9 +251,43 @@ static void permute(float *x, int64_t n, int back) {
             ask(&two, INT32_MAX);                                                                                \
         }                                                                                                        \
         if (PERMUTED) permute(acc, G * D, 1);                                                                    \
-        for (int64_t g = 0; g < G; g++)                                                                          \
-            for (int c = 0; c < D; c += 8) STORE(out + g * D + c, load8_f32(acc + g * D + c) * splat(inv[g]));  \
     }
+
+/* Few (request, kv head) items leave a thread idle: one request of the default model is 3 items
+ * on 2 threads, whose keys one took 2 of (0.86-0.94 ms over 30 layers of 384 keys from memory in the
+ * AVX2 build, 3.7-3.8 ms at 2048 keys). Under SPLIT_ITEMS items a thread, each item's keys are split
+ * into runs of whole cache blocks (SPLIT_MIN_BLOCKS at least), each run a work item of its own; the
+ * runs' sums are merged as one softmax over all keys (merge_splits). */
+#define SPLIT_ITEMS 8
+#define SPLIT_MIN_BLOCKS 8
+
+/* The runs an item of `blocks` cache blocks is split into, `splits` at most. */
+static inline int64_t item_splits(int64_t blocks, int64_t splits) {
+    const int64_t most = blocks / SPLIT_MIN_BLOCKS;
+    return splits < most ? splits : most > 1 ? most : 1;
+}
+
+/* o[g][:] (G x D fp32) of an item from the sums its n runs left (p: n parts of `stride` floats, each
+ * head_*'s acc then ml): every run's weighted by exp(its max - the max of all), over the weighted sum
+ * of their softmax denominators. One run: acc / its denominator, as unsplit. Overwrites each run's
+ * maxima with those weights. */
+static void merge_splits(float *o, float *p, int64_t n, int64_t stride, int64_t G, int64_t D) {
+    for (int64_t g = 0; g < G; g++) {
+        float top = -INFINITY, denominator = 0.0f;
+        for (int64_t s = 0; s < n; s++) top = fmaxf(top, p[s * stride + G * D + g]);
+        for (int64_t s = 0; s < n; s++) {
+            float *ml = p + s * stride + G * D;
+            ml[g] = expf(ml[g] - top);
+            denominator += ml[g] * ml[G + g];
+        }
+        const v8 inv = splat(1.0f / denominator);
+        for (int64_t c = 0; c < D; c += 8) {
+            v8 sum = splat(0.0f);
+            for (int64_t s = 0; s < n; s++) sum += load8_f32(p + s * stride + g * D + c) * splat(p[s * stride + G * D + g]);
+            store8(o + g * D + c, sum * inv);
+        }
+    }
+}
 
 /* The entry point for cache element type T: returns 0, or -1 for shapes this kernel
  * does not handle (the caller then falls back to torch). */
@@ -266,41 +304,64 @@ static void permute(float *x, int64_t n, int back) {
                                       float softcap) {                                                           \
         const int64_t group = num_heads / num_kv_heads;                                                          \
         if (group < 1 || group > 8 || group * num_kv_heads != num_heads) return -1;                              \
-        void (*fn)(T *, const T *, const KT *, const KT *, const int32_t *, int64_t, int64_t, int64_t, int64_t,   \
-                   int64_t, float, float, float *, int64_t, int64_t, float *) =                                  \
+        void (*fn)(float *, float *, const T *, const KT *, const KT *, const int32_t *, int64_t, int64_t,        \
+                   int64_t, int64_t, int64_t, float, float, float *, int64_t, int64_t, float *) =                \
             head_dim == 64    ? head_##NAME##_64                                                                 \
             : head_dim == 96  ? head_##NAME##_96                                                                 \
             : head_dim == 128 ? head_##NAME##_128                                                                \
             : head_dim == 256 ? head_##NAME##_256                                                                \
                               : NULL;                                                                            \
         if (fn == NULL) return -1;                                                                               \
-        const int64_t row = num_kv_heads * head_dim;                                                             \
-        /* A few (request, kv head) items go one at a time, or one thread would take them all;     \
-         * many go four at a time (fewer hand-outs: measured faster at 16 requests). */              \
-        const int chunk = num_reqs * num_kv_heads >= 16 ? 4 : 1;                                                 \
+        const int64_t row = num_kv_heads * head_dim, items = num_reqs * num_kv_heads, GD = group * head_dim;     \
+        const int64_t stride = GD + 2 * group, want = SPLIT_ITEMS * (int64_t)omp_get_max_threads();             \
+        const int64_t splits = items >= want ? 1 : (want + items - 1) / items;                                   \
+        float *parts = splits > 1 ? (float *)malloc(items * splits * stride * sizeof(float)) : NULL;             \
+        if (splits > 1 && parts == NULL) return -1;                                                              \
+        /* A few items go one at a time, or one thread would take them all; many go four at a time \
+         * (fewer hand-outs: measured faster at 16 requests). */                                     \
+        const int chunk = items >= 16 ? 4 : 1;                                                                   \
         _Pragma("omp parallel") {                                                                                \
             float *tmp = (float *)malloc(block_size * head_dim * sizeof(float));                                 \
-            float *scores = NULL;                                                                                \
+            float *scores = NULL, own[8 * 256 + 16], o[8 * 256];                                                 \
             int64_t capacity = 0;                                                                                \
-            _Pragma("omp for collapse(2) schedule(dynamic, chunk)") for (int64_t r = 0; r < num_reqs; r++) {         \
-                for (int64_t h = 0; h < num_kv_heads; h++) {                                                     \
-                    const int64_t len = seq_lens[r];                                                             \
+            _Pragma("omp for schedule(dynamic, chunk)") for (int64_t i = 0; i < items * splits; i++) {           \
+                const int64_t r = i / splits / num_kv_heads, h = i / splits % num_kv_heads, s = i % splits;      \
+                const int64_t len = seq_lens[r];                                                                 \
+                const int64_t start = window > 0 && len > window ? len - window : 0;                             \
+                const int64_t base = start / block_size * block_size;                                            \
+                const int64_t blocks = (len - base + block_size - 1) / block_size, n = item_splits(blocks, splits); \
+                if (s >= n) continue;                                                                            \
+                const int64_t from = base + s * blocks / n * block_size;                                         \
+                const int64_t to = s + 1 == n ? len : base + (s + 1) * blocks / n * block_size;                  \
+                const int64_t padded = (to - from + 7) / 8 * 8;                                                  \
+                if (padded * group > capacity) {                                                                 \
+                    free(scores);                                                                                \
+                    capacity = padded * group;                                                                   \
+                    scores = (float *)malloc(capacity * sizeof(float));                                          \
+                }                                                                                                \
+                float *part = splits > 1 ? parts + i * stride : own;                                             \
+                const int64_t kv = h * block_size * head_dim;                                                    \
+                fn(part, part + GD, q + r * q_stride + h * GD, k_cache + kv, v_cache + kv,                       \
+                   block_table + r * table_stride, start > from ? start : from, from, to, row, block_size, scale, \
+                   softcap, scores, padded, group, tmp);                                                         \
+                if (splits == 1) {                                                                               \
+                    merge_splits(o, own, 1, stride, group, head_dim);                                            \
+                    for (int64_t c = 0; c < GD; c += 8) STORE(out + (r * num_heads + h * group) * head_dim + c, load8_f32(o + c)); \
+                }                                                                                                \
+            }                                                                                                    \
+            if (splits > 1) {                                                                                    \
+                _Pragma("omp for schedule(static)") for (int64_t it = 0; it < items; it++) {                     \
+                    const int64_t len = seq_lens[it / num_kv_heads];                                             \
                     const int64_t start = window > 0 && len > window ? len - window : 0;                         \
-                    const int64_t base = start / block_size * block_size, padded = (len - base + 7) / 8 * 8;    \
-                    if (padded * group > capacity) {                                                             \
-                        free(scores);                                                                            \
-                        capacity = padded * group;                                                               \
-                        scores = (float *)malloc(capacity * sizeof(float));                                      \
-                    }                                                                                            \
-                    const int64_t first = (r * num_heads + h * group) * head_dim, kv = h * block_size * head_dim; \
-                    fn(out + first, q + r * q_stride + h * group * head_dim, k_cache + kv, v_cache + kv,         \
-                       block_table + r * table_stride, start, base, len, row, block_size, scale, softcap, scores, \
-                       padded, group, tmp);                                                                      \
+                    const int64_t blocks = (len - start / block_size * block_size + block_size - 1) / block_size; \
+                    merge_splits(o, parts + it * splits * stride, item_splits(blocks, splits), stride, group, head_dim); \
+                    for (int64_t c = 0; c < GD; c += 8) STORE(out + it * GD + c, load8_f32(o + c));             \
                 }                                                                                                \
             }                                                                                                    \
             free(scores);                                                                                        \
             free(tmp);                                                                                           \
         }                                                                                                        \
+        free(parts);                                                                                             \
         return 0;                                                                                                \
     }
 
