@@ -28,7 +28,7 @@ class TorchOnlyBackend(CpuAttentionBackend):
 # Decodes, a prefill and a chunk on a cached prefix across the native prefill kernels' edges:
 # work items of 128 query positions, tiles of 32 (bf16, fp32 with AVX-512) or 16 (fp32 on
 # AVX2), online-softmax steps of 64 keys. Two decodes are too few items for the threads, so the
-# decode kernel splits the 300-key one's keys (into 9 runs at 2 threads, 1 KV head; 2 at 4).
+# decode kernel splits the 300-key one's keys (19 blocks of 16) into two runs of 8 blocks or more.
 LONG_BATCH = [(40, 1), (300, 1), (0, 300), (150, 170)]
 
 
