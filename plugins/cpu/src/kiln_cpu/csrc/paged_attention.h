@@ -314,7 +314,9 @@ static void merge_splits(float *o, float *p, int64_t n, int64_t stride, int64_t 
         if (fn == NULL) return -1;                                                                               \
         const int64_t row = num_kv_heads * head_dim, items = num_reqs * num_kv_heads, GD = group * head_dim;     \
         const int64_t stride = GD + 2 * group, want = SPLIT_ITEMS * (int64_t)omp_get_max_threads();             \
-        const int64_t splits = items >= want ? 1 : (want + items - 1) / items;                                   \
+        int64_t splits = items >= want ? 1 : (want + items - 1) / items, most = 0;                               \
+        for (int64_t r = 0; r < num_reqs; r++) most = seq_lens[r] > most ? seq_lens[r] : most;                  \
+        if (item_splits((most + block_size - 1) / block_size, splits) == 1) splits = 1; /* none would split */  \
         float *parts = splits > 1 ? (float *)malloc(items * splits * stride * sizeof(float)) : NULL;             \
         if (splits > 1 && parts == NULL) return -1;                                                              \
         /* A few items go one at a time, or one thread would take them all; many go four at a time \
