@@ -262,6 +262,14 @@ static void permute(float *x, int64_t n, int back) {
 #define SPLIT_ITEMS 8
 #define SPLIT_MIN_BLOCKS 8
 
+/* The cache blocks an item's keys span up to len: from *base, the first key a sliding window of
+ * `window` leaves (*start; 0: none) rounded down to a block. */
+static inline int64_t key_blocks(int64_t len, int64_t window, int64_t block_size, int64_t *start, int64_t *base) {
+    *start = window > 0 && len > window ? len - window : 0;
+    *base = *start / block_size * block_size;
+    return (len - *base + block_size - 1) / block_size;
+}
+
 /* The runs an item of `blocks` cache blocks is split into, `splits` at most. */
 static inline int64_t item_splits(int64_t blocks, int64_t splits) {
     const int64_t most = blocks / SPLIT_MIN_BLOCKS;
@@ -330,9 +338,9 @@ static void merge_splits(float *o, float *p, int64_t n, int64_t stride, int64_t 
             _Pragma("omp for schedule(dynamic, chunk)") for (int64_t i = 0; i < items * splits; i++) {           \
                 const int64_t r = i / splits / num_kv_heads, h = i / splits % num_kv_heads, s = i % splits;      \
                 const int64_t len = seq_lens[r];                                                                 \
-                const int64_t start = window > 0 && len > window ? len - window : 0;                             \
-                const int64_t base = start / block_size * block_size;                                            \
-                const int64_t blocks = (len - base + block_size - 1) / block_size, n = item_splits(blocks, splits); \
+                int64_t start, base;                                                                             \
+                const int64_t blocks = key_blocks(len, window, block_size, &start, &base);                       \
+                const int64_t n = item_splits(blocks, splits);                                                   \
                 if (s >= n) continue;                                                                            \
                 const int64_t from = base + s * blocks / n * block_size;                                         \
                 const int64_t to = s + 1 == n ? len : base + (s + 1) * blocks / n * block_size;                  \
@@ -349,14 +357,13 @@ static void merge_splits(float *o, float *p, int64_t n, int64_t stride, int64_t 
                    softcap, scores, padded, group, tmp);                                                         \
                 if (splits == 1) {                                                                               \
                     merge_splits(o, own, 1, stride, group, head_dim);                                            \
-                    for (int64_t c = 0; c < GD; c += 8) STORE(out + (r * num_heads + h * group) * head_dim + c, load8_f32(o + c)); \
+                    for (int64_t c = 0; c < GD; c += 8) STORE(out + i * GD + c, load8_f32(o + c)); /* i: the item */ \
                 }                                                                                                \
             }                                                                                                    \
             if (splits > 1) {                                                                                    \
                 _Pragma("omp for schedule(static)") for (int64_t it = 0; it < items; it++) {                     \
-                    const int64_t len = seq_lens[it / num_kv_heads];                                             \
-                    const int64_t start = window > 0 && len > window ? len - window : 0;                         \
-                    const int64_t blocks = (len - start / block_size * block_size + block_size - 1) / block_size; \
+                    int64_t start, base;                                                                         \
+                    const int64_t blocks = key_blocks(seq_lens[it / num_kv_heads], window, block_size, &start, &base); \
                     merge_splits(o, parts + it * splits * stride, item_splits(blocks, splits), stride, group, head_dim); \
                     for (int64_t c = 0; c < GD; c += 8) STORE(out + it * GD + c, load8_f32(o + c));             \
                 }                                                                                                \
